@@ -1,0 +1,48 @@
+"""optladder: choose how much memory an AdamW optimizer's state may take.
+
+Typical use::
+
+    from optladder import choose_optimizer
+    opt = choose_optimizer(model, lr=3e-4, weight_decay=0.01)
+    print(opt.decision.summary())
+"""
+
+from optladder.policies import (
+    Decision,
+    Footprint,
+    OverrideError,
+    Overrides,
+    Policy,
+    decide,
+    measure_footprint,
+    probe_free_memory,
+    read_overrides,
+)
+from optladder.rungs import RUNGS, Capabilities, Rung
+from optladder.selector import (
+    InsufficientMemoryError,
+    LadderOptimizer,
+    OptladderWarning,
+    choose_optimizer,
+)
+from optladder.units import parse_bytes
+
+__all__ = [
+    "RUNGS",
+    "Capabilities",
+    "Decision",
+    "Footprint",
+    "InsufficientMemoryError",
+    "LadderOptimizer",
+    "OptladderWarning",
+    "OverrideError",
+    "Overrides",
+    "Policy",
+    "Rung",
+    "choose_optimizer",
+    "decide",
+    "measure_footprint",
+    "parse_bytes",
+    "probe_free_memory",
+    "read_overrides",
+]

@@ -1,0 +1,254 @@
+"""optladder's own AdamW: moments stored in bfloat16 (the bf16 rung) or float32.
+
+The eager implementation here is the reference ("oracle") for the bf16 rung: it defines
+the update and the exact random bits of the stochastic rounding that every faster backend
+must reproduce. It also serves the fp32 rung for bf16/fp16 params, where torch's own
+AdamW would keep the moments in the param dtype.
+
+Update rule: Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (ICLR 2019),
+written as torch's ``_single_tensor_adam`` writes it (``lerp`` for the first moment,
+``addcmul`` for the second, bias corrections folded into step size and denominator), with
+all math in float32 whatever the storage dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch.optim.optimizer import ParamsT
+
+from optladder.optimizers.rounding import Rounding, element_key, round_moments
+
+_MOMENT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def validate_hyperparams(
+    lr: float | torch.Tensor, betas: tuple[float, float], eps: float, weight_decay: float
+) -> None:
+    """Check AdamW hyperparameters the way ``torch.optim.AdamW`` does.
+
+    Args:
+        lr: learning rate, ``>= 0`` (a float or a 0-d tensor).
+        betas: ``(beta1, beta2)``, each in ``[0, 1)``.
+        eps: term added to the denominator, ``>= 0``.
+        weight_decay: decay coefficient, ``>= 0``.
+
+    Raises:
+        ValueError: naming the argument, its value and the allowed range.
+    """
+    lr_value = float(lr.item()) if isinstance(lr, torch.Tensor) else lr
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"lr as a tensor must have one element, got shape {tuple(lr.shape)}")
+    if not (isinstance(lr_value, (int, float)) and lr_value >= 0.0 and math.isfinite(lr_value)):
+        raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        if not (isinstance(b, (int, float)) and 0.0 <= b < 1.0):
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}")
+    if not (isinstance(eps, (int, float)) and eps >= 0.0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
+        raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
+
+
+class LadderAdamW(torch.optim.Optimizer):
+    """AdamW whose moments ``exp_avg`` and ``exp_avg_sq`` are stored in ``moment_dtype``.
+
+    Params stay in their own dtype (any real floating dtype) and are updated in place;
+    the arithmetic runs in float32. With ``moment_dtype=torch.bfloat16`` the state is
+    4 bytes per param element instead of 8; the moments are written back with stochastic
+    rounding by default, because round-to-nearest turns ``v = 0.999 * v`` back into ``v``
+    and the second moment stops decaying. The random bits are documented in
+    :mod:`optladder.optimizers.rounding`.
+
+    State per param (as torch names it): ``step`` (0-d float32 tensor on the CPU, the
+    number of steps this param took), ``exp_avg`` and ``exp_avg_sq`` (``moment_dtype``,
+    the param's shape, contiguous). A param whose grad is None is not stepped.
+
+    Args:
+        params: params or param groups, as for any ``torch.optim.Optimizer``.
+        lr: learning rate (float or 0-d tensor), ``>= 0``. Default 1e-3.
+        betas: ``(beta1, beta2)`` in ``[0, 1)``. Default (0.9, 0.999).
+        eps: denominator term, ``>= 0``. Default 1e-8.
+        weight_decay: ``>= 0``. Default 1e-2 (torch's AdamW default).
+        decoupled_weight_decay: True for AdamW (``p *= 1 - lr * wd``), False for Adam
+            (``grad += wd * p``).
+        maximize: ascend instead of descend.
+        moment_dtype: ``torch.bfloat16`` or ``torch.float32``.
+        rounding: ``"stochastic"`` or ``"nearest"``; used only for bfloat16 moments.
+        seed: ``0 <= seed < 2**64``; with the step, param index and element index it
+            fixes every random bit. Stored in each param group, so in ``state_dict``.
+
+    Raises:
+        ValueError: for a bad hyperparameter, a complex or non-floating param, or a
+            sparse grad at ``step``.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        decoupled_weight_decay: bool = True,
+        maximize: bool = False,
+        moment_dtype: torch.dtype = torch.bfloat16,
+        rounding: Rounding = "stochastic",
+        seed: int = 0,
+    ) -> None:
+        validate_hyperparams(lr, betas, eps, weight_decay)
+        if moment_dtype not in _MOMENT_DTYPES:
+            raise ValueError(
+                f"moment_dtype must be torch.bfloat16 or torch.float32, got {moment_dtype}"
+            )
+        if rounding not in ("stochastic", "nearest"):
+            raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+        if not (isinstance(seed, int) and 0 <= seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        defaults: dict[str, Any] = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "decoupled_weight_decay": decoupled_weight_decay,
+            "maximize": maximize,
+            "rounding": rounding,
+            "seed": seed,
+        }
+        self.moment_dtype = moment_dtype
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, refusing params this optimizer cannot step.
+
+        Raises:
+            ValueError: if a param is complex or not floating point.
+        """
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for i, p in enumerate(params):
+            if p.is_complex():
+                raise ValueError(
+                    f"param {i} of the new group is complex ({p.dtype}); the bf16 rung and "
+                    "optladder's AdamW take real params only: use the fp32 rung "
+                    "(rung='fp32') for complex params"
+                )
+            if not p.is_floating_point():
+                raise ValueError(f"param {i} of the new group has dtype {p.dtype}; need floating")
+        param_group["params"] = params
+        super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load state, keeping the moments in ``moment_dtype`` without a lossy cast.
+
+        torch's loader casts floating state to the param dtype, which would round
+        float32 moments of a bfloat16 param to bfloat16. The moments are therefore set
+        aside, the rest is loaded by torch (which validates the groups first and changes
+        nothing when they do not match), and the moments are put back in
+        ``moment_dtype`` on the param's device. ``step`` becomes a 0-d float32 CPU tensor.
+        """
+        moment_keys = ("exp_avg", "exp_avg_sq")
+        saved_state = state_dict["state"]
+        stripped = {
+            **state_dict,
+            "state": {
+                k: {n: v for n, v in s.items() if n not in moment_keys}
+                for k, s in saved_state.items()
+            },
+        }
+        super().load_state_dict(stripped)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        live = [p for g in self.param_groups for p in g["params"]]
+        for saved_id, p in zip(saved_ids, live):
+            if saved_id not in saved_state:
+                continue
+            st = self.state[p]
+            for name in moment_keys:
+                if name in saved_state[saved_id]:
+                    value = saved_state[saved_id][name]
+                    st[name] = value.to(device=p.device, dtype=self.moment_dtype).contiguous()
+            if isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].detach().to("cpu", torch.float32)
+
+    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros(p.shape, dtype=self.moment_dtype, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=self.moment_dtype, device=p.device)
+        return cast(dict[str, Any], state)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Take one optimizer step.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            ValueError: if a grad is sparse.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        param_index = -1
+        for group in self.param_groups:
+            for p in group["params"]:
+                param_index += 1
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError(
+                        f"param {param_index} has a sparse grad; optladder's AdamW needs dense grads"
+                    )
+                self._step_param(p, group, param_index)
+        return loss
+
+    def _step_param(self, p: torch.Tensor, group: dict[str, Any], param_index: int) -> None:
+        state = self._init_state(p)
+        lr = float(group["lr"])
+        beta1, beta2 = group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
+        step = int(state["step"].item()) + 1
+
+        # Prepare every new value first, then commit: an error before the commit
+        # leaves the param, the moments and the step count as they were.
+        grad = p.grad.detach().to(torch.float32, copy=True)
+        if group["maximize"]:
+            grad.neg_()
+        param = p.detach().to(torch.float32, copy=True)
+        if wd != 0:
+            if group["decoupled_weight_decay"]:
+                param.mul_(1.0 - lr * wd)
+            else:
+                grad.add_(param, alpha=wd)
+        exp_avg = state["exp_avg"].to(torch.float32, copy=True)
+        exp_avg_sq = state["exp_avg_sq"].to(torch.float32, copy=True)
+        exp_avg.lerp_(grad, 1.0 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+        bias_correction1 = 1.0 - beta1**step
+        bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        if self.moment_dtype == torch.bfloat16:
+            key = element_key(group["seed"], step, param_index)
+            new_avg, new_avg_sq = round_moments(exp_avg, exp_avg_sq, key, group["rounding"])
+        else:
+            new_avg, new_avg_sq = exp_avg, exp_avg_sq
+
+        p.copy_(param)
+        state["exp_avg"].copy_(new_avg)
+        state["exp_avg_sq"].copy_(new_avg_sq)
+        state["step"].fill_(float(step))
+
+

@@ -1,0 +1,90 @@
+"""Probe what a device's optimizer kernels can do, per rung, as plain data."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from optladder.optimizers import spec
+from optladder.optimizers.eightbit import import_bitsandbytes
+from optladder.rungs import Capabilities, Rung
+
+
+def fused_adamw_runs(device: torch.device) -> tuple[bool, str]:
+    """Whether ``torch.optim.AdamW(fused=True)`` steps on ``device``, and how that is known.
+
+    On a device present in this process, one step on a one-element param is run (the
+    probe, not an assumption). For a device that is not present (planning for a GPU on a
+    CPU machine) torch's list of fused device types answers.
+    """
+    present = device.type == "cpu" or (
+        device.type == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() > 0
+    )
+    if not present:
+        listed = device.type in spec.torch_fused_device_types()
+        return listed, "torch's list of fused device types (device not present)"
+    try:
+        p = torch.zeros(1, device=device, requires_grad=True)
+        p.grad = torch.ones_like(p)
+        torch.optim.AdamW([p], lr=1e-3, fused=True).step()
+    except (RuntimeError, NotImplementedError, ValueError) as exc:
+        return False, f"a fused AdamW step failed: {exc}"
+    return True, "a fused AdamW step ran"
+
+
+def bitsandbytes_imports() -> tuple[bool, str]:
+    """Whether bitsandbytes imports here, and the error when it does not."""
+    try:
+        import_bitsandbytes()
+    except ImportError as exc:
+        return False, f"bitsandbytes does not import ({type(exc).__name__}: {exc})"
+    return True, "bitsandbytes imports"
+
+
+def probe_capabilities(
+    device: torch.device | str, dtypes: Iterable[str] = ("float32",), has_complex: bool = False
+) -> Capabilities:
+    """Probe which rungs can be built on ``device`` and which are fused.
+
+    Args:
+        device: the target device.
+        dtypes: names of the trainable params' dtypes (``Footprint.dtypes``).
+        has_complex: whether any trainable param is complex.
+
+    Returns:
+        :class:`optladder.rungs.Capabilities` for ``device``.
+    """
+    dev = torch.device(device)
+    dtypes = tuple(dtypes)
+    fused: dict[Rung, bool] = {}
+    reasons: dict[Rung, str] = {}
+    device_fused, _ = fused_adamw_runs(dev)
+    misses: dict[Rung, str | None] = {
+        "fp32": spec.fp32_fused_miss(device_fused, str(dev), dtypes, has_complex),
+        "bf16": spec.bf16_fused_miss(dev.type),
+        "8bit": spec.eightbit_fused_miss(dev.type),
+    }
+    for rung, miss in misses.items():
+        fused[rung] = miss is None
+        if miss is not None:
+            reasons[rung] = miss
+    bnb_ok, bnb_why = bitsandbytes_imports()
+    available: dict[Rung, bool] = {"fp32": True, "bf16": True, "8bit": bnb_ok}
+    unavailable = {} if bnb_ok else {"8bit": f"the 8bit rung is unavailable: {bnb_why}"}
+    slow: dict[Rung, str] = {}
+    if dev.type == "cpu":
+        slow["8bit"] = (
+            "bitsandbytes' CPU optimizer path is tens of times slower than torch's fused "
+            "fp32 AdamW (see bench/step_time.py)"
+        )
+    if not fused["bf16"]:
+        slow["bf16"] = reasons["bf16"]
+    return Capabilities(
+        device=str(dev),
+        fused=fused,
+        unfused_reasons=reasons,
+        available=available,
+        unavailable_reasons=unavailable,
+        slow=slow,
+    )

@@ -1,0 +1,47 @@
+"""The fp32 rung: float32 (or wider) moments on torch's fused AdamW where it can."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.spec import Fp32Engine
+
+
+def build_fp32(
+    param_groups: list[dict[str, Any]],
+    *,
+    engine: Fp32Engine,
+    lr: float | torch.Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> torch.optim.Optimizer:
+    """Build the fp32 rung's optimizer.
+
+    Args:
+        param_groups: the param groups (each dict's other keys override the defaults).
+        engine: ``"fused"`` -> ``torch.optim.AdamW(fused=True)``; ``"foreach"`` ->
+            ``torch.optim.AdamW(foreach=True)``; ``"eager"`` -> :class:`LadderAdamW` with
+            float32 moments (for bf16/fp16 params, whose moments torch keeps in their
+            own dtype). See :mod:`optladder.optimizers.spec`.
+        lr, betas, eps, weight_decay: AdamW hyperparameters.
+
+    Returns:
+        The optimizer over ``param_groups``.
+    """
+    if engine == "eager":
+        return LadderAdamW(
+            param_groups,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            moment_dtype=torch.float32,
+        )
+    flags = {"fused": True} if engine == "fused" else {"foreach": True}
+    return torch.optim.AdamW(
+        param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags
+    )

@@ -1,0 +1,308 @@
+"""The CPU kernel of the bf16 rung: a C loop compiled with the system gcc, loaded by ctypes.
+
+Nothing happens at import. The first call of :func:`load_library` (the first fused CPU
+step) compiles :data:`~optladder.optimizers.kernels._cpu_source.SOURCE` once, about 0.5
+seconds with gcc 12, into a shared object cached under
+``$XDG_CACHE_HOME/optladder/kernels`` (``~/.cache/optladder/kernels`` when unset), named by
+the hash of the source and the compiler command; later processes load it in milliseconds.
+``python -m optladder.optimizers.kernels.cpu`` builds it ahead of time.
+
+One call updates every param of a group in one pass over memory: read the float32 param,
+the grad (float32, bfloat16 or float16) and the two bfloat16 moments, write the param and
+the moments (20 bytes per element with float32 grads, against 28 for float32 moments).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from optladder.optimizers.kernels._cpu_source import SOURCE
+
+GRAD_DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+}
+"""Grad dtypes the kernel reads, and their codes in the C struct."""
+
+_CFLAGS = (
+    "-O3",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+    "-fno-math-errno",  # lets sqrtf vectorize; the kernel never reads errno
+    "-fno-trapping-math",
+    "-ffp-contract=off",  # only the fmaf calls written in the source may fuse
+    "-fno-strict-aliasing",
+)
+
+_MIN_ELEMENTS_PER_THREAD = 1 << 16
+"""Below this many elements per thread, starting threads costs more than it saves."""
+
+
+class KernelBuildError(RuntimeError):
+    """The CPU kernel could not be compiled or loaded; the message says why."""
+
+
+class _Param(ctypes.Structure):
+    _fields_ = (
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("exp_avg", ctypes.c_void_p),
+        ("exp_avg_sq", ctypes.c_void_p),
+        ("numel", ctypes.c_int64),
+        ("grad_dtype", ctypes.c_int64),
+        ("key", ctypes.c_uint32),
+        ("step_size", ctypes.c_float),
+        ("bc2_sqrt", ctypes.c_float),
+        ("pad", ctypes.c_float),
+    )
+
+
+class _Hyper(ctypes.Structure):
+    _fields_ = (
+        ("lerp_weight", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("one_minus_beta2", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("decay", ctypes.c_float),
+        ("weight_decay", ctypes.c_float),
+        ("coupled", ctypes.c_int32),
+        ("decoupled", ctypes.c_int32),
+        ("maximize", ctypes.c_int32),
+        ("stochastic", ctypes.c_int32),
+    )
+
+
+def compiler() -> str | None:
+    """The C compiler the kernel is built with: ``$CC`` if set, else ``gcc``, if found."""
+    return shutil.which(os.environ.get("CC", "gcc"))
+
+
+def unavailable_reason() -> str | None:
+    """Why the CPU kernel cannot run here, or None if it can (it may still need building).
+
+    Cheap: it looks for the compiler and the platform, it compiles nothing.
+    """
+    if sys.platform != "linux":
+        return f"the CPU kernel is built for Linux only, this is {sys.platform}"
+    if os.uname().machine not in ("x86_64", "AMD64"):
+        return f"the CPU kernel is built for x86-64 only, this is {os.uname().machine}"
+    if compiler() is None:
+        return (
+            f"no C compiler: {os.environ.get('CC', 'gcc')!r} is not on PATH; install gcc "
+            "(apt-get install gcc) or set CC to build the bf16 CPU kernel"
+        )
+    return None
+
+
+def cache_dir() -> Path:
+    """Where built kernels are cached: ``$XDG_CACHE_HOME/optladder/kernels``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "optladder" / "kernels"
+
+
+def _library_path(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
+    digest = hashlib.sha256()
+    for part in (SOURCE, " ".join(_CFLAGS), cc, version.stdout):
+        digest.update(part.encode())
+    return cache_dir() / f"adamw_bf16_{digest.hexdigest()[:16]}.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernel into the cache unless it is there; return the shared object.
+
+    Args:
+        force: rebuild even if the cached file exists.
+
+    Returns:
+        Path of the shared object.
+
+    Raises:
+        KernelBuildError: with the compiler's message when the build fails.
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        raise KernelBuildError(reason)
+    cc = compiler()
+    assert cc is not None
+    path = _library_path(cc)
+    if path.exists() and not force:
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        src = Path(tmp) / "adamw_bf16.c"
+        src.write_text(SOURCE)
+        out = Path(tmp) / path.name
+        proc = subprocess.run(
+            [cc, *_CFLAGS, str(src), "-o", str(out), "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise KernelBuildError(
+                f"building the bf16 CPU kernel with {cc} failed (exit {proc.returncode}):\n"
+                f"{proc.stderr[-4000:]}"
+            )
+        os.replace(out, path)  # atomic: a concurrent process sees the old or the new file
+    return path
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """Build (first use only) and load the kernel; cached for the life of the process.
+
+    Raises:
+        KernelBuildError: if the kernel cannot be built or loaded.
+    """
+    path = build()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelBuildError(f"loading the bf16 CPU kernel {path} failed: {exc}") from exc
+    if lib.ol_abi_version() != 1:
+        raise KernelBuildError(f"{path} has ABI {lib.ol_abi_version()}, expected 1")
+    lib.ol_adamw_bf16_step.argtypes = (
+        ctypes.POINTER(_Param),
+        ctypes.c_int64,
+        ctypes.POINTER(_Hyper),
+        ctypes.c_int32,
+    )
+    lib.ol_adamw_bf16_step.restype = ctypes.c_int
+    return lib
+
+
+def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
+    """Why the CPU kernel cannot step this param, or None if it can.
+
+    Args:
+        p: the param (needs float32, CPU, contiguous).
+        grad: its grad (needs float32, bfloat16 or float16, CPU, contiguous, dense, same
+            shape).
+    """
+    if p.device.type != "cpu":
+        return f"param is on {p.device}, the CPU kernel needs CPU tensors"
+    if p.dtype != torch.float32:
+        return f"param dtype {p.dtype}: the CPU kernel steps float32 params only"
+    if grad.dtype not in GRAD_DTYPE_CODES:
+        return f"grad dtype {grad.dtype}: the CPU kernel reads float32, bfloat16, float16"
+    if grad.is_sparse or grad.device != p.device or grad.shape != p.shape:
+        return "grad is sparse, on another device or of another shape"
+    if not (p.is_contiguous() and grad.is_contiguous()):
+        return "param or grad is not contiguous"
+    return None
+
+
+@dataclass(frozen=True)
+class ParamJob:
+    """One param for :func:`adamw_bf16_step`, with its per-step scalars.
+
+    Attributes:
+        param: float32 CPU tensor, contiguous, updated in place.
+        grad: float32/bfloat16/float16 tensor of the same shape, contiguous.
+        exp_avg: bfloat16 tensor of the same shape, contiguous, updated in place.
+        exp_avg_sq: bfloat16 tensor of the same shape, contiguous, updated in place.
+        key: :func:`~optladder.optimizers.rounding.element_key` of this step.
+        step_size: ``-lr / (1 - beta1**step)`` (float64; rounded to float32 in C).
+        bias_correction2_sqrt: ``sqrt(1 - beta2**step)``.
+    """
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    key: int
+    step_size: float
+    bias_correction2_sqrt: float
+
+
+def adamw_bf16_step(
+    jobs: Sequence[ParamJob],
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    lr: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    stochastic: bool,
+    num_threads: int | None = None,
+) -> None:
+    """Update params and bf16 moments in place, exactly as the eager oracle does.
+
+    Args:
+        jobs: the params of one group (see :class:`ParamJob`); checked beforehand with
+            :func:`param_unsupported_reason`, the moments must be bfloat16 and contiguous.
+        beta1: first-moment decay, in ``[0, 1)``.
+        beta2: second-moment decay, in ``[0, 1)``.
+        eps: denominator term.
+        lr: learning rate (for the decoupled decay factor).
+        weight_decay: decay coefficient; 0 disables it.
+        decoupled_weight_decay: AdamW (True) or Adam's L2 term (False).
+        maximize: ascend.
+        stochastic: stochastic rounding of the moments (else round to nearest even).
+        num_threads: worker threads; default ``torch.get_num_threads()``.
+
+    Raises:
+        ValueError: if a moment is not a contiguous bfloat16 tensor of the param's shape.
+        KernelBuildError: if the kernel cannot be built or loaded.
+    """
+    if not jobs:
+        return
+    table = (_Param * len(jobs))()
+    total = 0
+    for k, job in enumerate(jobs):
+        for name in ("exp_avg", "exp_avg_sq"):
+            t = getattr(job, name)
+            if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != job.param.shape:
+                raise ValueError(
+                    f"jobs[{k}].{name} must be a contiguous bfloat16 tensor of shape "
+                    f"{tuple(job.param.shape)}, got {t.dtype} {tuple(t.shape)}"
+                )
+        row = table[k]
+        row.param = job.param.data_ptr()
+        row.grad = job.grad.data_ptr()
+        row.exp_avg = job.exp_avg.data_ptr()
+        row.exp_avg_sq = job.exp_avg_sq.data_ptr()
+        row.numel = job.param.numel()
+        row.grad_dtype = GRAD_DTYPE_CODES[job.grad.dtype]
+        row.key = job.key
+        row.step_size = job.step_size
+        row.bc2_sqrt = job.bias_correction2_sqrt
+        total += row.numel
+    has_wd = weight_decay != 0
+    hyper = _Hyper(
+        lerp_weight=1.0 - beta1,
+        beta2=beta2,
+        one_minus_beta2=1.0 - beta2,
+        eps=eps,
+        decay=(1.0 - lr * weight_decay) if has_wd and decoupled_weight_decay else 1.0,
+        weight_decay=weight_decay if has_wd and not decoupled_weight_decay else 0.0,
+        coupled=int(has_wd and not decoupled_weight_decay),
+        decoupled=int(has_wd and decoupled_weight_decay),
+        maximize=int(maximize),
+        stochastic=int(stochastic),
+    )
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    threads = max(1, min(threads, total // _MIN_ELEMENTS_PER_THREAD))
+    lib = load_library()
+    lib.ol_adamw_bf16_step(table, len(jobs), ctypes.byref(hyper), threads)
+
+
+if __name__ == "__main__":
+    print(build())

@@ -1,0 +1,96 @@
+"""The fused-spec mapping: the one place that says which configuration runs on a fused
+kernel, which falls back to an eager or foreach path, and why.
+
+Each ``*_fused_miss`` function returns None when the configuration is fused, or the
+reason in a sentence when it is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+
+LOW_PRECISION_DTYPES = ("bfloat16", "float16")
+
+Fp32Engine = Literal["fused", "foreach", "eager"]
+"""How the fp32 rung runs: torch's fused AdamW, torch's foreach AdamW, or optladder's
+eager AdamW with float32 moments (for bf16/fp16 params)."""
+
+
+def torch_fused_device_types() -> tuple[str, ...]:
+    """Device types for which the installed torch has fused Adam/AdamW kernels."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        return tuple(_get_fused_kernels_supported_devices())
+    except ImportError:  # pragma: no cover - older or trimmed torch
+        return ("cuda",)
+
+
+def fp32_fused_miss(
+    device_fused: bool,
+    device: str,
+    dtypes: Iterable[str],
+    has_complex: bool,
+    *,
+    maximize: bool = False,
+    amsgrad: bool = False,
+) -> str | None:
+    """Why the fp32 rung is not on torch's fused AdamW, or None when it is.
+
+    Args:
+        device_fused: whether a fused AdamW step ran (or is listed) for the device.
+        device: the device, for the message.
+        dtypes: names of the trainable params' dtypes, e.g. ``("float32",)``.
+        has_complex: whether any trainable param is complex.
+        maximize, amsgrad: torch options (both are fused in torch; listed for the
+            record, they never cause a miss).
+    """
+    del maximize, amsgrad
+    if not device_fused:
+        return f"torch {torch.__version__} has no fused AdamW kernel on {device}; foreach path"
+    low = sorted(set(dtypes) & set(LOW_PRECISION_DTYPES))
+    if low:
+        return (
+            f"torch's fused AdamW keeps moments in the param dtype ({', '.join(low)}); the fp32 "
+            "rung keeps float32 moments for them on optladder's eager AdamW"
+        )
+    if has_complex:
+        return "torch's fused AdamW takes real params only; complex params use the foreach path"
+    return None
+
+
+def fp32_engine(fused: bool, dtypes: Iterable[str]) -> Fp32Engine:
+    """Which engine the fp32 rung builds.
+
+    Args:
+        fused: whether the decision found the fp32 rung fused (see
+            :func:`fp32_fused_miss`).
+        dtypes: names of the trainable params' dtypes.
+    """
+    if fused:
+        return "fused"
+    if set(dtypes) & set(LOW_PRECISION_DTYPES):
+        return "eager"
+    return "foreach"
+
+
+def bf16_fused_miss(device_type: str) -> str | None:
+    """Why the bf16 rung is not on a fused kernel on ``device_type``, or None."""
+    return (
+        f"optladder's bf16 rung has no fused kernel for {device_type} yet; it runs the eager "
+        "reference implementation"
+    )
+
+
+def eightbit_fused_miss(device_type: str) -> str | None:
+    """Why the 8-bit rung is not on a fused kernel on ``device_type``, or None.
+
+    bitsandbytes runs one block-wise 8-bit kernel per tensor on CUDA; elsewhere it runs a
+    per-tensor fallback, tens of times slower than torch's fused fp32 AdamW on the CPU.
+    """
+    if device_type == "cuda":
+        return None
+    return f"bitsandbytes has no fused 8-bit optimizer kernel on {device_type}"

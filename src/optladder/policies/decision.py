@@ -1,0 +1,200 @@
+"""The decision: a pure function from plain data to a rung, with its reasons."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from optladder.policies.footprint import Footprint
+from optladder.policies.overrides import Overrides
+from optladder.policies.policy import Policy
+from optladder.rungs import RUNGS, Capabilities, Rung
+from optladder.units import format_bytes
+
+
+class Decision(BaseModel):
+    """Which rung to use, why, and everything the choice was made from.
+
+    Attributes:
+        rung: the chosen rung.
+        origin: ``"policy"`` (chosen by the rules), ``"forced"`` (a ``=1`` variable) or
+            ``"pinned"`` (``rung=`` or ``OPTLADDER_RUNG``).
+        fits: whether the rung's state passes the memory gate.
+        reasons: the steps of the choice, in sentences.
+        state_bytes: per rung, estimated optimizer-state bytes (from the footprint).
+        budget_bytes: the gate, ``memory_fraction * free_memory``, in bytes.
+        free_memory: bytes this run may still use on the device (given or probed).
+        free_memory_source: where ``free_memory`` came from.
+        fused: whether the chosen rung's engine runs on a fused kernel.
+        unfused_reason: why not, when ``fused`` is False.
+        footprint, capabilities, policy, overrides: the inputs, as seen.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rung: Rung
+    origin: Literal["policy", "forced", "pinned"]
+    fits: bool
+    reasons: tuple[str, ...]
+    state_bytes: dict[Rung, int]
+    budget_bytes: int
+    free_memory: int
+    free_memory_source: str
+    fused: bool
+    unfused_reason: str | None
+    footprint: Footprint
+    capabilities: Capabilities
+    policy: Policy
+    overrides: Overrides
+
+    def summary(self) -> str:
+        """A few lines for a log or a terminal."""
+        lines = [
+            f"rung {self.rung} ({self.origin}); state {format_bytes(self.state_bytes[self.rung])} "
+            f"against a gate of {format_bytes(self.budget_bytes)} "
+            f"({self.policy.memory_fraction:.0%} of {format_bytes(self.free_memory)} free): "
+            + ("fits" if self.fits else "does NOT fit"),
+            "fused" if self.fused else f"not fused: {self.unfused_reason}",
+        ]
+        lines += [f"- {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+
+def allowed_rungs(
+    footprint: Footprint, capabilities: Capabilities, overrides: Overrides
+) -> tuple[dict[Rung, bool], dict[Rung, str]]:
+    """Which rungs the policy may pick, and why each excluded one is excluded."""
+    why: dict[Rung, str] = {}
+    for rung in RUNGS:
+        if rung in overrides.disabled:
+            source = next((s for s in overrides.sources if "=0" in s and rung.upper() in s), "")
+            why[rung] = f"{rung} is disabled by {source or 'an override'}"
+        elif not capabilities.available.get(rung, True):
+            why[rung] = capabilities.unavailable_reasons.get(rung, f"{rung} is unavailable")
+        elif rung != "fp32" and footprint.has_complex:
+            why[rung] = f"{rung} takes real params only and the model has complex params"
+    return {r: r not in why for r in RUNGS}, why
+
+
+def decide(
+    footprint: Footprint,
+    free_memory: int,
+    capabilities: Capabilities,
+    policy: Policy | None = None,
+    overrides: Overrides | None = None,
+    *,
+    free_memory_source: str = "given",
+) -> Decision:
+    """Choose a rung from plain data. Pure: it probes nothing and reads no environment.
+
+    Rules, in order:
+
+    1. A pinned rung (``rung=`` / ``OPTLADDER_RUNG``) or a forced one (``=1``) is used as
+       asked, past the memory gate; ``fits`` still reports the gate.
+    2. Otherwise the policy starts at ``fp32``, or at ``bf16`` when the model has at
+       least ``policy.proactive_bf16_min_params`` trainable elements *and* the bf16 rung
+       is fused on the device (a memory saving that leaves the fast path is a trap).
+    3. From there it walks to cheaper allowed rungs until one's state is at most
+       ``policy.memory_fraction * free_memory`` bytes. Disabled (``=0``), unavailable
+       (bitsandbytes missing) and, for complex params, non-fp32 rungs are skipped.
+    4. When none passes, the cheapest allowed rung is returned with ``fits=False``.
+
+    Args:
+        footprint: from :func:`optladder.measure_footprint`.
+        free_memory: bytes this run may still use on the target device, ``>= 0``.
+        capabilities: from :func:`optladder.optimizers.probe_capabilities`.
+        policy: thresholds; default :class:`Policy()`.
+        overrides: the user's word; default none.
+        free_memory_source: where ``free_memory`` came from, recorded in the decision.
+
+    Returns:
+        The :class:`Decision`.
+
+    Raises:
+        ValueError: if ``free_memory`` is negative, or a pinned/forced rung cannot be
+            built (disabled is impossible here; unavailable, or complex params).
+    """
+    policy = policy or Policy()
+    overrides = overrides or Overrides()
+    if isinstance(free_memory, bool) or not isinstance(free_memory, int) or free_memory < 0:
+        raise ValueError(f"free_memory must be an int number of bytes >= 0, got {free_memory!r}")
+    budget = int(policy.memory_fraction * free_memory)
+    state = footprint.state_bytes
+    allowed, excluded = allowed_rungs(footprint, capabilities, overrides)
+    reasons: list[str] = []
+
+    def gate(rung: Rung) -> str:
+        verdict = "within" if state[rung] <= budget else "over"
+        return (
+            f"{rung} state {format_bytes(state[rung])} is {verdict} the gate "
+            f"{format_bytes(budget)} ({policy.memory_fraction:.0%} of "
+            f"{format_bytes(free_memory)} free)"
+        )
+
+    asked = overrides.pinned or overrides.forced
+    if asked is not None:
+        if asked in excluded and asked not in overrides.disabled:
+            raise ValueError(
+                f"{overrides.sources[0]} asks for the {asked} rung, which cannot be used: "
+                f"{excluded[asked]}"
+            )
+        rung: Rung = asked
+        verb = "pins" if overrides.pinned else "forces"
+        reasons.append(f"{overrides.sources[0]} {verb} the {rung} rung past the memory gate")
+        reasons += [f"note: {s}" for s in overrides.sources[1:]]
+        reasons.append(gate(rung))
+        fits = state[rung] <= budget
+    else:
+        reasons += [f"{s} acts" for s in overrides.sources]
+        start: Rung = "fp32"
+        n = footprint.trainable_params
+        if policy.proactive_bf16 and n >= policy.proactive_bf16_min_params and allowed["bf16"]:
+            if capabilities.fused.get("bf16", False):
+                start = "bf16"
+                reasons.append(
+                    f"{n:,} trainable params >= {policy.proactive_bf16_min_params:,}: "
+                    "start at bf16 (fused on this device)"
+                )
+            else:
+                reasons.append(
+                    f"{n:,} trainable params >= {policy.proactive_bf16_min_params:,}, but "
+                    f"bf16 is not fused on {capabilities.device} "
+                    f"({capabilities.unfused_reasons.get('bf16', 'no fused kernel')}): "
+                    "proactive bf16 not engaged"
+                )
+        candidates = [r for r in RUNGS[RUNGS.index(start) :] if allowed[r]]
+        reasons += [excluded[r] for r in RUNGS[RUNGS.index(start) :] if r in excluded]
+        chosen: Rung | None = None
+        for r in candidates:
+            reasons.append(gate(r))
+            if state[r] <= budget:
+                chosen = r
+                break
+        if chosen is None:
+            rung = candidates[-1]  # fp32 is never excluded for real reasons: non-empty
+            reasons.append(f"no allowed rung passes the gate; the cheapest is {rung}")
+            fits = False
+        else:
+            rung, fits = chosen, True
+    if rung in capabilities.slow:
+        reasons.append(f"{rung} is known to be slow on {capabilities.device}: {capabilities.slow[rung]}")
+    fused = capabilities.fused.get(rung, False)
+    return Decision(
+        rung=rung,
+        origin=overrides.origin,
+        fits=fits,
+        reasons=tuple(reasons),
+        state_bytes=dict(state),
+        budget_bytes=budget,
+        free_memory=free_memory,
+        free_memory_source=free_memory_source,
+        fused=fused,
+        unfused_reason=None
+        if fused
+        else capabilities.unfused_reasons.get(rung, f"{rung} has no fused kernel here"),
+        footprint=footprint,
+        capabilities=capabilities,
+        policy=policy,
+        overrides=overrides,
+    )

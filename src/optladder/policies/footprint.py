@@ -1,0 +1,217 @@
+"""Footprint: what a model's trainable params need in optimizer state on every rung."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from optladder.rungs import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, BNB_QMAP_BYTES, RUNGS, Rung
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class Footprint(BaseModel):
+    """The trainable params of a model and their optimizer-state bytes on every rung.
+
+    Attributes:
+        trainable_params: elements of the distinct params with ``requires_grad=True``
+            (a complex element counts once).
+        param_tensors: number of distinct trainable param tensors.
+        frozen_params: elements of params skipped for ``requires_grad=False``.
+        largest_param: elements of the largest trainable param.
+        devices: sorted device strings of the trainable params, e.g. ``("cuda:0",)``.
+        dtypes: sorted dtype names, e.g. ``("bfloat16", "float32")``.
+        has_complex: whether any trainable param is complex (only the fp32 rung takes
+            complex params).
+        state_bytes: per rung, the bytes of state tensors its engine allocates for these
+            params (moments; for ``8bit`` also absmax and the shared code books). The
+            0-d ``step`` counters are not counted.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    trainable_params: int
+    param_tensors: int
+    frozen_params: int
+    largest_param: int
+    devices: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    has_complex: bool
+    state_bytes: dict[Rung, int]
+
+    def bytes_per_param(self, rung: Rung) -> float:
+        """State bytes per trainable param element on ``rung``."""
+        return self.state_bytes[rung] / max(self.trainable_params, 1)
+
+
+def fp32_moment_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the fp32 rung's moments for a param of ``param_dtype``.
+
+    torch's AdamW keeps moments in the param dtype; the fp32 rung keeps at least float32
+    (bf16/fp16 params get float32 moments, float64 and complex params keep their own).
+    """
+    return torch.float32 if param_dtype in _LOW_PRECISION else param_dtype
+
+
+def rung_state_bytes(rung: Rung, numel: int, dtype: torch.dtype) -> int:
+    """State bytes one param of ``numel`` elements and ``dtype`` needs on ``rung``.
+
+    Args:
+        rung: the rung.
+        numel: elements of the param, counted globally (a sharded param's full size:
+            bitsandbytes' size rule applies to it).
+        dtype: the param's dtype.
+
+    Returns:
+        Bytes of ``exp_avg`` plus ``exp_avg_sq`` (``8bit``: codes plus absmax, or two
+        float32 moments under bitsandbytes' minimum size). Code books are not included.
+    """
+    if rung == "fp32":
+        return 2 * numel * fp32_moment_dtype(dtype).itemsize
+    if rung == "bf16":
+        return 2 * numel * 2
+    if numel < BNB_MIN_8BIT_SIZE:
+        return 2 * numel * 4
+    return 2 * numel + 2 * 4 * math.ceil(numel / BNB_BLOCKSIZE)
+
+
+def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
+    """Turn a module, an iterable of params, or param groups into param groups.
+
+    Args:
+        model_or_params: a ``torch.nn.Module``, a tensor, an iterable of tensors, or an
+            iterable of dicts each with a ``"params"`` entry (other keys are kept).
+
+    Returns:
+        A new list of new dicts; each ``"params"`` is a list of the given tensors in
+        order (a module's ``parameters()`` already lists a tied weight once).
+
+    Raises:
+        TypeError: if an element is neither a tensor nor a param group dict.
+        ValueError: if there are no params at all.
+    """
+    if isinstance(model_or_params, torch.nn.Module):
+        items: list[Any] = list(model_or_params.parameters())
+    elif isinstance(model_or_params, torch.Tensor):
+        items = [model_or_params]
+    elif isinstance(model_or_params, Iterable) and not isinstance(model_or_params, (str, bytes)):
+        items = list(model_or_params)
+    else:
+        raise TypeError(
+            "model_or_params must be a torch.nn.Module, params, or param groups; "
+            f"got {type(model_or_params).__name__}"
+        )
+    if not items:
+        raise ValueError("model_or_params holds no parameters")
+    if all(isinstance(x, Mapping) for x in items):
+        groups = []
+        for i, g in enumerate(items):
+            if "params" not in g:
+                raise ValueError(f"param group {i} has no 'params' key")
+            params = g["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            groups.append({**g, "params": params})
+    elif all(isinstance(x, torch.Tensor) for x in items):
+        groups = [{"params": items}]
+    else:
+        bad = next(x for x in items if not isinstance(x, (torch.Tensor, Mapping)))
+        raise TypeError(
+            "model_or_params must hold only tensors or only param group dicts; "
+            f"found a {type(bad).__name__}"
+        )
+    for gi, g in enumerate(groups):
+        for pi, p in enumerate(g["params"]):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param {pi} of group {gi} is a {type(p).__name__}, not a tensor")
+    return groups
+
+
+def _storage_key(p: torch.Tensor) -> tuple[Any, ...] | None:
+    """Identity of the memory a param occupies, or None where there is none (meta)."""
+    if p.device.type == "meta":
+        return None
+    try:
+        ptr = p.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+        return None
+    return (str(p.device), ptr, p.storage_offset(), tuple(p.shape), p.stride(), p.dtype)
+
+
+def trainable_params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
+    """The distinct trainable params of ``groups``, in order of first appearance.
+
+    A param is counted once however often it appears (tied weights); on real devices two
+    Parameter objects that are the same view of the same storage are merged too.
+    """
+    seen_ids: set[int] = set()
+    seen_storage: set[tuple[Any, ...]] = set()
+    out = []
+    for g in groups:
+        for p in g["params"]:
+            if not p.requires_grad or id(p) in seen_ids:
+                continue
+            seen_ids.add(id(p))
+            key = _storage_key(p)
+            if key is not None:
+                if key in seen_storage:
+                    continue
+                seen_storage.add(key)
+            out.append(p)
+    return out
+
+
+def measure_footprint(model_or_params: object) -> Footprint:
+    """Measure what a model's trainable params need in optimizer state on every rung.
+
+    Works on meta-device models without allocating anything: only shapes and dtypes are
+    read. The ``8bit`` estimate follows bitsandbytes' own rule (``min_8bit_size`` 4096:
+    smaller tensors keep two float32 moments; larger ones keep uint8 codes plus one
+    float32 absmax per 256-element block, per moment; plus 2,048 bytes of code books per
+    device) and equals what ``bitsandbytes.optim.AdamW8bit`` allocates.
+
+    Args:
+        model_or_params: a ``torch.nn.Module``, an iterable of params, or param groups.
+
+    Returns:
+        The :class:`Footprint`.
+
+    Raises:
+        TypeError: if the input is not a module, params, or param groups.
+        ValueError: if no param has ``requires_grad=True``.
+    """
+    groups = normalize_param_groups(model_or_params)
+    params = trainable_params(groups)
+    frozen_ids: set[int] = set()
+    frozen = 0
+    for g in groups:
+        for p in g["params"]:
+            if not p.requires_grad and id(p) not in frozen_ids:
+                frozen_ids.add(id(p))
+                frozen += p.numel()
+    if not params:
+        raise ValueError(
+            "model_or_params has no trainable parameters (none with requires_grad=True); "
+            "unfreeze some or pass the ones to optimize"
+        )
+    state = dict.fromkeys(RUNGS, 0)
+    eight_bit_devices: set[str] = set()
+    for p in params:
+        for rung in RUNGS:
+            state[rung] += rung_state_bytes(rung, p.numel(), p.dtype)
+        if p.numel() >= BNB_MIN_8BIT_SIZE:
+            eight_bit_devices.add(str(p.device))
+    state["8bit"] += BNB_QMAP_BYTES * len(eight_bit_devices)
+    return Footprint(
+        trainable_params=sum(p.numel() for p in params),
+        param_tensors=len(params),
+        frozen_params=frozen,
+        largest_param=max(p.numel() for p in params),
+        devices=tuple(sorted({str(p.device) for p in params})),
+        dtypes=tuple(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
+        has_complex=any(p.is_complex() for p in params),
+        state_bytes=state,
+    )

@@ -1,0 +1,154 @@
+"""Overrides: the user's word on the rung, from the ``rung=`` argument or the environment.
+
+Variables (read when :func:`read_overrides` is called, never at import):
+
+- ``OPTLADDER_BF16_ADAM``: ``1`` forces the bf16 rung past the memory gate; ``0`` removes
+  it from the choices.
+- ``OPTLADDER_8BIT_ADAM``: the same for the 8-bit rung.
+- ``OPTLADDER_RUNG``: pins one rung (``fp32``, ``bf16`` or ``8bit``).
+
+Booleans accept ``1/0/true/false/on/off`` in any case. The ``rung=`` argument beats every
+variable. The style follows the seed design's ``AIDOTNET_BF16_ADAM`` switch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from optladder.rungs import Rung, parse_rung
+
+ENV_BF16 = "OPTLADDER_BF16_ADAM"
+ENV_8BIT = "OPTLADDER_8BIT_ADAM"
+ENV_RUNG = "OPTLADDER_RUNG"
+_TRUE = ("1", "true", "on")
+_FALSE = ("0", "false", "off")
+_BOOL_VALUES = "1, 0, true, false, on, off (any case)"
+
+
+class OverrideError(ValueError):
+    """An override variable or argument has an unknown value or contradicts another."""
+
+
+class _EnvVars(BaseSettings):
+    """The raw strings of the optladder variables (pydantic-settings reads them)."""
+
+    model_config = SettingsConfigDict(env_prefix="OPTLADDER_", case_sensitive=True)
+
+    BF16_ADAM: str | None = None
+    RUNG: str | None = None
+    eight_bit_adam: str | None = Field(default=None, validation_alias=ENV_8BIT)
+
+
+class Overrides(BaseModel):
+    """What the user said about rungs, as plain data for :func:`optladder.decide`.
+
+    Attributes:
+        pinned: a rung that must be used and never changed (``rung=`` or
+            ``OPTLADDER_RUNG``); it bypasses the memory gate.
+        forced: a rung asked for with ``=1``; it bypasses the memory gate.
+        disabled: rungs removed from the choices with ``=0``.
+        sources: per effective setting, where it came from, e.g.
+            ``"OPTLADDER_BF16_ADAM=1"``; the decision's reasons quote them.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pinned: Rung | None = None
+    forced: Rung | None = None
+    disabled: frozenset[Rung] = frozenset()
+    sources: tuple[str, ...] = ()
+
+    @property
+    def origin(self) -> Literal["pinned", "forced", "policy"]:
+        """``"pinned"``, ``"forced"`` or ``"policy"``: who chooses the rung."""
+        if self.pinned is not None:
+            return "pinned"
+        return "forced" if self.forced is not None else "policy"
+
+
+def _parse_switch(name: str, value: str | None) -> bool | None:
+    if value is None:
+        return None
+    text = value.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise OverrideError(f"{name}={value!r} is not understood; accepted values: {_BOOL_VALUES}")
+
+
+def read_overrides(rung: str | None = None, environ: Mapping[str, str] | None = None) -> Overrides:
+    """Read the overrides from the ``rung=`` argument and the environment.
+
+    Args:
+        rung: the ``rung=`` argument of :func:`optladder.choose_optimizer`; when given it
+            pins that rung and the variables' choices are ignored (their values are
+            still checked).
+        environ: the environment to read; ``None`` means ``os.environ`` (read now).
+
+    Returns:
+        The :class:`Overrides`.
+
+    Raises:
+        OverrideError: for an unknown value (naming the variable, its value and the
+            accepted values) or a contradiction (both ``=1``; ``OPTLADDER_RUNG`` naming
+            a rung that a ``=1`` or ``=0`` variable contradicts).
+    """
+    if environ is None:
+        raw = _EnvVars()
+        bf16_raw, eight_raw, rung_raw = raw.BF16_ADAM, raw.eight_bit_adam, raw.RUNG
+    else:
+        bf16_raw, eight_raw, rung_raw = (environ.get(k) for k in (ENV_BF16, ENV_8BIT, ENV_RUNG))
+    switches: dict[Rung, tuple[str, bool | None]] = {
+        "bf16": (f"{ENV_BF16}={bf16_raw}", _parse_switch(ENV_BF16, bf16_raw)),
+        "8bit": (f"{ENV_8BIT}={eight_raw}", _parse_switch(ENV_8BIT, eight_raw)),
+    }
+    env_rung: Rung | None = None
+    if rung_raw is not None:
+        try:
+            env_rung = parse_rung(rung_raw, ENV_RUNG)
+        except ValueError as exc:
+            raise OverrideError(str(exc)) from None
+
+    if rung is not None:
+        arg_rung = parse_rung(rung, "rung")
+        ignored = [src for src, on in switches.values() if on is not None]
+        if env_rung is not None:
+            ignored.append(f"{ENV_RUNG}={rung_raw}")
+        sources = [f"rung={arg_rung!r}"]
+        if ignored:
+            sources.append(f"rung={arg_rung!r} overrides " + ", ".join(ignored))
+        return Overrides(pinned=arg_rung, sources=tuple(sources))
+
+    forced = [(r, src) for r, (src, on) in switches.items() if on is True]
+    disabled = {r: src for r, (src, on) in switches.items() if on is False}
+    if len(forced) > 1:
+        raise OverrideError(
+            f"{forced[0][1]} and {forced[1][1]} contradict: at most one rung can be forced; "
+            "set one of them to 0 or unset it"
+        )
+    sources = [src for src, on in switches.values() if on is not None]
+    if env_rung is not None:
+        for r, src in forced:
+            if r != env_rung:
+                raise OverrideError(
+                    f"{ENV_RUNG}={rung_raw} contradicts {src}; unset one of them"
+                )
+        if env_rung in disabled:
+            raise OverrideError(
+                f"{ENV_RUNG}={rung_raw} contradicts {disabled[env_rung]}; unset one of them"
+            )
+        return Overrides(
+            pinned=env_rung,
+            disabled=frozenset(disabled),
+            sources=(f"{ENV_RUNG}={rung_raw}", *sources),
+        )
+    return Overrides(
+        forced=forced[0][0] if forced else None,
+        disabled=frozenset(disabled),
+        sources=tuple(sources),
+    )

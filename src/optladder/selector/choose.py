@@ -1,0 +1,162 @@
+"""``choose_optimizer``: probe once, decide, build the rung, return one optimizer object."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+
+import torch
+
+from optladder.optimizers import build_engine, probe_capabilities, validate_hyperparams
+from optladder.optimizers.rounding import Rounding
+from optladder.policies import (
+    Decision,
+    Policy,
+    decide,
+    measure_footprint,
+    normalize_param_groups,
+    probe_free_memory,
+    read_overrides,
+    trainable_params,
+)
+from optladder.selector.optimizer import LadderOptimizer
+from optladder.units import format_bytes, parse_bytes
+
+logger = logging.getLogger("optladder")
+
+
+class InsufficientMemoryError(RuntimeError):
+    """Not even the cheapest allowed rung's state passes the memory gate.
+
+    Attributes:
+        decision: the decision, with ``fits=False``.
+        needed_bytes: state bytes of the cheapest allowed rung.
+        free_bytes: free memory seen, in bytes.
+        budget_bytes: the gate, in bytes.
+    """
+
+    def __init__(self, decision: Decision) -> None:
+        self.decision = decision
+        self.needed_bytes = decision.state_bytes[decision.rung]
+        self.free_bytes = decision.free_memory
+        self.budget_bytes = decision.budget_bytes
+        super().__init__(
+            f"optimizer state does not fit: the cheapest allowed rung ({decision.rung}) needs "
+            f"{self.needed_bytes:,} bytes ({format_bytes(self.needed_bytes)}), but only "
+            f"{self.budget_bytes:,} bytes may be used "
+            f"({decision.policy.memory_fraction:.0%} of {self.free_bytes:,} bytes free). "
+            "Pass strict=False to build it anyway, raise Policy(memory_fraction=...), or "
+            "free memory."
+        )
+
+
+class OptladderWarning(UserWarning):
+    """A choice optladder made that the user should know about."""
+
+
+def _target_device(groups: list[dict[str, object]], device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        try:
+            return torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device={device!r} is not a torch device ({exc})") from None
+    devices = sorted({str(p.device) for p in trainable_params(groups)})  # type: ignore[arg-type]
+    if len(devices) > 1:
+        raise ValueError(
+            f"the trainable params span devices {devices}; pass device= to name the one whose "
+            "free memory gates the choice"
+        )
+    return torch.device(devices[0])
+
+
+def choose_optimizer(
+    model_or_params: object,
+    *,
+    lr: float | torch.Tensor = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    rung: str | None = None,
+    free_memory: int | float | str | None = None,
+    device: torch.device | str | None = None,
+    policy: Policy | None = None,
+    seed: int = 0,
+    rounding: Rounding = "stochastic",
+    strict: bool = True,
+    environ: Mapping[str, str] | None = None,
+) -> LadderOptimizer:
+    """Choose a rung for the model's optimizer state and build an AdamW on it.
+
+    Reads the trainable params' footprint and the device's free memory (probed once
+    unless given), reads the overrides (``rung=`` beats ``OPTLADDER_RUNG``,
+    ``OPTLADDER_BF16_ADAM``, ``OPTLADDER_8BIT_ADAM``, read now), decides with
+    :func:`optladder.decide`, and builds the rung's engine.
+
+    Args:
+        model_or_params: a ``torch.nn.Module``, params, or param groups (per-group
+            hyperparameters are kept).
+        lr: learning rate, ``>= 0``. betas: ``(beta1, beta2)`` in ``[0, 1)``.
+        eps: ``>= 0``. weight_decay: decoupled (AdamW) decay, ``>= 0``.
+        rung: pin a rung (``"fp32"``, ``"bf16"``, ``"8bit"``), past the memory gate.
+        free_memory: bytes this run may still use on the device (an int, or a string
+            such as ``"24GiB"``); probed when None.
+        device: the device whose memory gates the choice; default the params' device.
+        policy: the thresholds; default :class:`optladder.Policy()`.
+        seed: the bf16 rung's stochastic-rounding seed, ``0 <= seed < 2**64``; saved in
+            ``state_dict``.
+        rounding: the bf16 rung's rounding: ``"stochastic"`` (default) or ``"nearest"``.
+        strict: when not even the cheapest allowed rung passes the gate, raise (True) or
+            build it with a warning (False).
+        environ: the environment to read the overrides from; None means ``os.environ``.
+
+    Returns:
+        A :class:`LadderOptimizer`; ``.decision`` holds the :class:`optladder.Decision`.
+
+    Raises:
+        ValueError: bad hyperparameters, ``free_memory``, ``rung``, ``seed`` or
+            ``rounding``; no trainable params; a rung that cannot take the params.
+        optladder.OverrideError: an unknown or contradictory override variable.
+        InsufficientMemoryError: ``strict=True`` and no allowed rung passes the gate.
+        ImportError: the 8bit rung without bitsandbytes.
+    """
+    validate_hyperparams(lr, betas, eps, weight_decay)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    if rounding not in ("stochastic", "nearest"):
+        raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+    groups = normalize_param_groups(model_or_params)
+    footprint = measure_footprint(groups)
+    overrides = read_overrides(rung, environ)
+    target = _target_device(groups, device)
+    if free_memory is None:
+        probe = probe_free_memory(target)
+        free, source = probe.free_bytes, probe.source
+    else:
+        free, source = parse_bytes(free_memory, "free_memory"), "given as free_memory"
+    capabilities = probe_capabilities(target, footprint.dtypes, footprint.has_complex)
+    decision = decide(
+        footprint, free, capabilities, policy or Policy(), overrides, free_memory_source=source
+    )
+    if not decision.fits:
+        if decision.origin == "policy" and strict:
+            raise InsufficientMemoryError(decision)
+        warnings.warn(
+            f"optladder: {decision.rung} state ({format_bytes(decision.state_bytes[decision.rung])})"
+            f" exceeds the memory gate ({format_bytes(decision.budget_bytes)}); building it anyway",
+            OptladderWarning,
+            stacklevel=2,
+        )
+    engine = build_engine(
+        decision.rung,
+        groups,
+        fused=decision.fused,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        seed=seed,
+        rounding=rounding,
+    )
+    logger.info("optladder decision: %s", decision.summary())
+    return LadderOptimizer(engine, decision)
