@@ -7,6 +7,7 @@ Typical use::
     print(opt.decision.summary())
 """
 
+from optladder.optimizers import measure_state_bytes
 from optladder.policies import (
     Decision,
     Footprint,
@@ -42,6 +43,7 @@ __all__ = [
     "choose_optimizer",
     "decide",
     "measure_footprint",
+    "measure_state_bytes",
     "parse_bytes",
     "probe_free_memory",
     "read_overrides",

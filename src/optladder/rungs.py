@@ -69,8 +69,6 @@ class Capabilities(BaseModel):
     device: str
     fused: dict[Rung, bool]
     unfused_reasons: dict[Rung, str] = Field(default_factory=dict)
-    available: dict[Rung, bool] = Field(
-        default_factory=lambda: {"fp32": True, "bf16": True, "8bit": True}
-    )
+    available: dict[Rung, bool] = Field(default_factory=lambda: dict.fromkeys(RUNGS, True))
     unavailable_reasons: dict[Rung, str] = Field(default_factory=dict)
     slow: dict[Rung, str] = Field(default_factory=dict)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 
 _UNITS = {
     "": 1,
@@ -39,23 +40,28 @@ def parse_bytes(value: object, name: str = "free_memory") -> int:
             names ``name``, the value, and what is allowed.
     """
     allowed = "a number of bytes >= 0, or a string such as '24GiB', '512MB', '1.5e9'"
+    error = ValueError(f"{name}={value!r} is not a byte count; expected {allowed}")
     if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not a byte count; expected {allowed}")
-    if isinstance(value, (int, float)):
-        number, factor = float(value), 1
-    elif isinstance(value, str):
-        match = _PATTERN.match(value)
-        unit = match.group(2).lower() if match else ""
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"{name}={value!r} is not a byte count; expected {allowed}")
-        number, factor = float(match.group(1)), _UNITS[unit]
-    else:
-        raise ValueError(f"{name}={value!r} is not a byte count; expected {allowed}")
-    if not math.isfinite(number) or number < 0:
-        raise ValueError(f"{name}={value!r} is not a byte count; expected {allowed}")
-    if isinstance(value, int):
+        raise error
+    if isinstance(value, int):  # before float(): a huge int does not fit a float
+        if value < 0:
+            raise error
         return value
-    return int(number * factor)
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0:
+            raise error
+        return int(value)
+    if not isinstance(value, str):
+        raise error
+    match = _PATTERN.match(value)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise error
+    # Decimal, not float: "2.01kB" is 2010 bytes, while 2.01 * 1000 is 2009.999... in floats.
+    number = Decimal(match.group(1))
+    if not math.isfinite(float(number)):  # "1e400": refuse, as a float value would be
+        raise error
+    return int(number * _UNITS[unit])
 
 
 def format_bytes(n: int) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch.optim.optimizer import ParamsT
@@ -23,6 +23,13 @@ from torch.optim.optimizer import ParamsT
 from optladder.optimizers.rounding import Rounding, element_key, round_moments
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
+
+Backend = Literal["auto", "eager", "cpu", "triton"]
+"""Which code steps the bf16 rung: ``"auto"`` picks the fused kernel of each param's device
+(the C kernel on CPU, Triton on CUDA) and steps the rest eagerly, recording why;
+``"eager"`` always runs the reference loop; ``"cpu"`` and ``"triton"`` insist on that
+kernel and raise for a param it cannot step."""
+_BACKENDS = ("auto", "eager", "cpu", "triton")
 
 
 def validate_hyperparams(
@@ -82,6 +89,15 @@ class LadderAdamW(torch.optim.Optimizer):
         rounding: ``"stochastic"`` or ``"nearest"``; used only for bfloat16 moments.
         seed: ``0 <= seed < 2**64``; with the step, param index and element index it
             fixes every random bit. Stored in each param group, so in ``state_dict``.
+        backend: see :data:`Backend`. All backends write the same random bits; the C
+            kernel matches the eager loop bit for bit, Triton to float32 rounding.
+            After each step, ``eager_reasons`` maps the index of every param that
+            stepped eagerly to the reason.
+
+    AMP: like torch's fused AdamW, this optimizer takes ``grad_scale`` and ``found_inf``
+    from ``torch.amp.GradScaler`` (``_step_supports_amp_scaling``): grads are unscaled in
+    place, and a step with infs changes nothing, step counts included. On CUDA steps
+    stay on the device (the Triton path keeps ``step`` there, like torch's fused Adam).
 
     Raises:
         ValueError: for a bad hyperparameter, a complex or non-floating param, or a
@@ -101,8 +117,11 @@ class LadderAdamW(torch.optim.Optimizer):
         moment_dtype: torch.dtype = torch.bfloat16,
         rounding: Rounding = "stochastic",
         seed: int = 0,
+        backend: Backend = "auto",
     ) -> None:
         validate_hyperparams(lr, betas, eps, weight_decay)
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         if moment_dtype not in _MOMENT_DTYPES:
             raise ValueError(
                 f"moment_dtype must be torch.bfloat16 or torch.float32, got {moment_dtype}"
@@ -122,7 +141,12 @@ class LadderAdamW(torch.optim.Optimizer):
             "seed": seed,
         }
         self.moment_dtype = moment_dtype
+        self.backend: Backend = backend
+        self.eager_reasons: dict[int, str] = {}
+        self._cpu_kernel_error: str | None = None
         super().__init__(params, defaults)
+
+    _step_supports_amp_scaling = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, refusing params this optimizer cannot step.
@@ -201,18 +225,192 @@ class LadderAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
+        # Check everything before touching anything: a bad grad leaves all params as
+        # they were.
+        plan: list[tuple[dict[str, Any], list[tuple[torch.Tensor, int]]]] = []
         param_index = -1
         for group in self.param_groups:
+            items: list[tuple[torch.Tensor, int]] = []
             for p in group["params"]:
                 param_index += 1
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise ValueError(
-                        f"param {param_index} has a sparse grad; optladder's AdamW needs dense grads"
+                        f"param {param_index} has a sparse grad; optladder's AdamW needs "
+                        "dense grads"
                     )
-                self._step_param(p, group, param_index)
+                items.append((p, param_index))
+            plan.append((group, items))
+        self.eager_reasons = {}
+        skip_host: bool | None = None
+        for group, items in plan:
+            routes: dict[str, list[tuple[torch.Tensor, int]]] = {
+                "eager": [],
+                "cpu": [],
+                "triton": [],
+            }
+            for p, i in items:
+                backend, reason = self._route(p, i)
+                routes[backend].append((p, i))
+                if reason is not None:
+                    self.eager_reasons[i] = reason
+            if routes["triton"]:
+                self._step_triton(group, routes["triton"], grad_scale, found_inf)
+            host = routes["cpu"] + routes["eager"]
+            if not host:
+                continue
+            if found_inf is not None and skip_host is None:
+                skip_host = bool(found_inf.item() != 0)  # host backends must sync
+            if skip_host:
+                continue
+            if grad_scale is not None:
+                for p, _ in host:
+                    grad = cast(torch.Tensor, p.grad)
+                    grad.div_(grad_scale.to(grad.device))
+            if routes["cpu"] and not self._step_cpu(group, routes["cpu"]):
+                routes["eager"] += routes["cpu"]
+            for p, i in routes["eager"]:
+                self._step_param(p, group, i)
         return loss
+
+    def _route(self, p: torch.Tensor, param_index: int) -> tuple[str, str | None]:
+        """Pick the backend of one param: ``(backend, why not fused or None)``.
+
+        Raises:
+            ValueError: if ``backend`` names a kernel that cannot step this param.
+        """
+        from optladder.optimizers import kernels
+
+        if self.moment_dtype != torch.bfloat16:
+            return "eager", "float32 moments step eagerly (the fused kernels are bf16 only)"
+        if self.backend == "eager":
+            return "eager", "backend='eager' was asked for"
+        grad = p.grad
+        assert grad is not None
+        wants_triton = self.backend == "triton" or (
+            self.backend == "auto" and p.device.type == "cuda"
+        )
+        if wants_triton:
+            name = "triton"
+            reason = kernels.triton_unavailable_reason() or (
+                kernels.triton_param_unsupported_reason(p, grad)
+            )
+        elif p.device.type == "cpu":
+            name = "cpu"
+            reason = (
+                self._cpu_kernel_error
+                or kernels.cpu_unavailable_reason()
+                or kernels.cpu.param_unsupported_reason(p, grad)
+            )
+        else:
+            name, reason = "eager", f"no fused bf16 kernel for {p.device.type} tensors"
+        if reason is None:
+            return name, None
+        if self.backend != "auto":
+            raise ValueError(
+                f"backend={self.backend!r} cannot step param {param_index}: {reason}; "
+                "use backend='auto' to step such params eagerly"
+            )
+        return "eager", reason
+
+    def _step_cpu(self, group: dict[str, Any], items: list[tuple[torch.Tensor, int]]) -> bool:
+        """Step params with the C kernel; False (nothing written) if it cannot be built."""
+        from optladder.optimizers.kernels import cpu
+
+        lr = float(group["lr"])
+        beta1, beta2 = group["betas"]
+        stochastic = group["rounding"] == "stochastic"
+        jobs: list[cpu.ParamJob] = []
+        new_steps: list[int] = []
+        for p, i in items:
+            state = self._init_state(p)
+            step = int(state["step"].item()) + 1
+            grad = p.grad
+            assert grad is not None
+            jobs.append(
+                cpu.ParamJob(
+                    param=p.detach(),
+                    grad=grad.detach(),
+                    exp_avg=state["exp_avg"],
+                    exp_avg_sq=state["exp_avg_sq"],
+                    key=element_key(group["seed"], step, i) if stochastic else 0,
+                    step_size=-lr / (1.0 - beta1**step),
+                    bias_correction2_sqrt=math.sqrt(1.0 - beta2**step),
+                )
+            )
+            new_steps.append(step)
+        try:
+            cpu.load_library()
+        except cpu.KernelBuildError as exc:
+            if self.backend == "cpu":
+                raise
+            self._cpu_kernel_error = f"the CPU kernel could not be built: {exc}"
+            for _, i in items:
+                self.eager_reasons[i] = self._cpu_kernel_error
+            return False
+        cpu.adamw_bf16_step(
+            jobs,
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            lr=lr,
+            weight_decay=group["weight_decay"],
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+            maximize=group["maximize"],
+            stochastic=stochastic,
+        )
+        for (p, _), step in zip(items, new_steps, strict=True):
+            self.state[p]["step"].fill_(float(step))
+        return True
+
+    def _step_triton(
+        self,
+        group: dict[str, Any],
+        items: list[tuple[torch.Tensor, int]],
+        grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        """Step params with the Triton custom op: one launch per (device, grad dtype)."""
+        from optladder.optimizers.kernels import ops
+
+        batches: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
+        for p, i in items:
+            grad = p.grad
+            assert grad is not None
+            batches.setdefault((p.device, grad.dtype), []).append((p, i))
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        for (device, _), batch in batches.items():
+            states = [self._init_state(p) for p, _ in batch]
+            for st in states:
+                if st["step"].device != device:
+                    st["step"] = st["step"].to(device)
+            lr_tensor = None
+            if isinstance(lr, torch.Tensor):
+                lr_tensor = lr.detach().to(device=device, dtype=torch.float32).reshape(())
+            torch.ops.optladder.adamw_bf16_(
+                [p.detach() for p, _ in batch],
+                [cast(torch.Tensor, p.grad).detach() for p, _ in batch],
+                [st["exp_avg"] for st in states],
+                [st["exp_avg_sq"] for st in states],
+                [st["step"] for st in states],
+                [i for _, i in batch],
+                0.0 if lr_tensor is not None else float(lr),
+                lr_tensor,
+                float(beta1),
+                float(beta2),
+                float(group["eps"]),
+                float(group["weight_decay"]),
+                bool(group["decoupled_weight_decay"]),
+                bool(group["maximize"]),
+                group["rounding"] == "stochastic",
+                ops.seed_prefix(group["seed"]),
+                None if grad_scale is None else grad_scale.to(device),
+                None if found_inf is None else found_inf.to(device),
+            )
 
     def _step_param(self, p: torch.Tensor, group: dict[str, Any], param_index: int) -> None:
         state = self._init_state(p)
@@ -250,5 +448,3 @@ class LadderAdamW(torch.optim.Optimizer):
         state["exp_avg"].copy_(new_avg)
         state["exp_avg_sq"].copy_(new_avg_sq)
         state["step"].fill_(float(step))
-
-

@@ -75,7 +75,7 @@ def build_8bit(
             f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
             "pip install 'optladder[8bit]'"
         ) from exc
-    return bnb.optim.AdamW8bit(  # type: ignore[no-any-return]
+    return bnb.optim.AdamW8bit(
         param_groups,
         lr=lr,
         betas=betas,

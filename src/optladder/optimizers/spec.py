@@ -70,11 +70,9 @@ def fp32_engine(fused: bool, dtypes: Iterable[str]) -> Fp32Engine:
             :func:`fp32_fused_miss`).
         dtypes: names of the trainable params' dtypes.
     """
-    if fused:
-        return "fused"
     if set(dtypes) & set(LOW_PRECISION_DTYPES):
-        return "eager"
-    return "foreach"
+        return "eager"  # torch would keep their moments in bf16/fp16
+    return "fused" if fused else "foreach"
 
 
 def bf16_fused_miss(device_type: str) -> str | None:

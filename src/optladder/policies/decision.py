@@ -68,7 +68,8 @@ def allowed_rungs(
     why: dict[Rung, str] = {}
     for rung in RUNGS:
         if rung in overrides.disabled:
-            source = next((s for s in overrides.sources if "=0" in s and rung.upper() in s), "")
+            # e.g. "OPTLADDER_BF16_ADAM=off": match the variable, whatever false spelling
+            source = next((s for s in overrides.sources if f"{rung.upper()}_ADAM=" in s), "")
             why[rung] = f"{rung} is disabled by {source or 'an override'}"
         elif not capabilities.available.get(rung, True):
             why[rung] = capabilities.unavailable_reasons.get(rung, f"{rung} is unavailable")
@@ -134,14 +135,15 @@ def decide(
 
     asked = overrides.pinned or overrides.forced
     if asked is not None:
+        # Overrides built by hand may carry no sources.
+        asker = overrides.sources[0] if overrides.sources else f"the {overrides.origin} override"
         if asked in excluded and asked not in overrides.disabled:
             raise ValueError(
-                f"{overrides.sources[0]} asks for the {asked} rung, which cannot be used: "
-                f"{excluded[asked]}"
+                f"{asker} asks for the {asked} rung, which cannot be used: {excluded[asked]}"
             )
         rung: Rung = asked
         verb = "pins" if overrides.pinned else "forces"
-        reasons.append(f"{overrides.sources[0]} {verb} the {rung} rung past the memory gate")
+        reasons.append(f"{asker} {verb} the {rung} rung past the memory gate")
         reasons += [f"note: {s}" for s in overrides.sources[1:]]
         reasons.append(gate(rung))
         fits = state[rung] <= budget
@@ -178,7 +180,9 @@ def decide(
         else:
             rung, fits = chosen, True
     if rung in capabilities.slow:
-        reasons.append(f"{rung} is known to be slow on {capabilities.device}: {capabilities.slow[rung]}")
+        reasons.append(
+            f"{rung} is known to be slow on {capabilities.device}: {capabilities.slow[rung]}"
+        )
     fused = capabilities.fused.get(rung, False)
     return Decision(
         rung=rung,

@@ -106,7 +106,10 @@ def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
             f"got {type(model_or_params).__name__}"
         )
     if not items:
-        raise ValueError("model_or_params holds no parameters")
+        raise ValueError(
+            "model_or_params holds no parameters, so no trainable parameters; pass a model "
+            "with params, or the params to optimize"
+        )
     if all(isinstance(x, Mapping) for x in items):
         groups = []
         for i, g in enumerate(items):

@@ -48,7 +48,9 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def cgroup_free_bytes(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")) -> int | None:
+def cgroup_free_bytes(
+    root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/proc/self/cgroup")
+) -> int | None:
     """Bytes left under this process's cgroup memory limit, or None without a limit.
 
     Args:
@@ -73,7 +75,9 @@ def cgroup_free_bytes(root: Path = Path("/sys/fs/cgroup"), proc: Path = Path("/p
             candidates.append((root / rel, "memory.max", "memory.current"))
             candidates.append((root, "memory.max", "memory.current"))
         elif "memory" in controllers.split(","):  # cgroup v1
-            candidates.append((root / "memory" / rel, "memory.limit_in_bytes", "memory.usage_in_bytes"))
+            candidates.append(
+                (root / "memory" / rel, "memory.limit_in_bytes", "memory.usage_in_bytes")
+            )
             candidates.append((root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"))
     for directory, limit_name, usage_name in candidates:
         limit = _read_int(directory / limit_name)  # "max" (v2, no limit) reads as None
@@ -122,8 +126,9 @@ def nvml_handle_for(index: int, pynvml: Any, environ: dict[str, str] | None = No
     env = os.environ if environ is None else environ
     visible = env.get("CUDA_VISIBLE_DEVICES")
     count = pynvml.nvmlDeviceGetCount()
+    by_index = visible is None  # integers name devices in CUDA's order, not NVML's
     if visible is None:
-        physical: list[Any] = list(range(count))
+        physical: list[int] = list(range(count))
     else:
         physical = []
         for entry in (e.strip() for e in visible.split(",")):
@@ -133,6 +138,7 @@ def nvml_handle_for(index: int, pynvml: Any, environ: dict[str, str] | None = No
                 if int(entry) < 0 or int(entry) >= count:
                     break  # CUDA stops at the first invalid entry
                 physical.append(int(entry))
+                by_index = True
             else:
                 matches = []
                 for i in range(count):
@@ -145,9 +151,7 @@ def nvml_handle_for(index: int, pynvml: Any, environ: dict[str, str] | None = No
                 physical.append(matches[0])
     if index >= len(physical):
         raise LookupError(f"cuda:{index} is not visible (CUDA_VISIBLE_DEVICES={visible!r})")
-    if env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and any(
-        isinstance(p, int) for p in physical
-    ):
+    if env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and by_index:
         names = {
             pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)
         }

@@ -135,9 +135,7 @@ def read_overrides(rung: str | None = None, environ: Mapping[str, str] | None = 
     if env_rung is not None:
         for r, src in forced:
             if r != env_rung:
-                raise OverrideError(
-                    f"{ENV_RUNG}={rung_raw} contradicts {src}; unset one of them"
-                )
+                raise OverrideError(f"{ENV_RUNG}={rung_raw} contradicts {src}; unset one of them")
         if env_rung in disabled:
             raise OverrideError(
                 f"{ENV_RUNG}={rung_raw} contradicts {disabled[env_rung]}; unset one of them"

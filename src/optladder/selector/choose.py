@@ -55,13 +55,15 @@ class OptladderWarning(UserWarning):
     """A choice optladder made that the user should know about."""
 
 
-def _target_device(groups: list[dict[str, object]], device: torch.device | str | None) -> torch.device:
+def _target_device(
+    groups: list[dict[str, object]], device: torch.device | str | None
+) -> torch.device:
     if device is not None:
         try:
             return torch.device(device)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"device={device!r} is not a torch device ({exc})") from None
-    devices = sorted({str(p.device) for p in trainable_params(groups)})  # type: ignore[arg-type]
+    devices = sorted({str(p.device) for p in trainable_params(groups)})
     if len(devices) > 1:
         raise ValueError(
             f"the trainable params span devices {devices}; pass device= to name the one whose "
@@ -141,9 +143,10 @@ def choose_optimizer(
     if not decision.fits:
         if decision.origin == "policy" and strict:
             raise InsufficientMemoryError(decision)
+        needed = format_bytes(decision.state_bytes[decision.rung])
         warnings.warn(
-            f"optladder: {decision.rung} state ({format_bytes(decision.state_bytes[decision.rung])})"
-            f" exceeds the memory gate ({format_bytes(decision.budget_bytes)}); building it anyway",
+            f"optladder: {decision.rung} state ({needed}) exceeds the memory gate "
+            f"({format_bytes(decision.budget_bytes)}); building it anyway",
             OptladderWarning,
             stacklevel=2,
         )

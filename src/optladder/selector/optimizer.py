@@ -82,7 +82,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
-        return self.engine.step(closure)  # type: ignore[no-any-return]
+        return self.engine.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of all params (to None by default, as torch does)."""
@@ -111,4 +111,5 @@ class LadderOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         fused = "fused" if self.decision.fused else "not fused"
-        return f"{type(self).__name__}(rung={self.rung!r}, {fused}, engine={type(self.engine).__name__})"
+        engine = type(self.engine).__name__
+        return f"{type(self).__name__}(rung={self.rung!r}, {fused}, engine={engine})"

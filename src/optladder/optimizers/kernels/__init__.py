@@ -1,0 +1,53 @@
+"""Fused backends of the bf16 rung: a C kernel for CPUs and a Triton kernel for CUDA.
+
+Importing this package imports neither Triton nor a compiler: :mod:`.cpu` builds its
+shared object at the first fused CPU step, and :mod:`.ops` / :mod:`.triton_adamw` are
+imported at the first Triton step. The functions here only say whether a backend can run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from optladder.optimizers.kernels.cpu import unavailable_reason as cpu_unavailable_reason
+
+__all__ = [
+    "cpu_unavailable_reason",
+    "triton_param_unsupported_reason",
+    "triton_unavailable_reason",
+]
+
+
+def triton_unavailable_reason() -> str | None:
+    """Why the Triton kernel cannot run in this environment, or None if it can.
+
+    Cheap: it looks for the package without importing it.
+    """
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton, the version torch pins)"
+    return None
+
+
+def triton_param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
+    """Why the Triton kernel cannot step this param, or None if it can.
+
+    Args:
+        p: the param (needs float32, contiguous; CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        grad: its grad (float32, bfloat16 or float16, dense, contiguous, same device/shape).
+    """
+    if p.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1)"
+    if p.device.type not in ("cpu", "cuda"):
+        return f"param is on {p.device}; the Triton kernel runs on CUDA"
+    if p.dtype != torch.float32:
+        return f"param dtype {p.dtype}: the Triton kernel steps float32 params only"
+    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"grad dtype {grad.dtype}: the Triton kernel reads float32, bfloat16, float16"
+    if grad.is_sparse or grad.device != p.device or grad.shape != p.shape:
+        return "grad is sparse, on another device or of another shape"
+    if not (p.is_contiguous() and grad.is_contiguous()):
+        return "param or grad is not contiguous"
+    return None
