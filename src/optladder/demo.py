@@ -154,11 +154,13 @@ def run_demo(
     log: Callable[[str], None] = print,
 ) -> list[DemoResult]:
     """Run the demo: one run as asked, or, given neither ``rung`` nor ``free_memory``, one
-    run per rung with a free-memory value that makes the policy choose it."""
+    run per rung: first with the probed free memory (fp32), then with free-memory values
+    that make the policy choose bf16 and 8bit."""
     if rung is not None or free_memory is not None:
         return [train_digits(rung=rung, free_memory=free_memory, epochs=epochs, seed=seed, log=log)]
-    results = []
-    for r, budget in ladder_budgets(seed).items():
+    log("== free memory probed on this machine: the policy should choose fp32 ==")
+    results = [train_digits(epochs=epochs, seed=seed, log=log)]
+    for r, budget in list(ladder_budgets(seed).items())[1:]:
         log(f"\n== free_memory={format_bytes(budget)}: the policy should choose {r} ==")
         results.append(train_digits(free_memory=budget, epochs=epochs, seed=seed, log=log))
     log("\nrung   test accuracy   final loss   state bytes   bytes/param   seconds")

@@ -55,6 +55,7 @@ class Decision(BaseModel):
             f"against a gate of {format_bytes(self.budget_bytes)} "
             f"({self.policy.memory_fraction:.0%} of {format_bytes(self.free_memory)} free): "
             + ("fits" if self.fits else "does NOT fit"),
+            f"free memory: {self.free_memory_source}",
             "fused" if self.fused else f"not fused: {self.unfused_reason}",
         ]
         lines += [f"- {r}" for r in self.reasons]

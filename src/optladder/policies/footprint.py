@@ -121,10 +121,10 @@ def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
     elif all(isinstance(x, torch.Tensor) for x in items):
         groups = [{"params": items}]
     else:
-        bad = next(x for x in items if not isinstance(x, (torch.Tensor, Mapping)))
+        bad = next((x for x in items if not isinstance(x, (torch.Tensor, Mapping))), None)
+        found = "both" if bad is None else f"a {type(bad).__name__}"
         raise TypeError(
-            "model_or_params must hold only tensors or only param group dicts; "
-            f"found a {type(bad).__name__}"
+            f"model_or_params must hold only tensors or only param group dicts; found {found}"
         )
     for gi, g in enumerate(groups):
         for pi, p in enumerate(g["params"]):

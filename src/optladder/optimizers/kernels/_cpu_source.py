@@ -2,8 +2,9 @@
 
 The kernel reproduces :meth:`optladder.optimizers.adamw.LadderAdamW._step_param` for
 float32 params and bfloat16 moments operation by operation, in the order and with the
-fused multiply-adds that torch's vectorized CPU kernels use (``lerp`` and ``add`` with
-``alpha`` are ``fmadd``; ``mul``, ``addcmul``, ``div``, ``addcdiv`` are separate roundings),
+fused multiply-adds that torch's vectorized CPU kernels use (``lerp``, ``add`` with
+``alpha`` and ``addcmul`` end in an ``fmadd``; ``mul``, ``div`` and ``addcdiv`` round
+each operation),
 so params and moments match the eager oracle bit for bit. It needs no torch headers:
 Python passes raw pointers through ctypes.
 
@@ -105,8 +106,7 @@ static inline __attribute__((always_inline)) void ol_body(
         float m = ol_u2f((uint32_t)m16[i] << 16);
         float v = ol_u2f((uint32_t)v16[i] << 16);
         m = fmaf(coeff, g - m, small ? m : g);
-        v = v * b2;
-        v = v + (omb2 * g) * g;
+        v = fmaf(omb2 * g, g, v * b2);
         float denom = sqrtf(v) / bc2_sqrt + eps;
         p = p + (step_size * m) / denom;
         param[i] = p;

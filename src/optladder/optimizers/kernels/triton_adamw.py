@@ -134,8 +134,7 @@ def _update(
     v = (tl.load(vp, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     # torch's lerp: self + w * (end - self) for w < 0.5, else end - (end - self) * (1 - w)
     m = tl.fma(lerp_w, g - m, m) if LERP_SMALL else tl.fma(lerp_w - 1.0, g - m, g)
-    v = v * beta2
-    v = v + (omb2 * g) * g
+    v = tl.fma(omb2 * g, g, v * beta2)  # torch's addcmul: fmadd(value * t1, t2, self)
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p + tl.div_rn(step_size * m, denom)
     tl.store(pp, p, mask=mask)
