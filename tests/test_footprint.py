@@ -190,7 +190,10 @@ def test_dtypes_and_devices_are_recorded() -> None:
     ],
 )
 def test_8bit_code_books_per_device(cpu_numel: int, meta_numel: int, books: int) -> None:
-    params = [nn.Parameter(torch.zeros(cpu_numel)), nn.Parameter(torch.empty(meta_numel, device="meta"))]
+    params = [
+        nn.Parameter(torch.zeros(cpu_numel)),
+        nn.Parameter(torch.empty(meta_numel, device="meta")),
+    ]
     fp = measure_footprint(params)
 
     def moments(n: int) -> int:

@@ -1,0 +1,199 @@
+"""read_overrides: the rung= argument and the OPTLADDER_* variables."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from optladder.policies.overrides import OverrideError, Overrides, read_overrides
+
+BF16 = "OPTLADDER_BF16_ADAM"
+EIGHT = "OPTLADDER_8BIT_ADAM"
+RUNG = "OPTLADDER_RUNG"
+SWITCHES = [(BF16, "bf16"), (EIGHT, "8bit")]
+
+TRUE_SPELLINGS = ["1", "true", "TRUE", "True", "on", "ON", "oN", " 1 ", " On ", "\ttrue\n"]
+FALSE_SPELLINGS = ["0", "false", "FALSE", "False", "off", "OFF", "oFf", " 0 ", " Off ", "\nfalse\t"]
+
+
+def test_no_variables_means_the_policy_chooses() -> None:
+    overrides = read_overrides(environ={"UNRELATED": "1"})
+    assert overrides == Overrides()
+    assert overrides.origin == "policy"
+    assert (overrides.pinned, overrides.forced, overrides.disabled) == (None, None, frozenset())
+
+
+@pytest.mark.parametrize(("var", "rung"), SWITCHES)
+@pytest.mark.parametrize("value", TRUE_SPELLINGS)
+def test_switch_on_forces_the_rung(var: str, rung: str, value: str) -> None:
+    overrides = read_overrides(environ={var: value})
+    assert overrides.forced == rung
+    assert overrides.pinned is None
+    assert overrides.disabled == frozenset()
+    assert overrides.origin == "forced"
+    assert overrides.sources == (f"{var}={value}",)
+
+
+@pytest.mark.parametrize(("var", "rung"), SWITCHES)
+@pytest.mark.parametrize("value", FALSE_SPELLINGS)
+def test_switch_off_disables_the_rung(var: str, rung: str, value: str) -> None:
+    overrides = read_overrides(environ={var: value})
+    assert overrides.disabled == frozenset({rung})
+    assert overrides.forced is None and overrides.pinned is None
+    assert overrides.origin == "policy"
+    assert overrides.sources == (f"{var}={value}",)
+
+
+@pytest.mark.parametrize(
+    ("value", "rung"),
+    [("fp32", "fp32"), ("bf16", "bf16"), ("8bit", "8bit"), ("BF16", "bf16"), (" 8BIT ", "8bit")],
+)
+def test_rung_variable_pins(value: str, rung: str) -> None:
+    overrides = read_overrides(environ={RUNG: value})
+    assert overrides.pinned == rung
+    assert overrides.origin == "pinned"
+    assert overrides.sources == (f"{RUNG}={value}",)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        # agreeing variables
+        ({RUNG: "bf16", BF16: "1"}, Overrides(pinned="bf16")),
+        ({RUNG: "8bit", EIGHT: "on"}, Overrides(pinned="8bit")),
+        ({RUNG: "fp32", EIGHT: "0"}, Overrides(pinned="fp32", disabled=frozenset({"8bit"}))),
+        ({RUNG: "fp32", BF16: "off"}, Overrides(pinned="fp32", disabled=frozenset({"bf16"}))),
+        ({BF16: "1", EIGHT: "0"}, Overrides(forced="bf16", disabled=frozenset({"8bit"}))),
+        ({BF16: "false", EIGHT: "true"}, Overrides(forced="8bit", disabled=frozenset({"bf16"}))),
+        ({BF16: "0", EIGHT: "0"}, Overrides(disabled=frozenset({"bf16", "8bit"}))),
+    ],
+)
+def test_variables_combine(env: dict[str, str], expected: Overrides) -> None:
+    got = read_overrides(environ=env)
+    assert (got.pinned, got.forced, got.disabled) == (
+        expected.pinned,
+        expected.forced,
+        expected.disabled,
+    )
+    assert set(got.sources) == {f"{k}={v}" for k, v in env.items()}
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {BF16: "1"},
+        {EIGHT: "0"},
+        {RUNG: "8bit"},
+        {RUNG: "bf16", BF16: "1", EIGHT: "1"},  # contradictory, but rung= beats them all
+        {RUNG: "fp32", BF16: "0", EIGHT: "0"},
+    ],
+)
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit", "BF16"])
+def test_rung_argument_beats_every_variable(env: dict[str, str], rung: str) -> None:
+    overrides = read_overrides(rung=rung, environ=env)
+    assert overrides.pinned == rung.lower()
+    assert overrides.forced is None
+    assert overrides.disabled == frozenset()
+    assert overrides.sources[0] == f"rung={rung.lower()!r}"
+    if env:
+        assert len(overrides.sources) == 2
+        note = overrides.sources[1]
+        assert "overrides" in note
+        for k, v in env.items():
+            assert f"{k}={v}" in note  # names each variable it overrode
+    else:
+        assert len(overrides.sources) == 1
+
+
+def test_rung_argument_still_checks_variable_values() -> None:
+    with pytest.raises(OverrideError, match=BF16):
+        read_overrides(rung="fp32", environ={BF16: "maybe"})
+    with pytest.raises(OverrideError, match=RUNG):
+        read_overrides(rung="fp32", environ={RUNG: "fp16"})
+
+
+@pytest.mark.parametrize("rung", ["fp16", "", "adam", "8-bit"])
+def test_unknown_rung_argument(rung: str) -> None:
+    with pytest.raises(ValueError, match=r"rung=.*accepted values: fp32, bf16, 8bit"):
+        read_overrides(rung=rung, environ={})
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "accepted"),
+    [
+        (BF16, "yes", "1, 0, true, false, on, off"),
+        (BF16, "2", "1, 0, true, false, on, off"),
+        (BF16, "", "1, 0, true, false, on, off"),
+        (BF16, "enable", "1, 0, true, false, on, off"),
+        (EIGHT, "maybe", "1, 0, true, false, on, off"),
+        (EIGHT, "-1", "1, 0, true, false, on, off"),
+        (RUNG, "fp16", "fp32, bf16, 8bit"),
+        (RUNG, "int8", "fp32, bf16, 8bit"),
+        (RUNG, "", "fp32, bf16, 8bit"),
+    ],
+)
+def test_unknown_values_raise_naming_variable_value_and_accepted(
+    var: str, value: str, accepted: str
+) -> None:
+    with pytest.raises(OverrideError) as info:
+        read_overrides(environ={var: value})
+    message = str(info.value)
+    assert f"{var}={value!r}" in message
+    assert accepted in message
+    assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {BF16: "1", EIGHT: "1"},
+        {BF16: "on", EIGHT: "TRUE"},
+        {RUNG: "bf16", BF16: "0"},
+        {RUNG: "8bit", EIGHT: "off"},
+        {RUNG: "fp32", BF16: "1"},
+        {RUNG: "fp32", EIGHT: "1"},
+        {RUNG: "bf16", EIGHT: "1"},
+    ],
+)
+def test_contradictions_raise_naming_both_variables(env: dict[str, str]) -> None:
+    with pytest.raises(OverrideError, match="contradict") as info:
+        read_overrides(environ=env)
+    for k, v in env.items():
+        assert f"{k}={v}" in str(info.value)
+
+
+def test_environ_none_reads_os_environ_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in (BF16, EIGHT, RUNG):
+        monkeypatch.delenv(var, raising=False)
+    assert read_overrides() == Overrides()
+    monkeypatch.setenv(BF16, " On ")
+    assert read_overrides().forced == "bf16"
+    monkeypatch.setenv(EIGHT, "0")
+    got = read_overrides()
+    assert (got.forced, got.disabled) == ("bf16", frozenset({"8bit"}))
+    assert set(got.sources) == {f"{BF16}= On ", f"{EIGHT}=0"}
+    monkeypatch.setenv(RUNG, "bf16")
+    assert read_overrides().pinned == "bf16"
+    monkeypatch.setenv(EIGHT, "bogus")
+    with pytest.raises(OverrideError, match=f"{EIGHT}='bogus'"):
+        read_overrides()
+    monkeypatch.delenv(EIGHT)
+    monkeypatch.delenv(RUNG)
+    monkeypatch.delenv(BF16)
+    assert read_overrides() == Overrides()
+
+
+def test_os_environ_names_are_case_sensitive(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in (BF16, EIGHT, RUNG):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(BF16.lower(), "1")
+    monkeypatch.setenv("OPTLADDER_EIGHT_BIT_ADAM", "1")  # a field name, not the variable
+    monkeypatch.setenv("OPTLADDER_UNRELATED", "x")
+    assert read_overrides() == Overrides()
+
+
+def test_overrides_are_frozen() -> None:
+    overrides = read_overrides(environ={BF16: "1"})
+    with pytest.raises(ValidationError):
+        overrides.forced = "8bit"  # type: ignore[misc]
