@@ -14,6 +14,33 @@ from optladder.optimizers.rounding import Rounding
 from optladder.rungs import Rung
 
 
+ENGINE_KEYS = (
+    # torch.optim.AdamW
+    "fused",
+    "foreach",
+    "capturable",
+    "differentiable",
+    "amsgrad",
+    "maximize",
+    "decoupled_weight_decay",
+    # bitsandbytes Optimizer2State
+    "alpha",
+    "t_alpha",
+    "t_beta3",
+)
+"""Param-group keys that belong to one engine's implementation, not to the user's
+hyperparameters. They are cleared before another engine takes the groups: torch's
+``add_param_group`` keeps existing keys, so a stale ``fused=True`` would otherwise reach
+an engine that must not use it."""
+
+
+def clear_engine_keys(param_groups: list[dict[str, Any]]) -> None:
+    """Remove :data:`ENGINE_KEYS` from each group, in place."""
+    for group in param_groups:
+        for key in ENGINE_KEYS:
+            group.pop(key, None)
+
+
 def _dtype_names(param_groups: list[dict[str, Any]]) -> set[str]:
     return {str(p.dtype).removeprefix("torch.") for g in param_groups for p in g["params"]}
 
@@ -34,8 +61,8 @@ def build_engine(
 
     Args:
         rung: ``"fp32"``, ``"bf16"`` or ``"8bit"``.
-        param_groups: param groups; the dicts are used as given (other keys override the
-            defaults per group).
+        param_groups: param groups; the dicts are used as given (their hyperparameters
+            override the defaults per group) after :data:`ENGINE_KEYS` are cleared.
         fused: whether the rung runs fused here (``Decision.fused``); for the fp32 rung it
             selects torch's fused AdamW over foreach (or optladder's eager AdamW for
             bf16/fp16 params, see :func:`optladder.optimizers.spec.fp32_engine`).
@@ -54,6 +81,7 @@ def build_engine(
         ImportError: for the 8bit rung without bitsandbytes.
     """
     hyper: dict[str, Any] = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    clear_engine_keys(param_groups)
     if rung == "fp32":
         engine = spec.fp32_engine(fused, _dtype_names(param_groups))
         return build_fp32(param_groups, engine=engine, **hyper)

@@ -4,7 +4,7 @@ Nothing here builds an optimizer; what a device's kernels can do arrives as
 :class:`optladder.rungs.Capabilities`.
 """
 
-from optladder.policies.decision import Decision, allowed_rungs, decide
+from optladder.policies.decision import Decision, allowed_rungs, decide, escalation_target
 from optladder.policies.footprint import (
     Footprint,
     fp32_moment_dtype,
@@ -26,6 +26,7 @@ __all__ = [
     "Policy",
     "allowed_rungs",
     "decide",
+    "escalation_target",
     "fp32_moment_dtype",
     "measure_footprint",
     "normalize_param_groups",

@@ -18,8 +18,10 @@ class Decision(BaseModel):
 
     Attributes:
         rung: the chosen rung.
-        origin: ``"policy"`` (chosen by the rules), ``"forced"`` (a ``=1`` variable) or
-            ``"pinned"`` (``rung=`` or ``OPTLADDER_RUNG``).
+        origin: ``"policy"`` (chosen by the rules), ``"forced"`` (a ``=1`` variable),
+            ``"pinned"`` (``rung=`` or ``OPTLADDER_RUNG``), ``"escalated"`` (moved down
+            after an out-of-memory error) or ``"checkpoint"`` (moved to the rung a loaded
+            checkpoint had escalated to).
         fits: whether the rung's state passes the memory gate.
         reasons: the steps of the choice, in sentences.
         state_bytes: per rung, estimated optimizer-state bytes (from the footprint).
@@ -34,7 +36,7 @@ class Decision(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     rung: Rung
-    origin: Literal["policy", "forced", "pinned"]
+    origin: Literal["policy", "forced", "pinned", "escalated", "checkpoint"]
     fits: bool
     reasons: tuple[str, ...]
     state_bytes: dict[Rung, int]
@@ -203,3 +205,28 @@ def decide(
         policy=policy,
         overrides=overrides,
     )
+
+
+def escalation_target(decision: Decision) -> tuple[Rung | None, str]:
+    """The next cheaper rung the ladder may move to from ``decision.rung``, and why.
+
+    Pure, like :func:`decide`: a pinned rung never moves; rungs disabled by the user,
+    unavailable on the device, or unable to take the params (complex) are skipped.
+
+    Returns:
+        ``(rung, "")``, or ``(None, reason)`` when there is nowhere to go.
+    """
+    if decision.overrides.pinned is not None:
+        source = decision.overrides.sources[0] if decision.overrides.sources else "the user"
+        return None, f"the {decision.rung} rung is pinned by {source}"
+    allowed, excluded = allowed_rungs(
+        decision.footprint, decision.capabilities, decision.overrides
+    )
+    skipped = []
+    for rung in RUNGS[RUNGS.index(decision.rung) + 1 :]:
+        if allowed[rung]:
+            return rung, ""
+        skipped.append(excluded[rung])
+    if not skipped:
+        return None, f"{decision.rung} is the last rung"
+    return None, f"{decision.rung} is the last usable rung (" + "; ".join(skipped) + ")"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -20,7 +22,8 @@ from optladder.policies import (
     read_overrides,
     trainable_params,
 )
-from optladder.selector.optimizer import LadderOptimizer
+from optladder.rungs import Rung
+from optladder.selector.optimizer import Escalation, LadderOptimizer
 from optladder.units import format_bytes, parse_bytes
 
 logger = logging.getLogger("optladder")
@@ -87,6 +90,8 @@ def choose_optimizer(
     rounding: Rounding = "stochastic",
     strict: bool = True,
     environ: Mapping[str, str] | None = None,
+    max_retries: int = 2,
+    on_escalate: Callable[[Escalation], None] | None = None,
 ) -> LadderOptimizer:
     """Choose a rung for the model's optimizer state and build an AdamW on it.
 
@@ -111,6 +116,12 @@ def choose_optimizer(
         strict: when not even the cheapest allowed rung passes the gate, raise (True) or
             build it with a warning (False).
         environ: the environment to read the overrides from; None means ``os.environ``.
+        max_retries: escalations allowed within one ``step()``, ``>= 0``.
+        on_escalate: called with each :class:`Escalation` when the ladder moves down.
+
+    Under ``torch.distributed`` every rank reaches the same decision: free memory is the
+    minimum over ranks and rank 0's decision is broadcast (the footprint of replicated
+    params is the same on every rank; a DTensor param counts its global elements).
 
     Returns:
         A :class:`LadderOptimizer`; ``.decision`` holds the :class:`optladder.Decision`.
@@ -136,9 +147,12 @@ def choose_optimizer(
         free, source = probe.free_bytes, probe.source
     else:
         free, source = parse_bytes(free_memory, "free_memory"), "given as free_memory"
+    free, source = _min_over_ranks(free, source, target)
     capabilities = probe_capabilities(target, footprint.dtypes, footprint.has_complex)
-    decision = decide(
-        footprint, free, capabilities, policy or Policy(), overrides, free_memory_source=source
+    decision = _same_on_all_ranks(
+        decide(
+            footprint, free, capabilities, policy or Policy(), overrides, free_memory_source=source
+        )
     )
     if not decision.fits:
         if decision.origin == "policy" and strict:
@@ -150,16 +164,47 @@ def choose_optimizer(
             OptladderWarning,
             stacklevel=2,
         )
-    engine = build_engine(
-        decision.rung,
-        groups,
-        fused=decision.fused,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        seed=seed,
-        rounding=rounding,
-    )
+    hyper: dict[str, Any] = {
+        "lr": lr,
+        "betas": betas,
+        "eps": eps,
+        "weight_decay": weight_decay,
+        "seed": seed,
+        "rounding": rounding,
+    }
+
+    def rebuild(rung: Rung, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+        return build_engine(rung, param_groups, fused=capabilities.fused[rung], **hyper)
+
+    engine = rebuild(decision.rung, groups)
     logger.info("optladder decision: %s", decision.summary())
-    return LadderOptimizer(engine, decision)
+    return LadderOptimizer(
+        engine, decision, rebuild, max_retries=max_retries, on_escalate=on_escalate
+    )
+
+
+def _distributed() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _min_over_ranks(free: int, source: str, device: torch.device) -> tuple[int, str]:
+    """The least free memory over all ranks (every rank must fit the same rung)."""
+    dist = _distributed()
+    if dist is None or dist.get_world_size() == 1:
+        return free, source
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([free], dtype=torch.int64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item()), f"{source}; minimum over {dist.get_world_size()} ranks"
+
+
+def _same_on_all_ranks(decision: Decision) -> Decision:
+    """Rank 0's decision, on every rank."""
+    dist = _distributed()
+    if dist is None or dist.get_world_size() == 1:
+        return decision
+    box: list[Any] = [decision.model_dump_json()]
+    dist.broadcast_object_list(box, src=0)
+    return Decision.model_validate_json(box[0])

@@ -1,53 +1,162 @@
-"""The optladder optimizer: one object per run that delegates to the current rung."""
+"""The optladder optimizer: one object per run that delegates to the current rung.
+
+It steps in two phases (prepare, then commit: see
+:mod:`optladder.optimizers.transaction`), so an out-of-memory error in a step leaves
+params, moments and step counts as they were; it then moves its state to the next
+cheaper rung (:func:`optladder.optimizers.migrate.migrate_engine`) and retries the step,
+once per rung. Under ``torch.distributed`` every rank agrees on the OOM before any rank
+commits, so ranks never differ in rung or step count.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from optladder.policies.decision import Decision
-from optladder.rungs import Rung
+from optladder.optimizers.build import ENGINE_KEYS
+from optladder.optimizers.migrate import (
+    convert_param_state,
+    migrate_engine,
+    state_target,
+    unwrap_bnb_state,
+)
+from optladder.optimizers.transaction import commit_step, prepare_step, rollback_step
+from optladder.policies.decision import Decision, escalation_target
+from optladder.rungs import RUNGS, Rung
+from optladder.selector.oom import is_oom
+from optladder.units import format_bytes
+
+logger = logging.getLogger("optladder")
 
 RUNG_KEY = "rung"
 """Param-group key recording the rung (param groups survive torch's loader and
-distributed checkpointing, a top-level key would not)."""
+distributed checkpointing; a top-level key would not)."""
+ORIGIN_KEY = "rung_origin"
+"""Param-group key recording how the rung was reached (``Decision.origin``)."""
+REASON_KEY = "rung_reason"
+"""Param-group key recording why, in a sentence."""
+_LADDER_KEYS = (RUNG_KEY, ORIGIN_KEY, REASON_KEY)
+
+EngineBuilder = Callable[[Rung, list[dict[str, Any]]], torch.optim.Optimizer]
+"""Builds the engine of a rung over the given param groups."""
+
+
+class OptimizerOutOfMemoryError(torch.OutOfMemoryError):
+    """Out of memory, and the ladder cannot move further down (last rung, pinned rung,
+    or retries used up). The original error is chained as ``__cause__``.
+
+    Attributes:
+        rung: the rung the optimizer is on.
+        needed_bytes: the optimizer-state bytes of that rung (from the footprint).
+        free_bytes: free memory seen when the rung was chosen, in bytes.
+    """
+
+    def __init__(self, message: str, rung: Rung, needed_bytes: int, free_bytes: int) -> None:
+        super().__init__(message)
+        self.rung = rung
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+
+@dataclass(frozen=True)
+class Escalation:
+    """One move down the ladder.
+
+    Attributes:
+        from_rung: the rung left.
+        to_rung: the rung reached.
+        reason: why, in a sentence.
+        step: optimizer steps committed before the move.
+    """
+
+    from_rung: Rung
+    to_rung: Rung
+    reason: str
+    step: int
+
+
+def _empty_cache(device: str) -> None:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _agree_any(flag: bool, device: str) -> bool:
+    """True on every rank if ``flag`` is True on any rank (an all-reduce with MAX)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    on = device if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 class LadderOptimizer(torch.optim.Optimizer):
-    """A ``torch.optim.Optimizer`` that runs the chosen rung's engine.
+    """A ``torch.optim.Optimizer`` that runs the current rung's engine and climbs down the
+    ladder when a step runs out of memory.
 
     ``param_groups``, ``state`` and ``defaults`` are the engine's own objects, so an LR
     scheduler or a trainer that edits ``opt.param_groups[i]["lr"]`` edits the engine's
     groups. The object stays the same when the rung changes, so references held by
-    schedulers and trainers stay valid.
-
-    Each param group carries ``"rung"``, saved in ``state_dict()``.
+    schedulers and trainers stay valid. Each param group records ``"rung"``,
+    ``"rung_origin"`` and ``"rung_reason"``, saved in ``state_dict()``.
 
     Args:
         engine: the rung's optimizer (built by :func:`optladder.optimizers.build_engine`).
         decision: the :class:`optladder.Decision` that chose it.
+        rebuild: builds another rung's engine over the same groups (needed to escalate).
+        max_retries: escalations allowed within one ``step()`` call, ``>= 0``.
+        on_escalate: called with each :class:`Escalation`, after the move and before the
+            retry.
 
     Attributes:
-        decision: the decision.
+        decision: the decision behind the current rung.
         rung: the current rung.
         engine: the current rung's optimizer.
+        escalations: the moves made so far.
     """
 
-    def __init__(self, engine: torch.optim.Optimizer, decision: Decision) -> None:
+    def __init__(
+        self,
+        engine: torch.optim.Optimizer,
+        decision: Decision,
+        rebuild: EngineBuilder | None = None,
+        *,
+        max_retries: int = 2,
+        on_escalate: Callable[[Escalation], None] | None = None,
+    ) -> None:
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self._engine: torch.optim.Optimizer | None = None
         self._decision = decision
-        for group in engine.param_groups:
-            group[RUNG_KEY] = decision.rung
+        self._rebuild = rebuild
+        self.max_retries = max_retries
+        self.on_escalate = on_escalate
+        self.escalations: list[Escalation] = []
+        self._steps = 0
+        self._mark_groups(engine.param_groups, decision)
         super().__init__(engine.param_groups, engine.defaults)
         self._attach(engine)
 
+    # ------------------------------------------------------------------ plumbing
     def _attach(self, engine: torch.optim.Optimizer) -> None:
         self._engine = engine
         self.param_groups = engine.param_groups
         self.state = engine.state
         self.defaults = engine.defaults
+
+    @staticmethod
+    def _mark_groups(groups: list[dict[str, Any]], decision: Decision) -> None:
+        reason = decision.reasons[-1] if decision.reasons else decision.origin
+        for group in groups:
+            group[RUNG_KEY] = decision.rung
+            group[ORIGIN_KEY] = decision.origin
+            group[REASON_KEY] = reason
 
     @property
     def engine(self) -> torch.optim.Optimizer:
@@ -65,51 +174,269 @@ class LadderOptimizer(torch.optim.Optimizer):
         """The current rung: ``"fp32"``, ``"bf16"`` or ``"8bit"``."""
         return self._decision.rung
 
+    @property
+    def device(self) -> str:
+        """The device whose memory the decision gated."""
+        return self._decision.capabilities.device
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group to the current rung's engine (torch's semantics)."""
         if self._engine is None:  # called by torch.optim.Optimizer.__init__
             super().add_param_group(param_group)
             return
-        param_group = {**param_group, RUNG_KEY: self.rung}
-        self._engine.add_param_group(param_group)
-
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Take one optimizer step on the current rung.
-
-        Args:
-            closure: re-evaluates the model and returns the loss (optional).
-
-        Returns:
-            The closure's loss, or None.
-        """
-        return self.engine.step(closure)
+        group = dict(param_group)
+        self._mark_groups([group], self._decision)
+        self._engine.add_param_group(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of all params (to None by default, as torch does)."""
         self.engine.zero_grad(set_to_none=set_to_none)
 
+    # ------------------------------------------------------------------ stepping
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Take one optimizer step; on out-of-memory, escalate one rung and retry it.
+
+        The closure (optional) runs once, before the step; a retry reuses its grads.
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            OptimizerOutOfMemoryError: out of memory with no rung left to move to (the
+                original error chained), the rung pinned, or ``max_retries`` used up.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        retries = 0
+        while True:
+            failure = self._two_phase_step(retries)
+            if failure is None:
+                return loss
+            # Outside any except block: the failed attempt's frames and tensors are gone.
+            retries += 1
+            self.escalate(f"out of memory in the optimizer step on {self.rung} ({failure})")
+
+    def _two_phase_step(self, retries: int) -> str | None:
+        engine = self.engine
+        created: list[torch.Tensor] | None = None
+        error: BaseException | None = None
+        try:
+            created = prepare_step(engine)
+        except BaseException as exc:
+            if not is_oom(exc):
+                raise
+            error = exc
+        if not _agree_any(error is not None, self.device):
+            commit_step(engine)
+            self._steps += 1
+            return None
+        if created is not None:  # this rank prepared, another ran out of memory
+            rollback_step(engine, created)
+        message = _describe(error) if error is not None else "another rank ran out of memory"
+        target, why_not = escalation_target(self._decision)
+        if target is None or retries >= self.max_retries or self._rebuild is None:
+            if target is not None:
+                why_not = (
+                    f"{retries} escalations in this step already (max_retries={self.max_retries})"
+                    if self._rebuild is not None
+                    else "this optimizer was built without a rebuild function"
+                )
+            raise self._exhausted(f"out of memory in the optimizer step ({message}); {why_not}") from error
+        if error is not None:
+            error.__traceback__ = None
+        del error
+        return message
+
+    def _exhausted(self, message: str) -> OptimizerOutOfMemoryError:
+        needed = self._decision.state_bytes[self.rung]
+        free = self._decision.free_memory
+        return OptimizerOutOfMemoryError(
+            f"{message}. The {self.rung} rung's state needs {needed:,} bytes "
+            f"({format_bytes(needed)}); {free:,} bytes ({format_bytes(free)}) were free "
+            "when it was chosen.",
+            self.rung,
+            needed,
+            free,
+        )
+
+    # ------------------------------------------------------------------ moving
+    def can_escalate(self) -> bool:
+        """Whether a cheaper rung is available to move to."""
+        return self._rebuild is not None and escalation_target(self._decision)[0] is not None
+
+    def escalate(self, reason: str) -> Escalation:
+        """Move the state to the next cheaper rung (one rung), in place.
+
+        Raises:
+            OptimizerOutOfMemoryError: if there is no rung to move to.
+        """
+        target, why_not = escalation_target(self._decision)
+        if target is None or self._rebuild is None:
+            raise self._exhausted(f"{reason}; {why_not or 'no rebuild function'}")
+        event = Escalation(self.rung, target, reason, self._steps)
+        self.migrate_to(target, reason, origin="escalated")
+        self.escalations.append(event)
+        logger.warning(
+            "optladder: %s; escalated %s -> %s after %d steps",
+            reason,
+            event.from_rung,
+            event.to_rung,
+            event.step,
+        )
+        if self.on_escalate is not None:
+            self.on_escalate(event)
+        return event
+
+    def migrate_to(self, rung: Rung, reason: str, origin: str = "escalated") -> None:
+        """Rebuild on ``rung`` and move every param's state there, keeping this object,
+        the param-group dicts (per-group hyperparameters, a tensor lr included), param
+        order and per-param step counts.
+
+        On failure (an OOM while converting) the groups and state are put back and the
+        error is re-raised.
+        """
+        if rung not in RUNGS:
+            raise ValueError(f"rung={rung!r} is not a rung; accepted values: {', '.join(RUNGS)}")
+        if self._rebuild is None:
+            raise RuntimeError("this optimizer was built without a rebuild function")
+        if rung == self.rung:
+            return
+        old = self.engine
+        saved_groups = [dict(g) for g in old.param_groups]
+        try:
+            new = self._rebuild(rung, old.param_groups)
+            migrate_engine(old, new)
+        except BaseException:
+            _restore_groups(old.param_groups, saved_groups)
+            raise
+        self._switch(new, rung, reason, origin)
+
+    def _switch(self, new: torch.optim.Optimizer, rung: Rung, reason: str, origin: str) -> None:
+        """Make ``new`` (on ``rung``) the engine and record why in the decision."""
+        caps = self._decision.capabilities
+        fused = caps.fused.get(rung, False)
+        self._decision = self._decision.model_copy(
+            update={
+                "rung": rung,
+                "origin": origin,
+                "fits": self._decision.state_bytes[rung] <= self._decision.budget_bytes,
+                "reasons": (*self._decision.reasons, f"{reason}: moved to {rung}"),
+                "fused": fused,
+                "unfused_reason": None if fused else caps.unfused_reasons.get(rung),
+            }
+        )
+        self._mark_groups(new.param_groups, self._decision)
+        self._attach(new)
+        _empty_cache(self.device)
+
+    # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The engine's ``state_dict``; each param group records its ``"rung"``."""
+        """The engine's ``state_dict``; each param group records its rung, how it was
+        reached and why."""
         return self.engine.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a ``state_dict`` saved from an optimizer on the same rung.
+        """Load a ``state_dict`` saved from any rung into this optimizer.
+
+        If this optimizer's rung was chosen by the policy and the checkpoint's rung was
+        reached by escalation, the optimizer first moves to the checkpoint's rung (a
+        resumed run must not run out of memory again). Otherwise (a pinned rung, or a
+        checkpoint from a policy choice) the checkpoint's state is converted into this
+        optimizer's rung. bf16 moments stay bfloat16, 8-bit state stays uint8 codes with
+        float32 absmax, ``step`` lands where the engine keeps it, and this optimizer's
+        engine flags (``fused``, ``foreach``) are kept. Hyperparameters (lr, betas, eps,
+        weight_decay, a scheduler's ``initial_lr``, the bf16 seed) come from the
+        checkpoint.
 
         Raises:
-            ValueError: if the checkpoint's groups record another rung, or do not match
-                the params (torch's checks); the optimizer is left unchanged.
+            ValueError: if the checkpoint does not fit the params (group count, param
+                count, element count or shape); the optimizer is left unchanged.
         """
-        saved = {g.get(RUNG_KEY, self.rung) for g in state_dict.get("param_groups", [])}
-        if saved - {self.rung}:
+        groups = state_dict.get("param_groups")
+        saved_state = state_dict.get("state")
+        if not isinstance(groups, list) or not isinstance(saved_state, dict):
+            raise ValueError("state_dict must have a 'param_groups' list and a 'state' dict")
+        live_groups = self.param_groups
+        if len(groups) != len(live_groups):
             raise ValueError(
-                f"the state_dict holds {', '.join(sorted(saved))} state but this optimizer "
-                f"runs the {self.rung} rung; loading across rungs is not supported yet: "
-                f"choose_optimizer(..., rung={sorted(saved)[0]!r}) to load it"
+                f"the state_dict has {len(groups)} param groups; this optimizer has "
+                f"{len(live_groups)}"
             )
-        self.engine.load_state_dict(state_dict)
-        self._attach(self.engine)
+        pairs: list[tuple[Any, torch.Tensor]] = []
+        for gi, (saved, live) in enumerate(zip(groups, live_groups)):
+            if len(saved["params"]) != len(live["params"]):
+                raise ValueError(
+                    f"param group {gi} of the state_dict has {len(saved['params'])} params; "
+                    f"this optimizer's has {len(live['params'])}"
+                )
+            pairs += zip(saved["params"], live["params"])
+        for pi, (key, p) in enumerate(pairs):
+            st = unwrap_bnb_state(saved_state.get(key) or {})
+            if not st:
+                continue
+            moment = st.get("exp_avg", st.get("state1"))
+            if isinstance(moment, torch.Tensor) and moment.numel() != p.numel():
+                raise ValueError(
+                    f"param {pi}: the state_dict's moments have {moment.numel()} elements "
+                    f"(shape {tuple(moment.shape)}) but the param has {p.numel()} "
+                    f"(shape {tuple(p.shape)})"
+                )
+            if isinstance(moment, torch.Tensor) and moment.dim() > 1 and moment.shape != p.shape:
+                raise ValueError(
+                    f"param {pi}: the state_dict's moments have shape {tuple(moment.shape)} but "
+                    f"the param has shape {tuple(p.shape)}"
+                )
+        saved_rung = groups[0].get(RUNG_KEY) if groups else None
+        saved_origin = groups[0].get(ORIGIN_KEY) if groups else None
+        move = (
+            saved_rung in RUNGS
+            and saved_rung != self.rung
+            and saved_origin in ("escalated", "checkpoint")
+            and self._decision.origin in ("policy", "escalated", "checkpoint")
+            and self._rebuild is not None
+        )
+        engine = self.engine
+        saved_groups = [dict(g) for g in engine.param_groups]
+        try:
+            if move:  # the live state is replaced below, so nothing needs migrating
+                assert self._rebuild is not None
+                engine = self._rebuild(saved_rung, engine.param_groups)
+            new_state: dict[torch.Tensor, dict[str, Any]] = {}
+            live_groups = [g for g in engine.param_groups for _ in g["params"]]
+            for (key, p), group in zip(pairs, live_groups):
+                st = saved_state.get(key)
+                if st:
+                    new_state[p] = convert_param_state(st, p, state_target(engine, group, p))
+        except BaseException:
+            _restore_groups(self.engine.param_groups, saved_groups)
+            raise
+        # Commit: nothing below allocates.
+        for saved, live in zip(groups, engine.param_groups):
+            for name, value in saved.items():
+                if name != "params" and name not in ENGINE_KEYS and name not in _LADDER_KEYS:
+                    live[name] = value
+        engine.state.clear()
+        engine.state.update(new_state)
+        if move:
+            self._switch(engine, saved_rung, f"the checkpoint had escalated to {saved_rung}", "checkpoint")
+        else:
+            self._attach(engine)
 
     def __repr__(self) -> str:
         fused = "fused" if self.decision.fused else "not fused"
         engine = type(self.engine).__name__
         return f"{type(self).__name__}(rung={self.rung!r}, {fused}, engine={engine})"
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
+    """Put back the items of each group dict (same dict objects)."""
+    for group, items in zip(groups, saved):
+        group.clear()
+        group.update(items)

@@ -63,6 +63,14 @@ def _mix(a, b):
 
 
 @triton.jit
+def _load(ptr, mask):
+    """``tl.load`` that reads zero where ``mask`` is false; ``mask=None``: no mask."""
+    if mask is None:
+        return tl.load(ptr)
+    return tl.load(ptr, mask=mask, other=0)
+
+
+@triton.jit
 def _round_bf16(x, r16, STOCHASTIC: tl.constexpr):
     """float32 -> bfloat16 bit pattern (uint16): stochastic with ``r16``, or nearest."""
     u = x.to(tl.uint32, bitcast=True)
@@ -103,12 +111,12 @@ def _update(
     LERP_SMALL: tl.constexpr,
 ):
     if GRAD_KIND == 0:
-        g = tl.load(g_ptr.to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
+        g = _load(g_ptr.to(tl.pointer_type(tl.float32)) + offs, mask)
     elif GRAD_KIND == 1:
-        gb = tl.load(g_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
+        gb = _load(g_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask)
         g = (gb.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
-        g = tl.load(g_ptr.to(tl.pointer_type(tl.float16)) + offs, mask=mask, other=0.0)
+        g = _load(g_ptr.to(tl.pointer_type(tl.float16)) + offs, mask)
         g = g.to(tl.float32)
     if HAS_SCALE:
         g = tl.div_rn(g, scale)
@@ -123,15 +131,15 @@ def _update(
     if MAXIMIZE:
         g = -g
     pp = p_ptr.to(tl.pointer_type(tl.float32)) + offs
-    p = tl.load(pp, mask=mask, other=0.0)
+    p = _load(pp, mask)
     if DECOUPLED:
         p = p * decay
     if COUPLED:
         g = tl.fma(p, wd, g)
     mp = m_ptr.to(tl.pointer_type(tl.uint16)) + offs
     vp = v_ptr.to(tl.pointer_type(tl.uint16)) + offs
-    m = (tl.load(mp, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    v = (tl.load(vp, mask=mask, other=0).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    m = (_load(mp, mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    v = (_load(vp, mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     # torch's lerp: self + w * (end - self) for w < 0.5, else end - (end - self) * (1 - w)
     m = tl.fma(lerp_w, g - m, m) if LERP_SMALL else tl.fma(lerp_w - 1.0, g - m, g)
     v = tl.fma(omb2 * g, g, v * beta2)  # torch's addcmul: fmadd(value * t1, t2, self)
@@ -216,18 +224,18 @@ def _adamw_bf16_kernel(
         if LR_TENSOR:
             lr = tl.load(lr_ptr).to(tl.float64)
         else:
-            lr = lr_hi.to(tl.float64) + lr_lo.to(tl.float64)
-        b1 = beta1_hi.to(tl.float64) + beta1_lo.to(tl.float64)
-        b2 = beta2_hi.to(tl.float64) + beta2_lo.to(tl.float64)
+            lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
+        b1 = tl.cast(beta1_hi, tl.float64) + tl.cast(beta1_lo, tl.float64)
+        b2 = tl.cast(beta2_hi, tl.float64) + tl.cast(beta2_lo, tl.float64)
         bc1 = 1.0 - _pow_f64(b1, n)
         bc2 = 1.0 - _pow_f64(b2, n)
-        step_size = tl.div_rn(-lr, bc1).to(tl.float32)
-        bc2_sqrt = tl.sqrt_rn(bc2).to(tl.float32)
-        decay = (1.0 - lr * wd.to(tl.float64)).to(tl.float32)
+        step_size = (-lr / bc1).to(tl.float32)  # float64 division is IEEE
+        bc2_sqrt = tl.sqrt(bc2).to(tl.float32)  # float64 sqrt is IEEE
+        decay = (1.0 - lr * tl.cast(wd, tl.float64)).to(tl.float32)
         scale = 1.0
         if HAS_SCALE:
             scale = tl.load(scale_ptr).to(tl.float32)
-        key = _mix(seed_key.to(tl.uint32), n.to(tl.uint32))
+        key = _mix(tl.cast(seed_key, tl.uint32), n.to(tl.uint32))
         key = _mix(key, pidx.to(tl.uint32))
         key = _mix(key, (pidx >> 32).to(tl.uint32))
         p_ptr = p_int.to(tl.pointer_type(tl.float32))

@@ -1,0 +1,251 @@
+"""Optimizer step time and state bytes per param: optladder's bf16 rung against baselines.
+
+Every implementation steps one float32 param of N elements with a float32 grad (stochastic
+rounding on for optladder), its state allocated by warm-up steps before timing. Reported:
+the median of ``--reps`` timed steps, the state bytes per param summed over the real state
+tensors, the speed ratio to torch's fused fp32 AdamW (``t_fused / t_impl``: above 1 is
+faster) and, given ``--peak-gbps``, the memory bandwidth reached against the peak.
+
+Usage::
+
+    python bench/step_time.py                       # 1M, 16M, 64M params on CPU (or CUDA)
+    python bench/step_time.py --sizes 1M,16M --reps 9 --json out.json --png out.png
+    python bench/step_time.py --device cuda --peak-gbps 4800   # H200 HBM3e
+
+Not a test: numbers depend on the machine. The README carries the CPU table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from optladder.optimizers.adamw import LadderAdamW
+
+Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+TRAFFIC_BYTES_PER_PARAM = {
+    "torch-fused-fp32": 28,  # param r/w 8, grad r 4, two fp32 moments r/w 16
+    "torch-foreach-fp32": 28,  # the same data, over several passes
+    "optladder-bf16-cpu": 20,  # param r/w 8, grad r 4, two bf16 moments r/w 8
+    "optladder-bf16-triton": 20,
+    "optladder-bf16-eager": 20,
+    "bnb-adamw8bit": 14,  # param r/w 8, grad r 4, two uint8 codes r/w 4 (+ absmax)
+    "torchao-adamw8bit": 14,
+}
+"""Least bytes a step must move per param (one pass), for the bandwidth column."""
+
+
+@dataclass
+class Result:
+    """One measured (implementation, size)."""
+
+    impl: str
+    params: int
+    median_s: float
+    state_bytes_per_param: float
+
+
+def parse_size(text: str) -> int:
+    """``"16M"`` -> 16 * 2**20, ``"512K"`` -> 512 * 2**10, ``"1000"`` -> 1000.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the value and the accepted forms.
+    """
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    t = text.strip().upper()
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} is not a count like 1000, 512K, 16M or 1G"
+        ) from None
+
+
+def implementations(device: torch.device) -> dict[str, Factory | str]:
+    """Name -> optimizer factory, or the reason it cannot run here."""
+    impls: dict[str, Factory | str] = {
+        "torch-fused-fp32": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+        "torch-foreach-fp32": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+    }
+    fused_backend = "triton" if device.type == "cuda" else "cpu"
+    impls[f"optladder-bf16-{fused_backend}"] = lambda ps: LadderAdamW(
+        ps, lr=1e-3, backend=fused_backend
+    )
+    impls["optladder-bf16-eager"] = lambda ps: LadderAdamW(ps, lr=1e-3, backend="eager")
+    try:
+        import bitsandbytes as bnb
+
+        impls["bnb-adamw8bit"] = lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3)
+    except ImportError as exc:
+        impls["bnb-adamw8bit"] = f"bitsandbytes not importable: {exc}"
+    try:
+        from torchao.optim import AdamW8bit as AoAdamW8bit
+
+        impls["torchao-adamw8bit"] = lambda ps: AoAdamW8bit(ps, lr=1e-3)
+    except ImportError as exc:
+        impls["torchao-adamw8bit"] = f"torchao not importable: {exc}"
+    return impls
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state (moments, codes, scales, steps)."""
+    total = 0
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                # torchao keeps tensor subclasses: count their inner tensors
+                inner = getattr(v, "__tensor_flatten__", None)
+                if inner is not None and type(v) is not torch.Tensor:
+                    names, _ = inner()
+                    total += sum(getattr(v, n).nbytes for n in names)
+                else:
+                    total += v.nbytes
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(
+    name: str, factory: Factory, n: int, device: torch.device, reps: int, warmup: int
+) -> Result:
+    """Median step time of one implementation on one float32 param of ``n`` elements."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(n, device=device, generator=gen))
+    p.grad = torch.randn(n, device=device, generator=gen) * 1e-3
+    opt = factory([p])
+    for _ in range(warmup):
+        opt.step()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    result = Result(name, n, statistics.median(times), state_bytes(opt) / n)
+    del opt, p
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def plot(results: list[Result], path: Path) -> None:
+    """Bar chart of step time per size and implementation (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r.params for r in results})
+    names = list(dict.fromkeys(r.impl for r in results))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / max(1, len(names))
+    for k, name in enumerate(names):
+        xs, ys = [], []
+        for i, n in enumerate(sizes):
+            hit = [r for r in results if r.impl == name and r.params == n]
+            if hit:
+                xs.append(i + k * width)
+                ys.append(hit[0].median_s * 1e3)
+        ax.bar(xs, ys, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))])
+    ax.set_xticklabels([f"{n / 2**20:g}M params" for n in sizes])
+    ax.set_yscale("log")
+    ax.set_ylabel("median optimizer step (ms)")
+    ax.legend(fontsize=8)
+    ax.set_title("AdamW step time, float32 params and grads")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    """Run the benchmark; print the table; write JSON and PNG if asked."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sizes", default="1M,16M,64M", help="comma-separated param counts")
+    ap.add_argument("--reps", type=int, default=7, help="timed steps per measurement (>= 5)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--impls", default="", help="comma-separated subset of implementations")
+    ap.add_argument("--json", type=Path, default=None, help="write the records here")
+    ap.add_argument("--png", type=Path, default=Path("bench/out/step_time.png"))
+    ap.add_argument("--peak-gbps", type=float, default=None, help="memory bandwidth peak")
+    args = ap.parse_args(argv)
+    if args.reps < 5:
+        ap.error(f"--reps must be >= 5, got {args.reps}")
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    device = torch.device(args.device)
+    impls = implementations(device)
+    if args.impls:
+        wanted = args.impls.split(",")
+        unknown = sorted(set(wanted) - set(impls))
+        if unknown:
+            ap.error(f"--impls: unknown {unknown}; choose from {sorted(impls)}")
+        impls = {k: v for k, v in impls.items() if k in wanted}
+    threads = torch.get_num_threads() if device.type == "cpu" else None
+    print(f"device={device} threads={threads} torch={torch.__version__} reps={args.reps}")
+    print("torch's own bf16-moment fused AdamW: none in this torch (fused keeps param dtype)")
+    for name, f in impls.items():
+        if isinstance(f, str):
+            print(f"skip {name}: {f}")
+    results: list[Result] = []
+    header = f"{'impl':<24}{'params':>10}{'median ms':>12}{'state B/param':>15}{'vs fused':>10}"
+    header += f"{'GB/s':>9}" + (f"{'% peak':>8}" if args.peak_gbps else "")
+    print(header)
+    for n in sizes:
+        base: float | None = None
+        for name, factory in impls.items():
+            if isinstance(factory, str):
+                continue
+            try:
+                r = measure(name, factory, n, device, args.reps, args.warmup)
+            except Exception as exc:  # a baseline that cannot run here is reported, not fatal
+                print(f"{name:<24}{n:>10}  failed: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            results.append(r)
+            if name == "torch-fused-fp32":
+                base = r.median_s
+            ratio = f"{base / r.median_s:10.2f}" if base else f"{'-':>10}"
+            gbps = TRAFFIC_BYTES_PER_PARAM.get(name, math.nan) * n / r.median_s / 1e9
+            line = f"{name:<24}{n:>10}{r.median_s * 1e3:12.3f}{r.state_bytes_per_param:15.3f}"
+            line += f"{ratio}{gbps:9.1f}"
+            if args.peak_gbps:
+                line += f"{100 * gbps / args.peak_gbps:7.1f}%"
+            print(line, flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        records = [
+            {
+                "impl": r.impl,
+                "params": r.params,
+                "median_s": r.median_s,
+                "state_bytes_per_param": r.state_bytes_per_param,
+            }
+            for r in results
+        ]
+        args.json.write_text(json.dumps(records, indent=1))
+    if results and args.png:
+        plot(results, args.png)
+        print(f"plot: {args.png}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

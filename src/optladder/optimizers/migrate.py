@@ -1,0 +1,262 @@
+"""Migration: convert optimizer state between rungs, one parameter at a time.
+
+Two state layouts exist:
+
+- the *Adam layout* of ``torch.optim.AdamW`` and :class:`LadderAdamW`: ``step`` (0-d
+  float32 tensor), ``exp_avg`` and ``exp_avg_sq`` (the param's shape, float32 on the fp32
+  rung, bfloat16 on the bf16 rung);
+- the *bitsandbytes layout* of ``AdamW8bit``: ``step`` (int), ``state1``/``state2``
+  (uint8 codes of the param's shape, or float32 moments below ``min_8bit_size``),
+  ``absmax1``/``absmax2`` (one float32 per 256-element block) and ``qmap1``/``qmap2``
+  (the optimizer's shared code books).
+
+Each conversion goes straight from the source tensors to the target dtype (bitsandbytes
+quantizes from and dequantizes to bfloat16 or float32 directly), so converting one param
+allocates only that param's new state. Narrowing a moment (fp32 -> bf16) rounds to
+nearest: a one-time rounding of a value, where the bf16 rung's stochastic rounding is for
+the repeated ``v = beta2 * v`` updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from optladder.optimizers.adamw import LadderAdamW
+from optladder.rungs import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE
+
+BNB_WRAPPED_KEY = "__bnb_optimizer_quant_state__"
+"""bitsandbytes' ``state_dict`` moves its quantization tensors under this key (to hide
+them from FSDP's gathering); :func:`unwrap_bnb_state` puts them back."""
+
+
+def unwrap_bnb_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """One param's state with bitsandbytes' wrapped tensors back at the top level."""
+    if BNB_WRAPPED_KEY not in state:
+        return dict(state)
+    flat = {k: v for k, v in state.items() if k != BNB_WRAPPED_KEY}
+    flat.update(state[BNB_WRAPPED_KEY])
+    return flat
+
+
+@dataclass(frozen=True)
+class StateTarget:
+    """How one param's state must look for one engine.
+
+    Attributes:
+        layout: ``"adam"`` or ``"bnb"``.
+        moment_dtype: dtype of ``exp_avg``/``exp_avg_sq`` (Adam layout).
+        step_on_param_device: Adam layout: ``step`` lives on the param's device (torch's
+            fused or capturable AdamW) instead of the CPU.
+        qmaps: bitsandbytes layout: the engine's ``(dynamic, udynamic)`` code books on
+            the param's device.
+        quantize: bitsandbytes layout: whether this param gets 8-bit codes (its global
+            element count is at least ``min_8bit_size``).
+    """
+
+    layout: str
+    moment_dtype: torch.dtype = torch.float32
+    step_on_param_device: bool = False
+    qmaps: tuple[torch.Tensor, torch.Tensor] | None = None
+    quantize: bool = False
+
+
+def is_bnb_engine(engine: torch.optim.Optimizer) -> bool:
+    """Whether ``engine`` is a bitsandbytes 8-bit optimizer (without importing it)."""
+    return any(c.__module__.startswith("bitsandbytes.") for c in type(engine).__mro__)
+
+
+def bnb_qmaps(engine: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's shared code books on ``device``, made as bitsandbytes makes them."""
+    if "dynamic" not in engine.name2qmap:
+        engine.fill_qmap()
+    for name in ("dynamic", "udynamic"):
+        if engine.name2qmap[name].device != device:
+            engine.name2qmap[name] = engine.name2qmap[name].to(device)
+    return engine.name2qmap["dynamic"], engine.name2qmap["udynamic"]
+
+
+def state_target(
+    engine: torch.optim.Optimizer,
+    group: Mapping[str, Any],
+    p: torch.Tensor,
+    global_numel: int | None = None,
+) -> StateTarget:
+    """The state layout ``engine`` keeps for param ``p`` of ``group``.
+
+    Args:
+        engine: ``torch.optim.AdamW``, :class:`LadderAdamW` or bitsandbytes' ``AdamW8bit``.
+        group: the param group holding ``p``.
+        p: the param.
+        global_numel: elements of the whole (unsharded) param for bitsandbytes' size
+            rule; default ``p.numel()``.
+
+    Raises:
+        TypeError: for an engine of another kind.
+    """
+    if isinstance(engine, LadderAdamW):
+        return StateTarget("adam", moment_dtype=engine.moment_dtype)
+    if is_bnb_engine(engine):
+        numel = p.numel() if global_numel is None else global_numel
+        min_size = getattr(getattr(engine, "args", None), "min_8bit_size", BNB_MIN_8BIT_SIZE)
+        return StateTarget(
+            "bnb", qmaps=bnb_qmaps(engine, p.device), quantize=numel >= min_size
+        )
+    if isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        return StateTarget("adam", moment_dtype=p.dtype, step_on_param_device=on_device)
+    raise TypeError(f"cannot convert state for a {type(engine).__name__} engine")
+
+
+def read_step(state: Mapping[str, Any]) -> int:
+    """The number of steps a param took, from either layout."""
+    step = state["step"]
+    return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+
+
+def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if codes.dtype != torch.uint8:  # bitsandbytes keeps small tensors in float32
+        return codes.to(dtype)
+    code = code.to(codes.device)
+    out = torch.ops.bitsandbytes.dequantize_blockwise(
+        codes, absmax.to(codes.device), code, BNB_BLOCKSIZE, dtype
+    )
+    return out.reshape(codes.shape)
+
+
+def _quantize(values: torch.Tensor, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if values.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        values = values.float()
+    codes, absmax = torch.ops.bitsandbytes.quantize_blockwise(
+        values.contiguous(), code, BNB_BLOCKSIZE
+    )
+    return codes.reshape(values.shape), absmax
+
+
+def convert_param_state(
+    state: Mapping[str, Any], p: torch.Tensor, target: StateTarget
+) -> dict[str, Any]:
+    """Convert one param's state, in either layout, to ``target``.
+
+    Tensors already in the target's dtype and on the param's device are reused, not
+    copied. The source is not modified.
+
+    Args:
+        state: the param's state (Adam or bitsandbytes layout), on any device (for
+            instance loaded with ``map_location="cpu"``).
+        p: the param (its device and shape).
+        target: from :func:`state_target`.
+
+    Returns:
+        The new state dict for ``p``.
+
+    Raises:
+        ValueError: if the state's moments do not have the param's element count.
+    """
+    state = unwrap_bnb_state(state)
+    step = read_step(state)
+    src_bnb = "state1" in state
+    if src_bnb:
+        moments = (state["state1"], state["state2"])
+    else:
+        moments = (state["exp_avg"], state["exp_avg_sq"])
+    for name, m in zip(("exp_avg", "exp_avg_sq"), moments):
+        if m.numel() != p.numel():
+            raise ValueError(
+                f"state {name} has {m.numel()} elements but the param has {p.numel()}"
+                f" (shape {tuple(p.shape)})"
+            )
+    device = p.device
+    if target.layout == "adam":
+        if src_bnb:
+            out = [
+                _dequantize(state[f"state{i}"], state.get(f"absmax{i}", torch.empty(0)),
+                            state.get(f"qmap{i}", torch.empty(0)), target.moment_dtype)
+                for i in (1, 2)
+            ]
+        else:
+            out = list(moments)
+        exp_avg, exp_avg_sq = (
+            m.to(device=device, dtype=target.moment_dtype).reshape(p.shape).contiguous()
+            for m in out
+        )
+        step_device = device if target.step_on_param_device else torch.device("cpu")
+        return {
+            "step": torch.tensor(float(step), dtype=torch.float32, device=step_device),
+            "exp_avg": exp_avg,
+            "exp_avg_sq": exp_avg_sq,
+        }
+    assert target.qmaps is not None
+    qmap1, qmap2 = target.qmaps
+    result: dict[str, Any] = {"step": step}
+    for i, (m, qmap) in enumerate(zip(moments, (qmap1, qmap2)), start=1):
+        if src_bnb and m.dtype == torch.uint8 and target.quantize:
+            result[f"state{i}"] = m.to(device).reshape(p.shape)
+            result[f"absmax{i}"] = state[f"absmax{i}"].to(device)
+        elif src_bnb and m.dtype == torch.uint8:
+            result[f"state{i}"] = _dequantize(
+                m, state[f"absmax{i}"], state[f"qmap{i}"], torch.float32
+            ).to(device).reshape(p.shape)
+        elif target.quantize:
+            codes, absmax = _quantize(m.to(device), qmap)
+            result[f"state{i}"] = codes.reshape(p.shape)
+            result[f"absmax{i}"] = absmax
+        else:
+            result[f"state{i}"] = m.to(device=device, dtype=torch.float32).reshape(p.shape)
+        if target.quantize:
+            result[f"qmap{i}"] = qmap
+    return result
+
+
+def _group_of(engine: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+    return {id(p): g for g in engine.param_groups for p in g["params"]}
+
+
+def migrate_engine(
+    source: torch.optim.Optimizer,
+    target: torch.optim.Optimizer,
+    global_numel: Mapping[int, int] | None = None,
+) -> None:
+    """Move every param's state from ``source`` into ``target``, one param at a time.
+
+    Both engines must optimize the same params. Params are converted largest first, and
+    each param's old state is dropped as soon as its new state exists, so when escalating
+    (the target's state per param is at most half the source's) the extra memory peaks at
+    the new state of the largest param: every later conversion fits in what the earlier
+    ones freed. ``source`` ends with no state.
+
+    If a conversion fails (an OOM), the params converted so far are converted back and
+    the error is re-raised: the source keeps every param's state, exactly for the Adam
+    layouts of equal or wider dtype, and up to the target's rounding otherwise.
+
+    Args:
+        source: the engine holding the state.
+        target: the new engine, over the same params, with empty state.
+        global_numel: ``id(param) -> elements of the whole param`` for sharded params
+            (bitsandbytes' size rule); default each param's own ``numel()``.
+    """
+    sizes = global_numel or {}
+    target_groups = _group_of(target)
+    source_groups = _group_of(source)
+    todo = [
+        p
+        for g in source.param_groups
+        for p in g["params"]
+        if source.state.get(p)
+    ]
+    todo.sort(key=lambda p: p.numel(), reverse=True)
+    done: list[torch.Tensor] = []
+    try:
+        for p in todo:
+            spec = state_target(target, target_groups[id(p)], p, sizes.get(id(p)))
+            target.state[p] = convert_param_state(source.state[p], p, spec)
+            del source.state[p]
+            done.append(p)
+    except BaseException:
+        for p in done:
+            spec = state_target(source, source_groups[id(p)], p, sizes.get(id(p)))
+            source.state[p] = convert_param_state(target.state.pop(p), p, spec)
+        raise

@@ -1,0 +1,92 @@
+"""Steps in two phases: *prepare* allocates everything, *commit* writes.
+
+An out-of-memory error in :func:`prepare_step` is rolled back (the state it created is
+dropped), so params, moments and step counts stay exactly as they were. The commit of
+each engine allocates nothing that the dispatcher sees:
+
+- ``torch.optim.AdamW(fused=True)``: state is created in prepare as torch creates it;
+  the fused kernel updates in place.
+- :class:`LadderAdamW`: state and its scratch buffers are allocated in prepare
+  (:meth:`LadderAdamW.prepare_step`); its kernels and its eager loop write in place.
+- bitsandbytes ``AdamW8bit``: state is created in prepare with bitsandbytes' own
+  ``init_state``; its CUDA kernel updates in place. Its CPU fallback allocates inside
+  the update op, so on the CPU a real OOM there can still leave one param half-written.
+- ``torch.optim.AdamW(foreach=True)`` (complex params): the foreach ops allocate
+  between in-place writes; no two-phase guarantee.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.migrate import is_bnb_engine
+
+
+def _torch_adam_init(group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
+    """State exactly as ``torch.optim.Adam(W)._init_group`` creates it."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    if group["capturable"] or group["fused"]:
+        step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=p.device)
+    else:
+        step = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+    state = {
+        "step": step,
+        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
+    if group["amsgrad"]:
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def prepare_step(engine: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Allocate the state the engine's next step needs, before anything is written.
+
+    Args:
+        engine: the rung's optimizer.
+
+    Returns:
+        The params whose state this call created (for :func:`rollback_step`).
+
+    Raises:
+        Whatever the allocation raised (an OOM); the state created so far is dropped
+        first, so the engine is as it was.
+    """
+    created: list[torch.Tensor] = []
+    try:
+        if isinstance(engine, LadderAdamW):
+            for group in engine.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and len(engine.state[p]) == 0:
+                        created.append(p)
+                        engine._init_state(p)
+        elif is_bnb_engine(engine) or isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
+            bnb = is_bnb_engine(engine)
+            for gi, group in enumerate(engine.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    if p.grad is None or len(engine.state[p]) != 0:
+                        continue
+                    created.append(p)
+                    if bnb:
+                        engine.init_state(group, p, gi, pi)  # type: ignore[attr-defined]
+                    else:
+                        engine.state[p].update(_torch_adam_init(group, p))
+    except BaseException:
+        rollback_step(engine, created)
+        raise
+    return created
+
+
+def rollback_step(engine: torch.optim.Optimizer, created: list[torch.Tensor]) -> None:
+    """Drop the state :func:`prepare_step` created and any scratch it holds."""
+    for p in created:
+        engine.state.pop(p, None)
+
+
+def commit_step(engine: torch.optim.Optimizer) -> None:
+    """Run the engine's step on the state :func:`prepare_step` allocated."""
+    engine.step()

@@ -1,0 +1,224 @@
+"""The C kernel of the bf16 rung against the eager oracle (``LadderAdamW._step_param``).
+
+Moments must match bit for bit: the kernel repeats torch's float32 operations in torch's
+order, with the same fused multiply-adds, and uses the oracle's random bits. Params are
+compared to within a few float32 ulps, not bitwise: the eager ``Tensor.sqrt`` goes
+through MKL's vector math on x86 (up to 0.75 ulp, not correctly rounded) while the kernel
+uses the IEEE square root; everything else in the param update is the same operation
+sequence, so the difference is at most ~1 ulp of the param per step. In the decoupled
+(AdamW) form the moments do not depend on the params, so they stay bitwise equal over
+many steps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.kernels import cpu
+
+pytestmark = pytest.mark.skipif(
+    cpu.unavailable_reason() is not None, reason=str(cpu.unavailable_reason())
+)
+
+SHAPES = [(1,), (17,), (33, 17), (4099,), (70_001,)]
+"""Odd sizes so that the vector loops' tails and the thread split are exercised."""
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+
+
+def _grads(params: list[torch.nn.Parameter], step: int, dtype: torch.dtype) -> None:
+    """Grads spanning six decades, in ``dtype`` (a None grad for param 1 on odd steps)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    for i, p in enumerate(params):
+        scale = 10.0 ** torch.randint(-4, 2, p.shape, generator=gen)
+        g = torch.randn(p.shape, generator=gen) * scale
+        p.grad_dtype = None  # allow a grad dtype other than the param's
+        p.grad = None if (i == 1 and step % 2 == 1) else g.to(dtype)
+
+
+def _seed_state(opt: LadderAdamW, params: list[torch.nn.Parameter]) -> None:
+    """Non-trivial moments and per-param step counts, identical for every optimizer."""
+    gen = torch.Generator().manual_seed(7)
+    for k, p in enumerate(params):
+        opt.state[p] = {
+            "step": torch.tensor(float(3 * k), dtype=torch.float32),
+            "exp_avg": (torch.randn(p.shape, generator=gen) * 0.1).to(torch.bfloat16),
+            "exp_avg_sq": (torch.rand(p.shape, generator=gen) * 0.01).to(torch.bfloat16),
+        }
+
+
+def _assert_params_close(a: torch.Tensor, b: torch.Tensor, peak: torch.Tensor, steps: int) -> None:
+    """Params agree to a couple of float32 roundings per step.
+
+    The sqrt difference (see the module docstring) moves each step's result by about one
+    ulp; ``peak`` is the largest magnitude the param reached, so that an error made while
+    the param was large and kept after it shrank (cancellation) is allowed for.
+    """
+    a, b = a.detach(), b.detach()
+    assert ((a - b).abs() <= 2.0 * steps * 2.0**-23 * peak).all(), (a - b).abs().max()
+
+
+def _run(
+    backend: str, steps: int, grad_dtype: torch.dtype, **kwargs: Any
+) -> tuple[list[torch.nn.Parameter], LadderAdamW, list[torch.Tensor]]:
+    """Steps from the seeded state; returns params, optimizer and each param's peak |value|."""
+    params = _params()
+    opt = LadderAdamW(params, seed=1234, backend=backend, **kwargs)  # type: ignore[arg-type]
+    _seed_state(opt, params)
+    peaks = [p.detach().abs() for p in params]
+    for step in range(steps):
+        _grads(params, step, grad_dtype)
+        opt.step()
+        peaks = [torch.maximum(m, p.detach().abs()) for m, p in zip(peaks, params, strict=True)]
+    return params, opt, peaks
+
+
+CONFIGS: list[dict[str, Any]] = [
+    {"lr": 1e-2},
+    {"lr": 3e-3, "weight_decay": 0.1, "decoupled_weight_decay": False},
+    {"lr": 1e-2, "maximize": True},
+    {"lr": 1e-2, "rounding": "nearest"},
+    {"lr": 1e-2, "weight_decay": 0.0},
+    {"lr": torch.tensor(2e-3)},
+    {"lr": 1e-2, "betas": (0.3, 0.95), "eps": 1e-6},  # lerp weight >= 0.5: the other branch
+]
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}" for k in c) or "-")
+def test_one_step_matches_oracle(config: dict[str, Any], grad_dtype: torch.dtype) -> None:
+    ref, ref_opt, peaks = _run("eager", 2, grad_dtype, **config)
+    got, got_opt, _ = _run("cpu", 2, grad_dtype, **config)
+    assert got_opt.eager_reasons == {}
+    for k, (a, b, peak) in enumerate(zip(ref, got, peaks, strict=True)):
+        sa, sb = ref_opt.state[a], got_opt.state[b]
+        assert torch.equal(sa["exp_avg"].view(torch.int16), sb["exp_avg"].view(torch.int16)), k
+        assert torch.equal(
+            sa["exp_avg_sq"].view(torch.int16), sb["exp_avg_sq"].view(torch.int16)
+        ), k
+        assert sa["step"].item() == sb["step"].item() == 3 * k + (1 if k == 1 else 2)
+        _assert_params_close(a, b, peak, 2)
+
+
+def test_many_steps_adamw_moments_stay_bitwise() -> None:
+    steps = 12
+    ref, ref_opt, peaks = _run("eager", steps, torch.float32, lr=1e-2, weight_decay=0.05)
+    got, got_opt, _ = _run("cpu", steps, torch.float32, lr=1e-2, weight_decay=0.05)
+    for a, b, peak in zip(ref, got, peaks, strict=True):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ref_opt.state[a][name], got_opt.state[b][name])
+        _assert_params_close(a, b, peak, steps)
+    # and the run really moved: the update is not a no-op
+    assert not torch.equal(ref[4].detach(), _params()[4].detach())
+
+
+def test_thread_count_does_not_change_the_result() -> None:
+    results = []
+    for threads in (1, 2, 3):
+        params = _params()
+        _grads(params, 0, torch.float32)
+        moments = [
+            (torch.zeros_like(p, dtype=torch.bfloat16), torch.zeros_like(p, dtype=torch.bfloat16))
+            for p in params
+        ]
+        jobs = [
+            cpu.ParamJob(p.detach(), p.grad, m, v, 99 + i, -1e-2, bias_correction2_sqrt=0.03)
+            for i, (p, (m, v)) in enumerate(zip(params, moments, strict=True))
+            if p.grad is not None
+        ]
+        cpu.adamw_bf16_step(
+            jobs, beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2, weight_decay=0.01,
+            decoupled_weight_decay=True, maximize=False, stochastic=True, num_threads=threads,
+        )  # fmt: skip
+        results.append(
+            torch.cat([t.detach().reshape(-1).float() for j in jobs for t in (j.param, j.exp_avg)])
+        )
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+def test_amp_found_inf_changes_nothing_and_grad_scale_unscales() -> None:
+    params = _params()
+    opt = LadderAdamW(params, lr=1e-2, backend="cpu")
+    _seed_state(opt, params)
+    _grads(params, 0, torch.float32)
+    before = [p.detach().clone() for p in params]
+    state_before = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    opt.found_inf = torch.tensor(1.0)  # type: ignore[attr-defined]
+    opt.grad_scale = torch.tensor(8.0)  # type: ignore[attr-defined]
+    opt.step()
+    for p, b, sb in zip(params, before, state_before, strict=True):
+        assert torch.equal(p.detach(), b)
+        assert all(torch.equal(opt.state[p][k], v) for k, v in sb.items())
+
+    # grad_scale: the same step as with grads divided by the scale (a power of two: exact)
+    ref = _params()
+    ref_opt = LadderAdamW(ref, lr=1e-2, backend="cpu")
+    _seed_state(ref_opt, ref)
+    _grads(ref, 0, torch.float32)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(8.0)
+    opt.found_inf = torch.tensor(0.0)  # type: ignore[attr-defined]
+    opt.step()
+    ref_opt.step()
+    for a, b in zip(ref, params, strict=True):
+        assert torch.equal(a.detach(), b.detach())
+        assert torch.equal(ref_opt.state[a]["exp_avg_sq"], opt.state[b]["exp_avg_sq"])
+        if a.grad is not None:
+            assert torch.equal(a.grad, b.grad)  # grads are left unscaled, as torch's fused
+
+
+def test_unsupported_params_fall_back_with_a_reason_or_raise() -> None:
+    p16 = torch.nn.Parameter(torch.randn(10).to(torch.bfloat16))
+    p32 = torch.nn.Parameter(torch.randn(10))
+    for p in (p16, p32):
+        p.grad = torch.randn(10).to(p.dtype)
+    opt = LadderAdamW([p16, p32], backend="auto")
+    opt.step()
+    assert set(opt.eager_reasons) == {0}
+    assert "float32 params only" in opt.eager_reasons[0]
+    with pytest.raises(ValueError, match=r"backend='cpu' cannot step param 0: .*float32"):
+        LadderAdamW([p16, p32], backend="cpu").step()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        LadderAdamW([p32], backend="fast")  # type: ignore[arg-type]
+
+
+def test_missing_compiler_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "optladder-no-such-compiler")
+    p = torch.nn.Parameter(torch.randn(10))
+    p.grad = torch.randn(10)
+    opt = LadderAdamW([p], backend="auto")
+    opt.step()
+    assert "no C compiler" in opt.eager_reasons[0]
+    assert opt.state[p]["step"].item() == 1.0
+    with pytest.raises(ValueError, match="no C compiler"):
+        LadderAdamW([p], backend="cpu").step()
+
+
+def test_build_caches_under_xdg_cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = cpu.build()
+    assert path.parent == tmp_path / "optladder" / "kernels" and path.suffix == ".so"
+    mtime = os.stat(path).st_mtime_ns
+    assert cpu.build() == path and os.stat(path).st_mtime_ns == mtime  # no rebuild
+
+
+def test_nan_moments_stay_nan() -> None:
+    p = torch.nn.Parameter(torch.zeros(64))
+    p.grad = torch.full((64,), float("nan"))
+    opt = LadderAdamW([p], backend="cpu")
+    opt.step()
+    bits: Callable[[str], torch.Tensor] = lambda n: opt.state[p][n].view(torch.int16)  # noqa: E731
+    assert torch.isnan(opt.state[p]["exp_avg"].float()).all()
+    # the oracle's quiet NaN: high half of the float32 pattern with bit 22 set
+    assert ((bits("exp_avg_sq").to(torch.int32) & 0x7FC0) == 0x7FC0).all()
