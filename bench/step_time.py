@@ -120,29 +120,57 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(
-    name: str, factory: Factory, n: int, device: torch.device, reps: int, warmup: int
-) -> Result:
-    """Median step time of one implementation on one float32 param of ``n`` elements."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(n, device=device, generator=gen))
-    p.grad = torch.randn(n, device=device, generator=gen) * 1e-3
-    opt = factory([p])
-    for _ in range(warmup):
-        opt.step()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def warm_process(device: torch.device, seconds: float = 1.0) -> None:
+    """Step a small fused AdamW for a while: a fresh process runs its first steps slowly
+    (thread pools, page faults, clocks), which would bias whichever impl comes first."""
+    p = torch.nn.Parameter(torch.randn(1 << 20, device=device))
+    p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW([p], fused=True)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
         opt.step()
         _sync(device)
-        times.append(time.perf_counter() - t0)
-    result = Result(name, n, statistics.median(times), state_bytes(opt) / n)
-    del opt, p
+
+
+def measure_size(
+    impls: dict[str, Factory], n: int, device: torch.device, reps: int, warmup: int
+) -> list[Result]:
+    """Median step time of every implementation on one float32 param of ``n`` elements.
+
+    The implementations are timed in turns (rep 1 of each, then rep 2 of each, ...), so
+    that slow drifts of the machine hit all of them alike. One that fails is reported
+    and left out.
+    """
+    live: dict[str, tuple[torch.optim.Optimizer, torch.nn.Parameter]] = {}
+    for name, factory in impls.items():
+        gen = torch.Generator(device=device).manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(n, device=device, generator=gen))
+        p.grad = torch.randn(n, device=device, generator=gen) * 1e-3
+        try:
+            opt = factory([p])
+            for _ in range(warmup):
+                opt.step()
+            _sync(device)
+        except Exception as exc:  # a baseline that cannot run here is reported, not fatal
+            print(f"{name:<24}{n:>10}  failed: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        live[name] = (opt, p)
+    times: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(reps):
+        for name, (opt, _) in live.items():
+            t0 = time.perf_counter()
+            opt.step()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    results = [
+        Result(name, n, statistics.median(times[name]), state_bytes(opt) / n)
+        for name, (opt, _) in live.items()
+    ]
+    live.clear()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return result
+    return results
 
 
 def plot(results: list[Result], path: Path) -> None:
@@ -209,22 +237,17 @@ def main(argv: list[str] | None = None) -> list[Result]:
     header = f"{'impl':<24}{'params':>10}{'median ms':>12}{'state B/param':>15}{'vs fused':>10}"
     header += f"{'GB/s':>9}" + (f"{'% peak':>8}" if args.peak_gbps else "")
     print(header)
+    runnable = {k: v for k, v in impls.items() if not isinstance(v, str)}
+    warm_process(device)
     for n in sizes:
         base: float | None = None
-        for name, factory in impls.items():
-            if isinstance(factory, str):
-                continue
-            try:
-                r = measure(name, factory, n, device, args.reps, args.warmup)
-            except Exception as exc:  # a baseline that cannot run here is reported, not fatal
-                print(f"{name:<24}{n:>10}  failed: {type(exc).__name__}: {str(exc)[:120]}")
-                continue
+        for r in measure_size(runnable, n, device, args.reps, args.warmup):
             results.append(r)
-            if name == "torch-fused-fp32":
+            if r.impl == "torch-fused-fp32":
                 base = r.median_s
             ratio = f"{base / r.median_s:10.2f}" if base else f"{'-':>10}"
-            gbps = TRAFFIC_BYTES_PER_PARAM.get(name, math.nan) * n / r.median_s / 1e9
-            line = f"{name:<24}{n:>10}{r.median_s * 1e3:12.3f}{r.state_bytes_per_param:15.3f}"
+            gbps = TRAFFIC_BYTES_PER_PARAM.get(r.impl, math.nan) * n / r.median_s / 1e9
+            line = f"{r.impl:<24}{n:>10}{r.median_s * 1e3:12.3f}{r.state_bytes_per_param:15.3f}"
             line += f"{ratio}{gbps:9.1f}"
             if args.peak_gbps:
                 line += f"{100 * gbps / args.peak_gbps:7.1f}%"

@@ -184,7 +184,9 @@ def test_state_dict_round_trip_resumes_identically(rung: str) -> None:
 
 
 def test_load_state_dict_refuses_mismatched_params_and_changes_nothing() -> None:
-    src_model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 9))
+    src_model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 9)
+    )
     src = choose_optimizer(src_model, free_memory="1GiB", rung="bf16")
     gen = torch.Generator().manual_seed(0)
     src_model(torch.randn(4, 64, generator=gen)).sum().backward()

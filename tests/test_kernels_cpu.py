@@ -122,28 +122,45 @@ def test_many_steps_adamw_moments_stay_bitwise() -> None:
     assert not torch.equal(ref[4].detach(), _params()[4].detach())
 
 
-def test_thread_count_does_not_change_the_result() -> None:
-    results = []
-    for threads in (1, 2, 3):
-        params = _params()
-        _grads(params, 0, torch.float32)
-        moments = [
-            (torch.zeros_like(p, dtype=torch.bfloat16), torch.zeros_like(p, dtype=torch.bfloat16))
-            for p in params
-        ]
-        jobs = [
-            cpu.ParamJob(p.detach(), p.grad, m, v, 99 + i, -1e-2, bias_correction2_sqrt=0.03)
-            for i, (p, (m, v)) in enumerate(zip(params, moments, strict=True))
-            if p.grad is not None
-        ]
-        cpu.adamw_bf16_step(
-            jobs, beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2, weight_decay=0.01,
-            decoupled_weight_decay=True, maximize=False, stochastic=True, num_threads=threads,
-        )  # fmt: skip
-        results.append(
-            torch.cat([t.detach().reshape(-1).float() for j in jobs for t in (j.param, j.exp_avg)])
+def _direct_step(threads: int, library: Any = None) -> torch.Tensor:
+    """One kernel call on fresh params; returns params and moments, concatenated."""
+    params = _params()
+    _grads(params, 0, torch.float32)
+    jobs = [
+        cpu.ParamJob(
+            p.detach(),
+            p.grad,
+            torch.zeros_like(p, dtype=torch.bfloat16),
+            torch.zeros_like(p, dtype=torch.bfloat16),
+            key=99 + i,
+            step_size=-1e-2,
+            bias_correction2_sqrt=0.03,
         )
-    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+        for i, p in enumerate(params)
+        if p.grad is not None
+    ]
+    cpu.adamw_bf16_step(
+        jobs, beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2, weight_decay=0.01,
+        decoupled_weight_decay=True, maximize=False, stochastic=True, num_threads=threads,
+        library=library,
+    )  # fmt: skip
+    parts = [t.detach().reshape(-1).float() for j in jobs for t in (j.param, j.exp_avg)]
+    return torch.cat(parts)
+
+
+def test_thread_count_does_not_change_the_result() -> None:
+    one = _direct_step(1)
+    assert torch.equal(one, _direct_step(2)) and torch.equal(one, _direct_step(3))
+
+
+def test_pthread_build_matches_openmp_build(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fallback build (no OpenMP: torch on another OpenMP runtime) gives equal bits."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu, "_uses_gnu_openmp", lambda: False)
+    lib = cpu.load(cpu.build())
+    assert torch.equal(_direct_step(1), _direct_step(2, library=lib))
 
 
 def test_amp_found_inf_changes_nothing_and_grad_scale_unscales() -> None:

@@ -21,10 +21,14 @@ from optladder.policies import (
 )
 from optladder.rungs import RUNGS, Capabilities, Rung
 from optladder.selector import (
+    Escalation,
     InsufficientMemoryError,
+    Ladder,
     LadderOptimizer,
+    OptimizerOutOfMemoryError,
     OptladderWarning,
     choose_optimizer,
+    is_oom,
 )
 from optladder.units import parse_bytes
 
@@ -32,9 +36,12 @@ __all__ = [
     "RUNGS",
     "Capabilities",
     "Decision",
+    "Escalation",
     "Footprint",
     "InsufficientMemoryError",
+    "Ladder",
     "LadderOptimizer",
+    "OptimizerOutOfMemoryError",
     "OptladderWarning",
     "OverrideError",
     "Overrides",
@@ -42,6 +49,7 @@ __all__ = [
     "Rung",
     "choose_optimizer",
     "decide",
+    "is_oom",
     "measure_footprint",
     "measure_state_bytes",
     "parse_bytes",

@@ -1,12 +1,29 @@
-"""Wires policies and optimizers together: ``choose_optimizer`` and the optladder optimizer."""
+"""Wires policies and optimizers together: ``choose_optimizer``, the optladder optimizer,
+and the OOM ladder."""
 
 from optladder.selector.choose import InsufficientMemoryError, OptladderWarning, choose_optimizer
-from optladder.selector.optimizer import RUNG_KEY, LadderOptimizer
+from optladder.selector.ladder import Ladder
+from optladder.selector.oom import describe_error, is_oom
+from optladder.selector.optimizer import (
+    ORIGIN_KEY,
+    REASON_KEY,
+    RUNG_KEY,
+    Escalation,
+    LadderOptimizer,
+    OptimizerOutOfMemoryError,
+)
 
 __all__ = [
+    "ORIGIN_KEY",
+    "REASON_KEY",
     "RUNG_KEY",
+    "Escalation",
     "InsufficientMemoryError",
+    "Ladder",
     "LadderOptimizer",
+    "OptimizerOutOfMemoryError",
     "OptladderWarning",
     "choose_optimizer",
+    "describe_error",
+    "is_oom",
 ]

@@ -42,3 +42,9 @@ def is_oom(exc: BaseException) -> bool:
         message = str(exc).lower()
         return any(m in message for m in _OOM_MESSAGES)
     return False
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"Type: first line of the message"``, at most 300 characters, for logs and reasons."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]

@@ -27,7 +27,7 @@ from optladder.optimizers.migrate import (
 from optladder.optimizers.transaction import commit_step, prepare_step, rollback_step
 from optladder.policies.decision import Decision, escalation_target
 from optladder.rungs import RUNGS, Rung
-from optladder.selector.oom import is_oom
+from optladder.selector.oom import describe_error, is_oom
 from optladder.units import format_bytes
 
 logger = logging.getLogger("optladder")
@@ -234,7 +234,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             return None
         if created is not None:  # this rank prepared, another ran out of memory
             rollback_step(engine, created)
-        message = _describe(error) if error is not None else "another rank ran out of memory"
+        message = describe_error(error) if error is not None else "another rank ran out of memory"
         target, why_not = escalation_target(self._decision)
         if target is None or retries >= self.max_retries or self._rebuild is None:
             if target is not None:
@@ -243,13 +243,15 @@ class LadderOptimizer(torch.optim.Optimizer):
                     if self._rebuild is not None
                     else "this optimizer was built without a rebuild function"
                 )
-            raise self._exhausted(f"out of memory in the optimizer step ({message}); {why_not}") from error
+            raise self.out_of_memory_error(f"out of memory in the optimizer step ({message}); {why_not}") from error
         if error is not None:
             error.__traceback__ = None
         del error
         return message
 
-    def _exhausted(self, message: str) -> OptimizerOutOfMemoryError:
+    def out_of_memory_error(self, message: str) -> OptimizerOutOfMemoryError:
+        """The error to raise when out of memory with nowhere to go: ``message`` plus the
+        current rung's state bytes and the free bytes seen when it was chosen."""
         needed = self._decision.state_bytes[self.rung]
         free = self._decision.free_memory
         return OptimizerOutOfMemoryError(
@@ -274,7 +276,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         """
         target, why_not = escalation_target(self._decision)
         if target is None or self._rebuild is None:
-            raise self._exhausted(f"{reason}; {why_not or 'no rebuild function'}")
+            raise self.out_of_memory_error(f"{reason}; {why_not or 'no rebuild function'}")
         event = Escalation(self.rung, target, reason, self._steps)
         self.migrate_to(target, reason, origin="escalated")
         self.escalations.append(event)
@@ -428,11 +430,6 @@ class LadderOptimizer(torch.optim.Optimizer):
         fused = "fused" if self.decision.fused else "not fused"
         engine = type(self.engine).__name__
         return f"{type(self).__name__}(rung={self.rung!r}, {fused}, engine={engine})"
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:

@@ -18,6 +18,7 @@ SOURCE = r"""
 #include <stddef.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdlib.h>
 
 #define OL_GRAD_F32 0
 #define OL_GRAD_BF16 1
@@ -141,55 +142,95 @@ typedef struct {
     const ol_param_t *params;
     int64_t n_params;
     const ol_hyper_t *hyper;
-    int64_t begin, end;  /* range in the concatenation of all params' elements */
+    const int64_t *offsets;  /* offsets[k]: first element of param k; offsets[n] = total */
+    int64_t begin, end;      /* range in the concatenation of all params' elements */
 } ol_job_t;
 
 static void *ol_run(void *arg) {
     const ol_job_t *job = (const ol_job_t *)arg;
-    int64_t offset = 0;
-    for (int64_t k = 0; k < job->n_params && offset < job->end; k++) {
+    /* the first param that overlaps [begin, end): binary search in the offsets */
+    int64_t lo_k = 0, hi_k = job->n_params;
+    while (hi_k - lo_k > 1) {
+        int64_t mid = (lo_k + hi_k) / 2;
+        if (job->offsets[mid] <= job->begin) lo_k = mid; else hi_k = mid;
+    }
+    for (int64_t k = lo_k; k < job->n_params && job->offsets[k] < job->end; k++) {
         const ol_param_t *P = &job->params[k];
+        int64_t offset = job->offsets[k];
         int64_t lo = job->begin > offset ? job->begin - offset : 0;
         int64_t hi = job->end - offset < P->numel ? job->end - offset : P->numel;
         if (lo < hi) ol_range(P, job->hyper, lo, hi);
-        offset += P->numel;
     }
     return NULL;
 }
 
 #define OL_MAX_THREADS 256
+#define OL_TASK 131072  /* elements per work item: 512 KiB of float32 params */
 
-/* Update every param of the table; returns 0, or -1 if a worker thread could not start
-   (then the update ran on fewer threads: the result is the same). */
+#ifndef _OPENMP
+static void ol_split(ol_job_t *job, int64_t total, int64_t t, int64_t n_parts,
+                     int64_t align) {
+    int64_t per = (total + n_parts - 1) / n_parts;
+    per = (per + align - 1) / align * align;
+    job->begin = t * per < total ? t * per : total;
+    job->end = (t + 1) * per < total ? (t + 1) * per : total;
+}
+#endif
+
+/* Built with -fopenmp, the shared object needs libgomp.so.1, which resolves to the
+   OpenMP runtime torch has already loaded: the kernel runs on torch's own (warm) worker
+   threads instead of competing with them. Without OpenMP it starts pthreads. */
+
+/* Update every param of the table. Returns 0, -1 if a worker thread could not start
+   (then the update ran on fewer threads: the result is the same), -2 out of memory
+   (nothing was written). */
 int ol_adamw_bf16_step(const ol_param_t *params, int64_t n_params,
                        const ol_hyper_t *hyper, int32_t n_threads) {
-    int64_t total = 0;
-    for (int64_t k = 0; k < n_params; k++) total += params[k].numel;
+    if (n_params <= 0) return 0;
+    int64_t *offsets = (int64_t *)malloc((size_t)(n_params + 1) * sizeof(int64_t));
+    if (offsets == NULL) return -2;
+    offsets[0] = 0;
+    for (int64_t k = 0; k < n_params; k++) offsets[k + 1] = offsets[k] + params[k].numel;
+    const int64_t total = offsets[n_params];
+    ol_job_t base = {params, n_params, hyper, offsets, 0, total};
     if (n_threads < 1) n_threads = 1;
     if (n_threads > OL_MAX_THREADS) n_threads = OL_MAX_THREADS;
-    ol_job_t jobs[OL_MAX_THREADS];
-    pthread_t tids[OL_MAX_THREADS];
-    int started[OL_MAX_THREADS];
-    int64_t per = (total + n_threads - 1) / n_threads;
-    per = (per + 63) & ~(int64_t)63;  /* whole cache lines of float32 per thread */
     int rc = 0;
-    for (int t = 0; t < n_threads; t++) {
-        jobs[t].params = params;
-        jobs[t].n_params = n_params;
-        jobs[t].hyper = hyper;
-        jobs[t].begin = (int64_t)t * per < total ? (int64_t)t * per : total;
-        jobs[t].end = (int64_t)(t + 1) * per < total ? (int64_t)(t + 1) * per : total;
-        started[t] = 0;
+    if (n_threads == 1) {
+        ol_run(&base);
+    } else {
+#ifdef _OPENMP
+        /* Work items handed out dynamically: a thread that gets preempted (2 cores
+           shared with a data loader) does not hold the others up. */
+        int64_t n_tasks = (total + OL_TASK - 1) / OL_TASK;
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+        for (int64_t t = 0; t < n_tasks; t++) {
+            ol_job_t job = base;
+            job.begin = t * OL_TASK;
+            job.end = (t + 1) * OL_TASK < total ? (t + 1) * OL_TASK : total;
+            ol_run(&job);
+        }
+#else
+        ol_job_t jobs[OL_MAX_THREADS];
+        pthread_t tids[OL_MAX_THREADS];
+        int started[OL_MAX_THREADS];
+        for (int t = 0; t < n_threads; t++) {
+            jobs[t] = base;
+            ol_split(&jobs[t], total, t, n_threads, 64);
+            started[t] = 0;
+        }
+        for (int t = 1; t < n_threads; t++) {
+            if (jobs[t].begin >= jobs[t].end) continue;
+            started[t] = pthread_create(&tids[t], NULL, ol_run, &jobs[t]) == 0;
+        }
+        ol_run(&jobs[0]);
+        for (int t = 1; t < n_threads; t++) {
+            if (started[t]) pthread_join(tids[t], NULL);
+            else if (jobs[t].begin < jobs[t].end) { ol_run(&jobs[t]); rc = -1; }
+        }
+#endif
     }
-    for (int t = 1; t < n_threads; t++) {
-        if (jobs[t].begin >= jobs[t].end) continue;
-        started[t] = pthread_create(&tids[t], NULL, ol_run, &jobs[t]) == 0;
-    }
-    ol_run(&jobs[0]);
-    for (int t = 1; t < n_threads; t++) {
-        if (started[t]) pthread_join(tids[t], NULL);
-        else if (jobs[t].begin < jobs[t].end) { ol_run(&jobs[t]); rc = -1; }
-    }
+    free(offsets);
     return rc;
 }
 

@@ -117,13 +117,24 @@ def cache_dir() -> Path:
 def _library_path(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     digest = hashlib.sha256()
-    for part in (SOURCE, " ".join(_CFLAGS), cc, version.stdout):
+    for part in (SOURCE, " ".join(_CFLAGS), cc, version.stdout, str(_uses_gnu_openmp())):
         digest.update(part.encode())
     return cache_dir() / f"adamw_bf16_{digest.hexdigest()[:16]}.so"
 
 
+def _compile(cc: str, src: Path, out: Path, openmp: bool) -> subprocess.CompletedProcess[str]:
+    flags = [*_CFLAGS, "-fopenmp"] if openmp else list(_CFLAGS)
+    return subprocess.run(
+        [cc, *flags, str(src), "-o", str(out), "-lm"], capture_output=True, text=True, check=False
+    )
+
+
 def build(force: bool = False) -> Path:
     """Compile the kernel into the cache unless it is there; return the shared object.
+
+    The kernel is built with ``-fopenmp`` so that it runs on the OpenMP runtime torch has
+    loaded (``libgomp.so.1``, matched by soname); where that build fails it is built with
+    plain pthreads.
 
     Args:
         force: rebuild even if the cached file exists.
@@ -147,12 +158,9 @@ def build(force: bool = False) -> Path:
         src = Path(tmp) / "adamw_bf16.c"
         src.write_text(SOURCE)
         out = Path(tmp) / path.name
-        proc = subprocess.run(
-            [cc, *_CFLAGS, str(src), "-o", str(out), "-lm"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        proc = _compile(cc, src, out, openmp=_uses_gnu_openmp())
+        if proc.returncode != 0:
+            proc = _compile(cc, src, out, openmp=False)
         if proc.returncode != 0:
             raise KernelBuildError(
                 f"building the bf16 CPU kernel with {cc} failed (exit {proc.returncode}):\n"
@@ -162,6 +170,18 @@ def build(force: bool = False) -> Path:
     return path
 
 
+def _uses_gnu_openmp() -> bool:
+    """Whether GNU OpenMP (``libgomp``) is loaded here, as torch's CPU wheels load it.
+
+    Then a ``-fopenmp`` kernel shares torch's thread pool; otherwise (Intel OpenMP, or
+    none) it would bring a second runtime whose threads compete with torch's.
+    """
+    try:
+        return "libgomp" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """Build (first use only) and load the kernel; cached for the life of the process.
@@ -169,7 +189,15 @@ def load_library() -> ctypes.CDLL:
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
     """
-    path = build()
+    return load(build())
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """Load a built kernel and declare its C signature.
+
+    Raises:
+        KernelBuildError: if it cannot be loaded or has another ABI version.
+    """
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
@@ -242,6 +270,7 @@ def adamw_bf16_step(
     maximize: bool,
     stochastic: bool,
     num_threads: int | None = None,
+    library: ctypes.CDLL | None = None,
 ) -> None:
     """Update params and bf16 moments in place, exactly as the eager oracle does.
 
@@ -257,6 +286,7 @@ def adamw_bf16_step(
         maximize: ascend.
         stochastic: stochastic rounding of the moments (else round to nearest even).
         num_threads: worker threads; default ``torch.get_num_threads()``.
+        library: a kernel from :func:`load`; default :func:`load_library`.
 
     Raises:
         ValueError: if a moment is not a contiguous bfloat16 tensor of the param's shape.
@@ -300,8 +330,9 @@ def adamw_bf16_step(
     )
     threads = torch.get_num_threads() if num_threads is None else num_threads
     threads = max(1, min(threads, total // _MIN_ELEMENTS_PER_THREAD))
-    lib = load_library()
-    lib.ol_adamw_bf16_step(table, len(jobs), ctypes.byref(hyper), threads)
+    lib = load_library() if library is None else library
+    if lib.ol_adamw_bf16_step(table, len(jobs), ctypes.byref(hyper), threads) == -2:
+        raise MemoryError("the bf16 CPU kernel could not allocate its offsets table")
 
 
 if __name__ == "__main__":
