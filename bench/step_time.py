@@ -265,8 +265,11 @@ def main(argv: list[str] | None = None) -> list[Result]:
         ]
         args.json.write_text(json.dumps(records, indent=1))
     if results and args.png:
-        plot(results, args.png)
-        print(f"plot: {args.png}")
+        try:
+            plot(results, args.png)
+            print(f"plot: {args.png}")
+        except ImportError as exc:
+            print(f"no plot: matplotlib is not importable ({exc})")
     return results
 
 

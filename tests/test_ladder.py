@@ -298,3 +298,209 @@ def test_step_oom_escalates_and_retries_exactly_one_step(rung: str, next_rung: s
     for p, r in zip(params, ref_params):
         assert torch.equal(p, r)  # exactly one step, on the next rung
     assert _moments_fp32(opt, params[0])[2] == 1
+
+
+# ---------------------------------------------------------------------------- Ladder.run
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(64, 128)
+        self.drop = torch.nn.Dropout(0.5)
+        self.fc2 = torch.nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def _guarded_setup(oom_calls: int, **kwargs):  # type: ignore[no-untyped-def]
+    model = _Net()
+    events: list[Escalation] = []
+    opt = choose_optimizer(model, free_memory="1GiB", on_escalate=events.append, **kwargs)
+    ladder = Ladder(opt)
+    calls = {"n": 0}
+    masks: list[torch.Tensor] = []
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    @ladder.guard
+    def train_step(x: torch.Tensor, scale: float = 1.0) -> float:
+        """One step."""
+        calls["n"] += 1
+        opt.zero_grad()
+        big = torch.ones(1000)  # stands for the activations of the failed attempt
+        made.append(weakref.ref(big))
+        loss = model(x).square().mean() * scale
+        masks.append(torch.rand(8))  # an RNG draw, as dropout makes
+        loss.backward()
+        if calls["n"] <= oom_calls:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated in backward)")
+        opt.step()
+        return loss.item()
+
+    return model, opt, train_step, calls, masks, made, events
+
+
+def test_forward_oom_reruns_one_rung_down_with_rng_restored() -> None:
+    model, opt, train_step, calls, masks, made, events = _guarded_setup(oom_calls=1)
+    assert opt.rung == "fp32"
+    x = torch.randn(4, 64)
+    loss = train_step(x, scale=2.0)
+    assert calls["n"] == 2 and opt.rung == "bf16"
+    assert [(e.from_rung, e.to_rung) for e in events] == [("fp32", "bf16")]
+    assert "forward/backward" in events[0].reason
+    assert torch.equal(masks[0], masks[1])  # the rerun drew the same random numbers
+    assert made[0]() is None  # the failed attempt's tensors were freed
+    assert math.isfinite(loss)
+    # exactly one step was taken: the same as a clean bf16 run from the same start
+    ref_model = _Net()
+    ref_opt = choose_optimizer(ref_model, free_memory="1GiB", rung="bf16")
+    torch.manual_seed(0)
+    ref_opt.zero_grad()
+    (ref_model(x).square().mean() * 2.0).backward()
+    ref_opt.step()
+    assert opt.state[model.fc1.weight]["step"].item() == 1.0
+
+
+def test_grads_are_zeroed_before_the_rerun() -> None:
+    model, opt, train_step, *_ = _guarded_setup(oom_calls=1)
+    seen: list[bool] = []
+    opt.on_escalate = lambda e: seen.append(all(p.grad is None for p in model.parameters()))
+    train_step(torch.randn(4, 64))
+    assert seen == [True]
+
+
+def test_guard_keeps_the_signature() -> None:
+    _, _, train_step, *_ = _guarded_setup(oom_calls=0)
+    assert train_step.__name__ == "train_step"
+    assert train_step.__doc__ == "One step."
+    assert list(inspect.signature(train_step).parameters) == ["x", "scale"]
+
+
+def test_retries_are_bounded_and_the_last_rung_reraises_with_bytes() -> None:
+    model, opt, train_step, calls, *_ = _guarded_setup(oom_calls=99)
+    with pytest.raises(OptimizerOutOfMemoryError) as info:
+        train_step(torch.randn(4, 64))
+    assert calls["n"] == 3  # fp32, then bf16, then 8bit
+    assert opt.rung == "8bit"
+    err = info.value
+    assert isinstance(err.__cause__, torch.OutOfMemoryError)
+    assert err.needed_bytes == measure_footprint(model).state_bytes["8bit"]
+    assert f"{err.needed_bytes:,} bytes" in str(err) and f"{2**30:,} bytes" in str(err)
+
+
+def test_a_pinned_rung_never_moves() -> None:
+    _, opt, train_step, calls, *_ = _guarded_setup(oom_calls=1, rung="fp32")
+    with pytest.raises(OptimizerOutOfMemoryError, match="pinned by rung='fp32'"):
+        train_step(torch.randn(4, 64))
+    assert opt.rung == "fp32" and calls["n"] == 1
+
+
+def test_a_disabled_rung_is_skipped() -> None:
+    _, opt, train_step, *_ = _guarded_setup(oom_calls=1, environ={"OPTLADDER_BF16_ADAM": "0"})
+    train_step(torch.randn(4, 64))
+    assert opt.rung == "8bit"
+
+
+def test_other_errors_pass_through_untouched() -> None:
+    model = _Net()
+    opt = choose_optimizer(model, free_memory="1GiB")
+    ladder = Ladder(opt)
+    with pytest.raises(ZeroDivisionError):
+        ladder.run(lambda: 1 / 0)
+    assert opt.rung == "fp32" and not opt.escalations
+
+
+def test_ladder_rejects_a_plain_optimizer() -> None:
+    with pytest.raises(TypeError, match="optladder optimizer"):
+        Ladder(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _trained(rung: str, escalated: bool = False):  # type: ignore[no-untyped-def]
+    params = _params()
+    if escalated:  # reach the rung the way a run does: by running out of memory
+        opt = _opt(params, rung=None)
+        while opt.rung != rung:
+            opt.escalate("test")
+    else:
+        opt = _opt(params, rung=rung)
+    for s in range(2):
+        _set_grads(params, s)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("src", RUNGS)
+@pytest.mark.parametrize("dst", RUNGS)
+def test_any_rung_loads_into_any_pinned_rung(src: str, dst: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    params, opt = _trained(src)
+    path = tmp_path / "ckpt.pt"
+    torch.save(opt.state_dict(), path)
+    loaded = torch.load(path, map_location="cpu", weights_only=False)
+    live_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    live = _opt(live_params, rung=dst)
+    fused_before = [g.get("fused") for g in live.param_groups]
+    live.load_state_dict(loaded)
+    assert live.rung == dst  # pinned: the checkpoint's state is converted into it
+    assert [g.get("fused") for g in live.param_groups] == fused_before
+    for p, q in zip(params, live_params):
+        m0, v0, step0 = _moments_fp32(opt, p)
+        m1, v1, step1 = _moments_fp32(live, q)
+        assert step0 == step1 == 2
+        if RUNGS.index(dst) > RUNGS.index(src) or dst == "bf16":
+            tol_m, tol_v = _tolerance(dst, m0, signed=True), _tolerance(dst, v0, signed=False)
+        else:
+            tol_m = tol_v = torch.zeros_like(m0)
+        assert bool(((m1 - m0).abs() <= tol_m).all())
+        assert bool(((v1 - v0).abs() <= tol_v).all())
+    st = live.state[live_params[0]]
+    if dst == "bf16":
+        assert st["exp_avg"].dtype == torch.bfloat16
+    elif dst == "8bit":
+        assert st["state1"].dtype == torch.uint8 and st["absmax1"].dtype == torch.float32
+        assert isinstance(st["step"], int)
+    else:
+        assert st["exp_avg"].dtype == torch.float32
+        assert st["step"].dtype == torch.float32 and st["step"].dim() == 0
+    assert live.param_groups[0]["lr"] == pytest.approx(3e-3)
+    _set_grads(live_params, 5)
+    live.step()
+
+
+def test_a_policy_optimizer_moves_to_the_rung_a_checkpoint_escalated_to() -> None:
+    params, opt = _trained("bf16", escalated=True)
+    assert opt.param_groups[0]["rung_origin"] == "escalated"
+    live_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    live = _opt(live_params, rung=None)
+    assert live.rung == "fp32"
+    live.load_state_dict(opt.state_dict())
+    assert live.rung == "bf16" and live.decision.origin == "checkpoint"
+    _set_grads(params, 7)
+    _set_grads(live_params, 7)
+    opt.step()
+    live.step()
+    for p, q in zip(params, live_params):
+        assert torch.equal(p, q)  # the resumed run continues exactly
+
+
+def test_a_policy_checkpoint_does_not_move_a_policy_optimizer() -> None:
+    params, opt = _trained("bf16")  # pinned bf16, not escalated
+    live = _opt([torch.nn.Parameter(p.detach().clone()) for p in params], rung=None)
+    live.load_state_dict(opt.state_dict())
+    assert live.rung == "fp32"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_distributed_checkpoint_round_trip(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed.checkpoint as dcp
+
+    params, opt = _trained("bf16")
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    live_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    live = _opt(live_params, rung="bf16")
+    _set_grads(live_params, 0)
+    live.step()  # allocate state of the right shapes for DCP to load into
+    target = {"optim": live.state_dict()}
+    dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
+    live.load_state_dict(target["optim"])
+    _assert_same(([], copy.deepcopy(live.state_dict())), ([], copy.deepcopy(opt.state_dict())))

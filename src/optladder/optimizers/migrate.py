@@ -137,18 +137,19 @@ def _quantize(values: torch.Tensor, code: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def convert_param_state(
-    state: Mapping[str, Any], p: torch.Tensor, target: StateTarget
+    state: Mapping[str, Any], p: torch.Tensor, target: StateTarget, *, copy: bool = False
 ) -> dict[str, Any]:
     """Convert one param's state, in either layout, to ``target``.
 
-    Tensors already in the target's dtype and on the param's device are reused, not
-    copied. The source is not modified.
+    The source is not modified. Tensors already in the target's dtype and on the param's
+    device are reused (a migration drops the source right after) unless ``copy``.
 
     Args:
         state: the param's state (Adam or bitsandbytes layout), on any device (for
             instance loaded with ``map_location="cpu"``).
         p: the param (its device and shape).
         target: from :func:`state_target`.
+        copy: never return a tensor that shares memory with ``state`` (loading).
 
     Returns:
         The new state dict for ``p``.
@@ -184,11 +185,40 @@ def convert_param_state(
             for m in out
         )
         step_device = device if target.step_on_param_device else torch.device("cpu")
+        if copy and exp_avg.untyped_storage().data_ptr() == moments[0].untyped_storage().data_ptr():
+            exp_avg = exp_avg.clone()
+        if copy and exp_avg_sq.untyped_storage().data_ptr() == moments[1].untyped_storage().data_ptr():
+            exp_avg_sq = exp_avg_sq.clone()
         return {
             "step": torch.tensor(float(step), dtype=torch.float32, device=step_device),
             "exp_avg": exp_avg,
             "exp_avg_sq": exp_avg_sq,
         }
+    result = _bnb_state(state, moments, step, p, target)
+    if copy:
+        sources = {
+            t.untyped_storage().data_ptr() for t in state.values() if isinstance(t, torch.Tensor)
+        }
+        for name, value in result.items():
+            shared = name.startswith("qmap")  # the engine's own code books
+            if (
+                isinstance(value, torch.Tensor)
+                and not shared
+                and value.untyped_storage().data_ptr() in sources
+            ):
+                result[name] = value.clone()
+    return result
+
+
+def _bnb_state(
+    state: Mapping[str, Any],
+    moments: tuple[torch.Tensor, torch.Tensor],
+    step: int,
+    p: torch.Tensor,
+    target: StateTarget,
+) -> dict[str, Any]:
+    device = p.device
+    src_bnb = "state1" in state
     assert target.qmaps is not None
     qmap1, qmap2 = target.qmaps
     result: dict[str, Any] = {"step": step}

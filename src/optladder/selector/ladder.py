@@ -25,6 +25,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+from optladder.policies.decision import escalation_target
 from optladder.selector.oom import describe_error, is_oom
 from optladder.selector.optimizer import LadderOptimizer, OptimizerOutOfMemoryError
 
@@ -101,12 +102,10 @@ class Ladder:
             except BaseException as exc:
                 if not is_oom(exc):
                     raise
-                if retries >= self.max_retries or not self.optimizer.can_escalate():
-                    why = (
-                        f"{retries} reruns already (max_retries={self.max_retries})"
-                        if retries >= self.max_retries
-                        else "no rung left to move to"
-                    )
+                target, why = escalation_target(self.optimizer.decision)
+                if retries >= self.max_retries or target is None:
+                    if target is not None:
+                        why = f"{retries} reruns already (max_retries={self.max_retries})"
                     raise self.optimizer.out_of_memory_error(
                         f"out of memory in the train step ({describe_error(exc)}); {why}"
                     ) from exc

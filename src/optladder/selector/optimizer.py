@@ -410,7 +410,9 @@ class LadderOptimizer(torch.optim.Optimizer):
             for (key, p), group in zip(pairs, live_groups):
                 st = saved_state.get(key)
                 if st:
-                    new_state[p] = convert_param_state(st, p, state_target(engine, group, p))
+                    new_state[p] = convert_param_state(
+                        st, p, state_target(engine, group, p), copy=True
+                    )
         except BaseException:
             _restore_groups(self.engine.param_groups, saved_groups)
             raise

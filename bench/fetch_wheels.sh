@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Fill ./wheels (git-ignored) with what bench/gpu_check.sh installs offline on a GPU
+# machine: binary wheels for the GPU machine's Python (PY_VERSIONS, default 3.10-3.13),
+# without torch (the GPU machine brings its own CUDA build) and without dependency
+# resolution (every package is named; bitsandbytes would otherwise pull torch).
+#
+#   bash bench/fetch_wheels.sh                     # all listed Python versions
+#   PY_VERSIONS=3.12 bash bench/fetch_wheels.sh    # just the GPU machine's
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP=${PIP:-.venv/bin/pip}
+PKGS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions
+      pydantic-settings python-dotenv nvidia-ml-py psutil rich markdown-it-py mdurl pygments
+      bitsandbytes packaging numpy pytest iniconfig pluggy matplotlib contourpy cycler
+      fonttools kiwisolver pillow pyparsing python-dateutil six)
+# Pin to the versions of this checkout's .venv where it has them: a tested, consistent set
+# (pydantic needs its exact pydantic-core).
+pins=()
+for pkg in "${PKGS[@]}"; do
+    v=$("$PIP" show "$pkg" 2>/dev/null | sed -n 's/^Version: //p' || true)
+    pins+=("$pkg${v:+==$v}")
+done
+mkdir -p wheels
+for py in ${PY_VERSIONS:-3.10 3.11 3.12 3.13}; do
+    "$PIP" download -q -d wheels --no-deps --only-binary=:all: -c constraints.txt \
+        --python-version "$py" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform any "${pins[@]}"
+done
+ls wheels | wc -l
