@@ -504,3 +504,16 @@ def test_distributed_checkpoint_round_trip(tmp_path) -> None:  # type: ignore[no
     dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
     live.load_state_dict(target["optim"])
     _assert_same(([], copy.deepcopy(live.state_dict())), ([], copy.deepcopy(opt.state_dict())))
+
+
+# ---------------------------------------------------------------------------- real OOM
+def test_a_real_cpu_oom_under_rlimit_as_escalates_and_finishes() -> None:
+    from optladder.oom_demo import run_oom_demo
+
+    lines: list[str] = []
+    assert run_oom_demo(steps=3, log=lines.append) == 0, "\n".join(lines)
+    text = "\n".join(lines)
+    assert "rung fp32 (policy)" in text  # chosen while memory was plentiful
+    assert "can't allocate memory" in text  # the CPU allocator's own error
+    assert "finished 3 steps" in text and "on bf16" in text
+    assert "escalations: fp32 -> bf16" in text

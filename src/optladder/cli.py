@@ -18,8 +18,8 @@ def _parser() -> argparse.ArgumentParser:
         "demo",
         help="train an MLP on the UCI digits through choose_optimizer",
         description="Train an MLP on the UCI handwritten digits through choose_optimizer. "
-        "Without --rung or --free-memory, runs once per rung with a free memory that makes "
-        "the policy choose it.",
+        "Without options: once per rung, with a free memory that makes the policy choose "
+        "it, then the OOM ladder demo (--oom).",
     )
     demo.add_argument("--rung", choices=RUNGS, help="pin a rung")
     demo.add_argument(
@@ -28,6 +28,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--epochs", type=int, default=12, help="passes over the data (default 12)")
     demo.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    demo.add_argument(
+        "--oom",
+        action="store_true",
+        help="only the ladder demo: a child process under RLIMIT_AS runs out of memory for "
+        "real on the fp32 rung and recovers on bf16",
+    )
+    demo.add_argument(
+        "--steps", type=int, default=20, help="train steps of the --oom demo (default 20)"
+    )
     return parser
 
 
@@ -36,11 +45,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
         from optladder.demo import run_demo
+        from optladder.oom_demo import run_oom_demo
 
+        single = args.rung is not None or args.free_memory is not None
+        if args.steps < 1 or args.epochs < 1:
+            print("optladder demo: error: --steps and --epochs must be >= 1", file=sys.stderr)
+            return 2
         try:
-            run_demo(
-                rung=args.rung, free_memory=args.free_memory, epochs=args.epochs, seed=args.seed
-            )
+            if not args.oom:
+                run_demo(
+                    rung=args.rung, free_memory=args.free_memory, epochs=args.epochs, seed=args.seed
+                )
+            if args.oom or not single:
+                print("\n== the OOM ladder: a real out-of-memory error on the CPU ==")
+                return run_oom_demo(steps=args.steps)
         except (ValueError, ImportError) as exc:
             print(f"optladder demo: error: {exc}", file=sys.stderr)
             return 2
