@@ -47,6 +47,29 @@ def test_rung_state_bytes(rung: str, numel: int, dtype: torch.dtype, expected: i
 
 
 @pytest.mark.parametrize(
+    ("rung", "numel", "local", "expected"),
+    [
+        ("fp32", 6000, 3000, 24000),  # 2 * 3000 * 4: this rank's shard only
+        ("bf16", 6000, 3000, 12000),  # 2 * 3000 * 2
+        # the global 6000 >= 4096 quantizes the 3000-element shard, in its own blocks:
+        # 2 * 3000 + 2 * 4 * ceil(3000 / 256) = 6000 + 8 * 12
+        ("8bit", 6000, 3000, 6096),
+        ("8bit", 3000, 1500, 12000),  # global 3000 < 4096: float32, 2 * 1500 * 4
+        ("8bit", 8192, 8192, 16640),  # unsharded: as without local_numel
+        ("8bit", 8192, 0, 0),  # an empty shard holds nothing
+    ],
+)
+def test_rung_state_bytes_of_a_shard(rung: str, numel: int, local: int, expected: int) -> None:
+    assert rung_state_bytes(rung, numel, torch.float32, local) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("numel", "local"), [(10, 11), (10, -1), (-1, None)])
+def test_rung_state_bytes_refuses_impossible_counts(numel: int, local: int | None) -> None:
+    with pytest.raises(ValueError, match="local_numel"):
+        rung_state_bytes("fp32", numel, torch.float32, local)
+
+
+@pytest.mark.parametrize(
     ("dtype", "fp32_per_param"),
     [
         (torch.float32, 8),

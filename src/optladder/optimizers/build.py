@@ -11,8 +11,8 @@ from optladder.optimizers.adamw import LadderAdamW
 from optladder.optimizers.eightbit import build_8bit
 from optladder.optimizers.fp32 import build_fp32
 from optladder.optimizers.rounding import Rounding
-from optladder.rungs import Rung
-
+from optladder.rungs import Capabilities, Rung
+from optladder.sharding import is_dtensor
 
 ENGINE_KEYS = (
     # torch.optim.AdamW
@@ -32,6 +32,56 @@ ENGINE_KEYS = (
 hyperparameters. They are cleared before another engine takes the groups: torch's
 ``add_param_group`` keeps existing keys, so a stale ``fused=True`` would otherwise reach
 an engine that must not use it."""
+
+
+DTENSOR_UNSUPPORTED: dict[Rung, str] = {
+    "bf16": (
+        "the bf16 rung's AdamW (LadderAdamW) steps plain tensors only, not DTensor (FSDP2) params"
+    ),
+}
+"""Rungs whose engine cannot step DTensor params, and why. torch's AdamW (the fp32 rung
+of float32 params) steps DTensors; the 8bit rung steps their local shards
+(:func:`optladder.optimizers.eightbit.sharded_adamw8bit_class`). The fp32 rung of
+bfloat16/float16 params runs LadderAdamW too and refuses DTensors at build time."""
+
+
+def _refuse_dtensors(rung: Rung, param_groups: list[dict[str, Any]], fused: bool) -> None:
+    """Raise if ``rung``'s engine would be LadderAdamW and a param is a DTensor.
+
+    LadderAdamW keeps plain moments of the global shape and mixes them with DTensor
+    params ("got mixed torch.Tensor and DTensor"); its C kernel reads raw pointers.
+    """
+    eager_fp32 = rung == "fp32" and spec.fp32_engine(fused, _dtype_names(param_groups)) == "eager"
+    if rung not in DTENSOR_UNSUPPORTED and not eager_fp32:
+        return
+    for gi, group in enumerate(param_groups):
+        for pi, p in enumerate(group["params"]):
+            if not is_dtensor(p):
+                continue
+            if eager_fp32:
+                raise ValueError(
+                    f"rung='fp32' cannot take param {pi} of group {gi}, a {p.dtype} DTensor: "
+                    "the fp32 rung keeps float32 moments for bfloat16/float16 params with "
+                    "optladder's AdamW, which steps plain tensors only. Keep the sharded "
+                    "params in float32 (FSDP2's MixedPrecisionPolicy(param_dtype="
+                    "torch.bfloat16) still computes in bfloat16) or use rung='8bit'"
+                )
+            raise ValueError(
+                f"rung={rung!r} cannot take param {pi} of group {gi}, a DTensor: "
+                f"{DTENSOR_UNSUPPORTED[rung]}; use rung='fp32' or rung='8bit'"
+            )
+
+
+def without_dtensor_unsupported(capabilities: Capabilities) -> Capabilities:
+    """``capabilities`` with the rungs of :data:`DTENSOR_UNSUPPORTED` marked unavailable
+    (for a model with DTensor params), so the policy and the ladder skip them."""
+    available = dict(capabilities.available)
+    reasons = dict(capabilities.unavailable_reasons)
+    for rung, reason in DTENSOR_UNSUPPORTED.items():
+        if available.get(rung, True):
+            available[rung] = False
+            reasons[rung] = reason
+    return capabilities.model_copy(update={"available": available, "unavailable_reasons": reasons})
 
 
 def clear_engine_keys(param_groups: list[dict[str, Any]]) -> None:
@@ -77,10 +127,12 @@ def build_engine(
 
     Raises:
         ValueError: for an unknown rung, bad hyperparameters, or params the rung refuses
-            (complex params on bf16 and 8bit).
+            (complex params on bf16 and 8bit; DTensor params on bf16, and on fp32 when
+            they are bfloat16/float16, see :data:`DTENSOR_UNSUPPORTED`).
         ImportError: for the 8bit rung without bitsandbytes.
     """
     hyper: dict[str, Any] = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    _refuse_dtensors(rung, param_groups, fused)
     clear_engine_keys(param_groups)
     if rung == "fp32":
         engine = spec.fp32_engine(fused, _dtype_names(param_groups))

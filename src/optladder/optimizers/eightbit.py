@@ -2,18 +2,27 @@
 
 Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022). bitsandbytes
 is imported only when this rung is built.
+
+Sharded params (DTensor, e.g. FSDP2's ``fully_shard``) get a subclass of ``AdamW8bit``
+that runs bitsandbytes' update on each rank's local shard, while the size rule
+(``min_8bit_size``) follows the param's global element count, the same on every rank:
+see :func:`sharded_adamw8bit_class`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import logging
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from optladder.rungs import BNB_MIN_8BIT_SIZE
+from optladder.sharding import is_dtensor, local_tensor
 
 _BNB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NOISY_LOGGER = "bitsandbytes.backends.cpu.ops"
@@ -39,6 +48,101 @@ def import_bitsandbytes() -> ModuleType:
         noisy.setLevel(previous)
 
 
+@functools.cache
+def sharded_adamw8bit_class() -> type[torch.optim.Optimizer]:
+    """bitsandbytes' ``AdamW8bit``, taught to step DTensor params on their local shards.
+
+    bitsandbytes' kernels take plain tensors (a DTensor reaching them raises "got mixed
+    torch.Tensor and DTensor"). For each DTensor param this class hands bitsandbytes'
+    own ``init_state`` and ``update_step`` the rank's local shard (``p.to_local()``, a
+    view of the DTensor's memory, so the update lands in the param) and its grad's
+    local shard. The state is keyed by the DTensor param, as torch's optimizers key it,
+    and holds plain tensors of the shard: uint8 codes of the shard's shape and one
+    float32 absmax per started 256-element block of the shard.
+
+    The size rule follows the *global* element count (``p.numel()`` of the DTensor,
+    equal on every rank): a param of at least ``min_8bit_size`` elements is quantized on
+    every rank even where its shard is smaller, and a smaller one keeps float32 moments
+    everywhere. It is set per param through ``get_config``, bitsandbytes' per-param
+    configuration hook (the one ``GlobalOptimManager.override_config`` feeds), on this
+    optimizer rather than in bitsandbytes' process-wide manager. Plain params take
+    bitsandbytes' path unchanged.
+
+    Created on first use, so bitsandbytes is imported only when the 8-bit rung is built.
+
+    Raises:
+        ImportError: if bitsandbytes does not import.
+    """
+    bnb = import_bitsandbytes()
+
+    class ShardedAdamW8bit(bnb.optim.AdamW8bit):  # type: ignore[name-defined]
+        """``AdamW8bit`` stepping DTensor params on their local shards; see
+        :func:`optladder.optimizers.eightbit.sharded_adamw8bit_class`."""
+
+        def get_config(self, gindex: int, pindex: int, group: dict[str, Any]) -> dict[str, Any]:
+            config: dict[str, Any] = super().get_config(gindex, pindex, group)
+            p = self.param_groups[gindex]["params"][pindex]
+            if is_dtensor(p):
+                # bitsandbytes compares the tensor it is handed (the local shard) with
+                # min_8bit_size: translate the global rule into a per-shard threshold.
+                quantize = p.numel() >= config["min_8bit_size"]
+                config["min_8bit_size"] = 0 if quantize else local_tensor(p).numel() + 1
+            return config
+
+        @contextlib.contextmanager
+        def _on_shard(self, p: torch.Tensor, with_grad: bool) -> Iterator[torch.Tensor]:
+            """Lend bitsandbytes the local shard of ``p``, sharing ``p``'s state dict
+            for the duration; ``with_grad``: with the grad's local shard as ``.grad``.
+
+            A grad laid out unlike its param (e.g. ``Partial``, not yet reduced) is
+            redistributed to the param's placements first: a collective, so it is done
+            only in the update, which every rank runs after agreeing to commit, never in
+            ``init_state`` (the prepare phase, where a rank may stop early on OOM).
+            """
+            shard = local_tensor(p)
+            if not shard.is_contiguous():
+                raise ValueError(
+                    "the 8bit rung steps a DTensor param on its local shard, which must be "
+                    f"contiguous; this rank's shard has shape {tuple(shard.shape)} and "
+                    f"stride {shard.stride()}"
+                )
+            grad = p.grad if with_grad else None
+            if grad is not None and is_dtensor(grad):
+                placements = tuple(p.placements)  # type: ignore[attr-defined]
+                if tuple(grad.placements) != placements:  # type: ignore[attr-defined]
+                    grad = grad.redistribute(p.device_mesh, placements)  # type: ignore[attr-defined]
+                grad = local_tensor(grad)
+            shard.grad = grad
+            self.state[shard] = self.state[p]
+            try:
+                yield shard
+            finally:
+                del self.state[shard]
+                shard.grad = None
+
+        @torch.no_grad()
+        def init_state(
+            self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int
+        ) -> None:
+            if not is_dtensor(p):
+                super().init_state(group, p, gindex, pindex)
+                return
+            with self._on_shard(p, with_grad=False) as shard:
+                super().init_state(group, shard, gindex, pindex)
+
+        @torch.no_grad()
+        def update_step(
+            self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int
+        ) -> None:
+            if not is_dtensor(p):
+                super().update_step(group, p, gindex, pindex)
+                return
+            with self._on_shard(p, with_grad=True) as shard:
+                super().update_step(group, shard, gindex, pindex)
+
+    return ShardedAdamW8bit
+
+
 def build_8bit(
     param_groups: list[dict[str, Any]],
     *,
@@ -50,14 +154,18 @@ def build_8bit(
     """Build ``bitsandbytes.optim.AdamW8bit`` over ``param_groups``.
 
     Tensors under bitsandbytes' ``min_8bit_size`` (4096 elements) keep float32 moments;
-    larger ones keep uint8 codes with one float32 absmax per 256-element block.
+    larger ones keep uint8 codes with one float32 absmax per 256-element block. When any
+    param is a DTensor (FSDP2), the optimizer is :func:`sharded_adamw8bit_class`: each
+    rank steps its local shard, and the 4,096-element rule follows the global count.
 
     Raises:
         ImportError: if bitsandbytes does not import (install ``optladder[8bit]``).
         ValueError: for complex params or dtypes bitsandbytes does not take.
     """
+    sharded = False
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
+            sharded = sharded or is_dtensor(p)
             if p.is_complex():
                 raise ValueError(
                     f"param {pi} of group {gi} is complex ({p.dtype}); the 8bit rung takes real "
@@ -75,7 +183,8 @@ def build_8bit(
             f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
             "pip install 'optladder[8bit]'"
         ) from exc
-    return bnb.optim.AdamW8bit(
+    engine: Any = sharded_adamw8bit_class() if sharded else bnb.optim.AdamW8bit
+    return engine(
         param_groups,
         lr=lr,
         betas=betas,

@@ -15,6 +15,11 @@ quantizes from and dequantizes to bfloat16 or float32 directly), so converting o
 allocates only that param's new state. Narrowing a moment (fp32 -> bf16) rounds to
 nearest: a one-time rounding of a value, where the bf16 rung's stochastic rounding is for
 the repeated ``v = beta2 * v`` updates.
+
+A DTensor param (FSDP2) is converted on this rank's local shard: torch's AdamW keeps
+DTensor moments laid out like the param, bitsandbytes' layout keeps plain tensors of the
+shard (:func:`optladder.optimizers.eightbit.sharded_adamw8bit_class`); whether the shard
+is quantized follows the param's global element count. No conversion communicates.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 
 from optladder.optimizers.adamw import LadderAdamW
 from optladder.rungs import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE
+from optladder.sharding import is_dtensor, local_numel, local_tensor, shard_like
 
 BNB_WRAPPED_KEY = "__bnb_optimizer_quant_state__"
 """bitsandbytes' ``state_dict`` moves its quantization tensors under this key (to hide
@@ -92,7 +98,7 @@ def state_target(
         group: the param group holding ``p``.
         p: the param.
         global_numel: elements of the whole (unsharded) param for bitsandbytes' size
-            rule; default ``p.numel()``.
+            rule; default ``p.numel()`` (a DTensor's is already its global count).
 
     Raises:
         TypeError: for an engine of another kind.
@@ -102,9 +108,7 @@ def state_target(
     if is_bnb_engine(engine):
         numel = p.numel() if global_numel is None else global_numel
         min_size = getattr(getattr(engine, "args", None), "min_8bit_size", BNB_MIN_8BIT_SIZE)
-        return StateTarget(
-            "bnb", qmaps=bnb_qmaps(engine, p.device), quantize=numel >= min_size
-        )
+        return StateTarget("bnb", qmaps=bnb_qmaps(engine, p.device), quantize=numel >= min_size)
     if isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
         on_device = bool(group.get("fused") or group.get("capturable"))
         return StateTarget("adam", moment_dtype=p.dtype, step_on_param_device=on_device)
@@ -117,7 +121,9 @@ def read_step(state: Mapping[str, Any]) -> int:
     return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
 
 
-def _dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize(
+    codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     if codes.dtype != torch.uint8:  # bitsandbytes keeps small tensors in float32
         return codes.to(dtype)
     code = code.to(codes.device)
@@ -144,6 +150,10 @@ def convert_param_state(
     The source is not modified. Tensors already in the target's dtype and on the param's
     device are reused (a migration drops the source right after) unless ``copy``.
 
+    A DTensor ``p`` is converted on this rank's shard: DTensor source tensors are read
+    through their local shards, and Adam-layout moments come back as DTensors laid out
+    like ``p``.
+
     Args:
         state: the param's state (Adam or bitsandbytes layout), on any device (for
             instance loaded with ``map_location="cpu"``).
@@ -155,9 +165,19 @@ def convert_param_state(
         The new state dict for ``p``.
 
     Raises:
-        ValueError: if the state's moments do not have the param's element count.
+        ValueError: if the state's moments do not have the param's element count (for a
+            DTensor param: its local shard's).
     """
     state = unwrap_bnb_state(state)
+    if is_dtensor(p):
+        local_state = {
+            k: local_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()
+        }
+        converted = convert_param_state(local_state, local_tensor(p), target, copy=copy)
+        if target.layout == "adam":
+            converted["exp_avg"] = shard_like(converted["exp_avg"], p)
+            converted["exp_avg_sq"] = shard_like(converted["exp_avg_sq"], p)
+        return converted
     step = read_step(state)
     src_bnb = "state1" in state
     if src_bnb:
@@ -174,8 +194,12 @@ def convert_param_state(
     if target.layout == "adam":
         if src_bnb:
             out = [
-                _dequantize(state[f"state{i}"], state.get(f"absmax{i}", torch.empty(0)),
-                            state.get(f"qmap{i}", torch.empty(0)), target.moment_dtype)
+                _dequantize(
+                    state[f"state{i}"],
+                    state.get(f"absmax{i}", torch.empty(0)),
+                    state.get(f"qmap{i}", torch.empty(0)),
+                    target.moment_dtype,
+                )
                 for i in (1, 2)
             ]
         else:
@@ -187,7 +211,10 @@ def convert_param_state(
         step_device = device if target.step_on_param_device else torch.device("cpu")
         if copy and exp_avg.untyped_storage().data_ptr() == moments[0].untyped_storage().data_ptr():
             exp_avg = exp_avg.clone()
-        if copy and exp_avg_sq.untyped_storage().data_ptr() == moments[1].untyped_storage().data_ptr():
+        if (
+            copy
+            and exp_avg_sq.untyped_storage().data_ptr() == moments[1].untyped_storage().data_ptr()
+        ):
             exp_avg_sq = exp_avg_sq.clone()
         return {
             "step": torch.tensor(float(step), dtype=torch.float32, device=step_device),
@@ -227,9 +254,11 @@ def _bnb_state(
             result[f"state{i}"] = m.to(device).reshape(p.shape)
             result[f"absmax{i}"] = state[f"absmax{i}"].to(device)
         elif src_bnb and m.dtype == torch.uint8:
-            result[f"state{i}"] = _dequantize(
-                m, state[f"absmax{i}"], state[f"qmap{i}"], torch.float32
-            ).to(device).reshape(p.shape)
+            result[f"state{i}"] = (
+                _dequantize(m, state[f"absmax{i}"], state[f"qmap{i}"], torch.float32)
+                .to(device)
+                .reshape(p.shape)
+            )
         elif target.quantize:
             codes, absmax = _quantize(m.to(device), qmap)
             result[f"state{i}"] = codes.reshape(p.shape)
@@ -265,19 +294,15 @@ def migrate_engine(
     Args:
         source: the engine holding the state.
         target: the new engine, over the same params, with empty state.
-        global_numel: ``id(param) -> elements of the whole param`` for sharded params
-            (bitsandbytes' size rule); default each param's own ``numel()``.
+        global_numel: ``id(param) -> elements of the whole param`` for params sharded
+            by hand (bitsandbytes' size rule); default each param's own ``numel()``,
+            which for a DTensor is already the global count.
     """
     sizes = global_numel or {}
     target_groups = _group_of(target)
     source_groups = _group_of(source)
-    todo = [
-        p
-        for g in source.param_groups
-        for p in g["params"]
-        if source.state.get(p)
-    ]
-    todo.sort(key=lambda p: p.numel(), reverse=True)
+    todo = [p for g in source.param_groups for p in g["params"] if source.state.get(p)]
+    todo.sort(key=local_numel, reverse=True)  # the bytes this rank converts
     done: list[torch.Tensor] = []
     try:
         for p in todo:

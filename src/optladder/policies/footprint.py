@@ -10,12 +10,17 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from optladder.rungs import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, BNB_QMAP_BYTES, RUNGS, Rung
+from optladder.sharding import is_dtensor, local_numel, local_tensor
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class Footprint(BaseModel):
     """The trainable params of a model and their optimizer-state bytes on every rung.
+
+    Element counts are global: a sharded (DTensor, e.g. FSDP2) param counts all its
+    elements on every rank. State bytes are per rank: what this rank allocates for its
+    own shards (for unsharded params, the whole state).
 
     Attributes:
         trainable_params: elements of the distinct params with ``requires_grad=True``
@@ -28,8 +33,10 @@ class Footprint(BaseModel):
         has_complex: whether any trainable param is complex (only the fp32 rung takes
             complex params).
         state_bytes: per rung, the bytes of state tensors its engine allocates for these
-            params (moments; for ``8bit`` also absmax and the shared code books). The
-            0-d ``step`` counters are not counted.
+            params on this rank (moments; for ``8bit`` also absmax and the shared code
+            books). The 0-d ``step`` counters are not counted.
+        sharded: whether any trainable param is a DTensor; its ``state_bytes`` then
+            count this rank's shards.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -42,6 +49,7 @@ class Footprint(BaseModel):
     dtypes: tuple[str, ...]
     has_complex: bool
     state_bytes: dict[Rung, int]
+    sharded: bool = False
 
     def bytes_per_param(self, rung: Rung) -> float:
         """State bytes per trainable param element on ``rung``."""
@@ -57,7 +65,9 @@ def fp32_moment_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if param_dtype in _LOW_PRECISION else param_dtype
 
 
-def rung_state_bytes(rung: Rung, numel: int, dtype: torch.dtype) -> int:
+def rung_state_bytes(
+    rung: Rung, numel: int, dtype: torch.dtype, local_numel: int | None = None
+) -> int:
     """State bytes one param of ``numel`` elements and ``dtype`` needs on ``rung``.
 
     Args:
@@ -65,18 +75,32 @@ def rung_state_bytes(rung: Rung, numel: int, dtype: torch.dtype) -> int:
         numel: elements of the param, counted globally (a sharded param's full size:
             bitsandbytes' size rule applies to it).
         dtype: the param's dtype.
+        local_numel: elements of this rank's shard, whose state this rank allocates;
+            default ``numel`` (an unsharded param). On the ``8bit`` rung each rank
+            quantizes its own shard: one float32 absmax per started 256-element block
+            of the shard.
 
     Returns:
-        Bytes of ``exp_avg`` plus ``exp_avg_sq`` (``8bit``: codes plus absmax, or two
-        float32 moments under bitsandbytes' minimum size). Code books are not included.
+        Bytes of ``exp_avg`` plus ``exp_avg_sq`` held by this rank (``8bit``: codes plus
+        absmax, or two float32 moments when the *global* ``numel`` is under
+        bitsandbytes' minimum size of 4,096 elements). Code books are not included.
+
+    Raises:
+        ValueError: if ``numel`` or ``local_numel`` is negative, or ``local_numel``
+            exceeds ``numel``.
     """
+    local = numel if local_numel is None else local_numel
+    if numel < 0 or not 0 <= local <= numel:
+        raise ValueError(
+            f"need 0 <= local_numel <= numel, got numel={numel}, local_numel={local_numel}"
+        )
     if rung == "fp32":
-        return 2 * numel * fp32_moment_dtype(dtype).itemsize
+        return 2 * local * fp32_moment_dtype(dtype).itemsize
     if rung == "bf16":
-        return 2 * numel * 2
+        return 2 * local * 2
     if numel < BNB_MIN_8BIT_SIZE:
-        return 2 * numel * 4
-    return 2 * numel + 2 * 4 * math.ceil(numel / BNB_BLOCKSIZE)
+        return 2 * local * 4
+    return 2 * local + 2 * 4 * math.ceil(local / BNB_BLOCKSIZE)
 
 
 def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
@@ -134,21 +158,36 @@ def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
 
 
 def _storage_key(p: torch.Tensor) -> tuple[Any, ...] | None:
-    """Identity of the memory a param occupies, or None where there is none (meta)."""
+    """Identity of the memory a param occupies, or None where there is none (meta).
+
+    A DTensor has no storage of its own (its ``data_ptr`` raises): it is identified by
+    its local shard's memory plus its global shape, stride and placements.
+    """
     if p.device.type == "meta":
         return None
+    local = local_tensor(p)
     try:
-        ptr = p.untyped_storage().data_ptr()
+        ptr = local.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
         return None
-    return (str(p.device), ptr, p.storage_offset(), tuple(p.shape), p.stride(), p.dtype)
+    key: tuple[Any, ...] = (
+        str(local.device),
+        ptr,
+        local.storage_offset(),
+        tuple(local.shape),
+        local.stride(),
+    )
+    if local is not p:
+        key += (tuple(p.shape), p.stride(), tuple(getattr(p, "placements", ())))
+    return (*key, p.dtype)
 
 
 def trainable_params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
     """The distinct trainable params of ``groups``, in order of first appearance.
 
     A param is counted once however often it appears (tied weights); on real devices two
-    Parameter objects that are the same view of the same storage are merged too.
+    Parameter objects that are the same view of the same storage are merged too (for
+    DTensors: the same view of the same local shard, with the same global layout).
     """
     seen_ids: set[int] = set()
     seen_storage: set[tuple[Any, ...]] = set()
@@ -175,6 +214,12 @@ def measure_footprint(model_or_params: object) -> Footprint:
     smaller tensors keep two float32 moments; larger ones keep uint8 codes plus one
     float32 absmax per 256-element block, per moment; plus 2,048 bytes of code books per
     device) and equals what ``bitsandbytes.optim.AdamW8bit`` allocates.
+
+    DTensor params (FSDP2, ``torch.distributed.tensor``): ``trainable_params``,
+    ``largest_param`` and the 4,096-element rule use the global element count
+    (``p.numel()``), the same on every rank; ``state_bytes`` count this rank's shard
+    (``p.to_local().numel()``), as the ``8bit`` rung quantizes each rank's shard in its
+    own blocks.
 
     Args:
         model_or_params: a ``torch.nn.Module``, an iterable of params, or param groups.
@@ -204,7 +249,7 @@ def measure_footprint(model_or_params: object) -> Footprint:
     eight_bit_devices: set[str] = set()
     for p in params:
         for rung in RUNGS:
-            state[rung] += rung_state_bytes(rung, p.numel(), p.dtype)
+            state[rung] += rung_state_bytes(rung, p.numel(), p.dtype, local_numel(p))
         if p.numel() >= BNB_MIN_8BIT_SIZE:
             eight_bit_devices.add(str(p.device))
     state["8bit"] += BNB_QMAP_BYTES * len(eight_bit_devices)
@@ -217,4 +262,5 @@ def measure_footprint(model_or_params: object) -> Footprint:
         dtypes=tuple(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
         has_complex=any(p.is_complex() for p in params),
         state_bytes=state,
+        sharded=any(is_dtensor(p) for p in params),
     )

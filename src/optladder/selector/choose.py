@@ -10,9 +10,11 @@ from typing import Any
 import torch
 
 from optladder.optimizers import build_engine, probe_capabilities, validate_hyperparams
+from optladder.optimizers.build import without_dtensor_unsupported
 from optladder.optimizers.rounding import Rounding
 from optladder.policies import (
     Decision,
+    Footprint,
     Policy,
     decide,
     measure_footprint,
@@ -21,7 +23,7 @@ from optladder.policies import (
     read_overrides,
     trainable_params,
 )
-from optladder.rungs import Rung
+from optladder.rungs import RUNGS, Rung
 from optladder.selector.optimizer import Escalation, LadderOptimizer
 from optladder.units import format_bytes, parse_bytes
 
@@ -119,8 +121,11 @@ def choose_optimizer(
         on_escalate: called with each :class:`Escalation` when the ladder moves down.
 
     Under ``torch.distributed`` every rank reaches the same decision: free memory is the
-    minimum over ranks and rank 0's decision is broadcast (the footprint of replicated
-    params is the same on every rank; a DTensor param counts its global elements).
+    minimum over ranks, each rung's state bytes the maximum over ranks, and rank 0's
+    decision is broadcast. A DTensor (FSDP2) param counts its global elements (for the
+    policy's thresholds and bitsandbytes' 4,096-element rule) and the state bytes of
+    this rank's shard; rungs whose engine cannot step DTensors (bf16, see
+    :data:`optladder.optimizers.build.DTENSOR_UNSUPPORTED`) are skipped for such models.
 
     Returns:
         A :class:`LadderOptimizer`; ``.decision`` holds the :class:`optladder.Decision`.
@@ -147,7 +152,10 @@ def choose_optimizer(
     else:
         free, source = parse_bytes(free_memory, "free_memory"), "given as free_memory"
     free, source = _min_over_ranks(free, source, target)
+    footprint = _largest_over_ranks(footprint, target)
     capabilities = probe_capabilities(target, footprint.dtypes, footprint.has_complex)
+    if footprint.sharded:
+        capabilities = without_dtensor_unsupported(capabilities)
     decision = _same_on_all_ranks(
         decide(
             footprint, free, capabilities, policy or Policy(), overrides, free_memory_source=source
@@ -197,6 +205,22 @@ def _min_over_ranks(free: int, source: str, device: torch.device) -> tuple[int, 
     t = torch.tensor([free], dtype=torch.int64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item()), f"{source}; minimum over {dist.get_world_size()} ranks"
+
+
+def _largest_over_ranks(footprint: Footprint, device: torch.device) -> Footprint:
+    """``footprint`` with each rung's state bytes replaced by the maximum over all ranks.
+
+    Sharded (DTensor) params can leave ranks with shards of different sizes; the rung
+    must fit the rank that needs the most. Replicated params need the same everywhere.
+    """
+    dist = _distributed()
+    if dist is None or dist.get_world_size() == 1:
+        return footprint
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([footprint.state_bytes[r] for r in RUNGS], dtype=torch.int64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    largest = dict(zip(RUNGS, (int(b) for b in t.tolist())))
+    return footprint.model_copy(update={"state_bytes": largest})
 
 
 def _same_on_all_ranks(decision: Decision) -> Decision:

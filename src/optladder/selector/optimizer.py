@@ -28,6 +28,7 @@ from optladder.optimizers.transaction import commit_step, prepare_step, rollback
 from optladder.policies.decision import Decision, escalation_target
 from optladder.rungs import RUNGS, Rung
 from optladder.selector.oom import describe_error, is_oom
+from optladder.sharding import local_tensor
 from optladder.units import format_bytes
 
 logger = logging.getLogger("optladder")
@@ -243,7 +244,9 @@ class LadderOptimizer(torch.optim.Optimizer):
                     if self._rebuild is not None
                     else "this optimizer was built without a rebuild function"
                 )
-            raise self.out_of_memory_error(f"out of memory in the optimizer step ({message}); {why_not}") from error
+            raise self.out_of_memory_error(
+                f"out of memory in the optimizer step ({message}); {why_not}"
+            ) from error
         if error is not None:
             error.__traceback__ = None
         del error
@@ -379,39 +382,46 @@ class LadderOptimizer(torch.optim.Optimizer):
             if not st:
                 continue
             moment = st.get("exp_avg", st.get("state1"))
-            if isinstance(moment, torch.Tensor) and moment.numel() != p.numel():
+            if not isinstance(moment, torch.Tensor):
+                continue
+            # A DTensor param's state is checked against this rank's shard: the 8bit
+            # rung keeps plain tensors of the shard, torch's AdamW DTensors of the param.
+            moment, shard = local_tensor(moment), local_tensor(p)
+            the_param = "this rank's shard of the param" if shard is not p else "the param"
+            if moment.numel() != shard.numel():
                 raise ValueError(
                     f"param {pi}: the state_dict's moments have {moment.numel()} elements "
-                    f"(shape {tuple(moment.shape)}) but the param has {p.numel()} "
-                    f"(shape {tuple(p.shape)})"
+                    f"(shape {tuple(moment.shape)}) but {the_param} has {shard.numel()} "
+                    f"(shape {tuple(shard.shape)})"
                 )
-            if isinstance(moment, torch.Tensor) and moment.dim() > 1 and moment.shape != p.shape:
+            if moment.dim() > 1 and moment.shape != shard.shape:
                 raise ValueError(
                     f"param {pi}: the state_dict's moments have shape {tuple(moment.shape)} but "
-                    f"the param has shape {tuple(p.shape)}"
+                    f"{the_param} has shape {tuple(shard.shape)}"
                 )
-        saved_rung = groups[0].get(RUNG_KEY) if groups else None
+        saved_rung = next((r for r in RUNGS if groups and groups[0].get(RUNG_KEY) == r), None)
         saved_origin = groups[0].get(ORIGIN_KEY) if groups else None
-        move = (
-            saved_rung in RUNGS
-            and saved_rung != self.rung
+        move_to: Rung | None = (
+            saved_rung
+            if saved_rung != self.rung
             and saved_origin in ("escalated", "checkpoint")
             and self._decision.origin in ("policy", "escalated", "checkpoint")
             and self._rebuild is not None
+            else None
         )
         engine = self.engine
         saved_groups = [dict(g) for g in engine.param_groups]
         try:
-            if move:  # the live state is replaced below, so nothing needs migrating
+            if move_to is not None:  # the live state is replaced below: nothing to migrate
                 assert self._rebuild is not None
-                engine = self._rebuild(saved_rung, engine.param_groups)
+                engine = self._rebuild(move_to, engine.param_groups)
             new_state: dict[torch.Tensor, dict[str, Any]] = {}
             live_groups = [g for g in engine.param_groups for _ in g["params"]]
             for (key, p), group in zip(pairs, live_groups):
-                st = saved_state.get(key)
-                if st:
+                saved_param_state = saved_state.get(key)
+                if saved_param_state:
                     new_state[p] = convert_param_state(
-                        st, p, state_target(engine, group, p), copy=True
+                        saved_param_state, p, state_target(engine, group, p), copy=True
                     )
         except BaseException:
             _restore_groups(self.engine.param_groups, saved_groups)
@@ -423,8 +433,9 @@ class LadderOptimizer(torch.optim.Optimizer):
                     live[name] = value
         engine.state.clear()
         engine.state.update(new_state)
-        if move:
-            self._switch(engine, saved_rung, f"the checkpoint had escalated to {saved_rung}", "checkpoint")
+        if move_to is not None:
+            reason = f"the checkpoint had escalated to {move_to}"
+            self._switch(engine, move_to, reason, "checkpoint")
         else:
             self._attach(engine)
 
