@@ -9,8 +9,8 @@ import weakref
 
 import pytest
 import torch
-from memtools import FailNthAllocation, LiveBytes
 
+from memtools import FailNthAllocation, LiveBytes
 from optladder import (
     Escalation,
     Ladder,

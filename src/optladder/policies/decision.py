@@ -219,9 +219,7 @@ def escalation_target(decision: Decision) -> tuple[Rung | None, str]:
     if decision.overrides.pinned is not None:
         source = decision.overrides.sources[0] if decision.overrides.sources else "the user"
         return None, f"the {decision.rung} rung is pinned by {source}"
-    allowed, excluded = allowed_rungs(
-        decision.footprint, decision.capabilities, decision.overrides
-    )
+    allowed, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
     skipped = []
     for rung in RUNGS[RUNGS.index(decision.rung) + 1 :]:
         if allowed[rung]:

@@ -129,4 +129,3 @@ class Ladder:
 
     def __repr__(self) -> str:
         return f"Ladder(rung={self.optimizer.rung!r}, max_retries={self.max_retries})"
-
