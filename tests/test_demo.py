@@ -50,3 +50,10 @@ def test_cli_demo_pinned(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_demo_bad_free_memory(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--free-memory=-2MiB", "--epochs", "1"]) == 2
     assert "free_memory='-2MiB'" in capsys.readouterr().err
+
+
+def test_bf16_autocast_learns_digits() -> None:
+    result = train_digits(
+        rung="bf16", free_memory="1GiB", epochs=8, autocast=True, log=lambda s: None
+    )
+    assert result.test_accuracy >= 0.95

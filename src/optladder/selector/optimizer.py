@@ -120,7 +120,14 @@ class LadderOptimizer(torch.optim.Optimizer):
         rung: the current rung.
         engine: the current rung's optimizer.
         escalations: the moves made so far.
+        last_step_skipped: whether the last ``step()`` was skipped by
+            ``torch.amp.GradScaler`` for an inf/NaN grad (keep an LR scheduler in step
+            with ``if not opt.last_step_skipped: scheduler.step()``).
     """
+
+    _step_supports_amp_scaling = True
+    """torch.amp.GradScaler hands ``grad_scale``/``found_inf`` to :meth:`step` instead of
+    stepping only when no grad overflowed, so the optimizer knows a step was skipped."""
 
     def __init__(
         self,
@@ -139,6 +146,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         self.max_retries = max_retries
         self.on_escalate = on_escalate
         self.escalations: list[Escalation] = []
+        self.last_step_skipped = False
         self._steps = 0
         self._mark_groups(engine.param_groups, decision)
         super().__init__(engine.param_groups, engine.defaults)
@@ -199,6 +207,12 @@ class LadderOptimizer(torch.optim.Optimizer):
 
         The closure (optional) runs once, before the step; a retry reuses its grads.
 
+        Under ``torch.amp.GradScaler`` (this optimizer sets ``_step_supports_amp_scaling``,
+        as torch's fused optimizers do): the scaler hands over ``grad_scale`` and
+        ``found_inf``; on an overflow the step is skipped and nothing changes, step counts
+        included (``last_step_skipped`` becomes True); otherwise the grads are unscaled in
+        place after the prepare phase, and the step commits.
+
         Returns:
             The closure's loss, or None.
 
@@ -210,16 +224,21 @@ class LadderOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
+        found_inf = getattr(self, "found_inf", None)
+        self.last_step_skipped = found_inf is not None and bool(found_inf.item() != 0)
+        if self.last_step_skipped:
+            return loss  # an overflow step changes nothing, step counts included
         retries = 0
         while True:
-            failure = self._two_phase_step(retries)
+            failure = self._two_phase_step(retries, grad_scale)
             if failure is None:
                 return loss
             # Outside any except block: the failed attempt's frames and tensors are gone.
             retries += 1
             self.escalate(f"out of memory in the optimizer step on {self.rung} ({failure})")
 
-    def _two_phase_step(self, retries: int) -> str | None:
+    def _two_phase_step(self, retries: int, grad_scale: torch.Tensor | None = None) -> str | None:
         engine = self.engine
         created: list[torch.Tensor] | None = None
         error: BaseException | None = None
@@ -230,6 +249,8 @@ class LadderOptimizer(torch.optim.Optimizer):
                 raise
             error = exc
         if not _agree_any(error is not None, self.device):
+            if grad_scale is not None:
+                _unscale_grads(engine, grad_scale)
             commit_step(engine)
             self._steps += 1
             return None
@@ -443,6 +464,14 @@ class LadderOptimizer(torch.optim.Optimizer):
         fused = "fused" if self.decision.fused else "not fused"
         engine = type(self.engine).__name__
         return f"{type(self).__name__}(rung={self.rung!r}, {fused}, engine={engine})"
+
+
+def _unscale_grads(engine: torch.optim.Optimizer, grad_scale: torch.Tensor) -> None:
+    """Divide every grad by the GradScaler's scale, in place (allocates nothing)."""
+    inv = 1.0 / float(grad_scale.item())
+    grads = [p.grad for g in engine.param_groups for p in g["params"] if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, inv)
 
 
 def _restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
