@@ -242,7 +242,12 @@ def main(argv: list[str] | None = None) -> list[Run]:
     ap.add_argument("--lm-bytes", type=int, default=4_000_000, help="stdlib text to use")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tasks", default="digits,stdlib-lm")
-    ap.add_argument("--png", type=Path, default=Path("bench/out/convergence.png"))
+    ap.add_argument(
+        "--png",
+        type=lambda s: Path(s) if s else None,
+        default=Path("bench/out/convergence.png"),
+        help="write the loss curves here ('' for none)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(torch.get_num_threads())
     runs: list[Run] = []

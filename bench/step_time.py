@@ -213,7 +213,12 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--impls", default="", help="comma-separated subset of implementations")
     ap.add_argument("--json", type=Path, default=None, help="write the records here")
-    ap.add_argument("--png", type=Path, default=Path("bench/out/step_time.png"))
+    ap.add_argument(
+        "--png",
+        type=lambda s: Path(s) if s else None,
+        default=Path("bench/out/step_time.png"),
+        help="write the plot here ('' for none)",
+    )
     ap.add_argument("--peak-gbps", type=float, default=None, help="memory bandwidth peak")
     args = ap.parse_args(argv)
     if args.reps < 5:

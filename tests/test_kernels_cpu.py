@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
     cpu.unavailable_reason() is not None, reason=str(cpu.unavailable_reason())
 )
 
-SHAPES = [(1,), (17,), (33, 17), (4099,), (70_001,)]
+SHAPES = [(1,), (17,), (33, 17), (4099,), (70_001,), (0,)]
 """Odd sizes so that the vector loops' tails and the thread split are exercised."""
 
 

@@ -245,6 +245,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 items.append((p, param_index))
             plan.append((group, items))
         self.eager_reasons = {}
+        env: dict[str, str | None] = {}
         skip_host: bool | None = None
         for group, items in plan:
             routes: dict[str, list[tuple[torch.Tensor, int]]] = {
@@ -253,7 +254,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 "triton": [],
             }
             for p, i in items:
-                backend, reason = self._route(p, i)
+                backend, reason = self._route(p, i, env)
                 routes[backend].append((p, i))
                 if reason is not None:
                     self.eager_reasons[i] = reason
@@ -276,8 +277,15 @@ class LadderAdamW(torch.optim.Optimizer):
                 self._step_param(p, group, i)
         return loss
 
-    def _route(self, p: torch.Tensor, param_index: int) -> tuple[str, str | None]:
+    def _route(
+        self, p: torch.Tensor, param_index: int, env: dict[str, str | None]
+    ) -> tuple[str, str | None]:
         """Pick the backend of one param: ``(backend, why not fused or None)``.
+
+        Args:
+            p: the param (its grad is not None).
+            param_index: its index over all groups, for messages.
+            env: per-step memo of why each kernel cannot run here (filled on first use).
 
         Raises:
             ValueError: if ``backend`` names a kernel that cannot step this param.
@@ -295,16 +303,14 @@ class LadderAdamW(torch.optim.Optimizer):
         )
         if wants_triton:
             name = "triton"
-            reason = kernels.triton_unavailable_reason() or (
-                kernels.triton_param_unsupported_reason(p, grad)
-            )
+            if "triton" not in env:
+                env["triton"] = kernels.triton_unavailable_reason()
+            reason = env["triton"] or kernels.triton_param_unsupported_reason(p, grad)
         elif p.device.type == "cpu":
             name = "cpu"
-            reason = (
-                self._cpu_kernel_error
-                or kernels.cpu_unavailable_reason()
-                or kernels.cpu.param_unsupported_reason(p, grad)
-            )
+            if "cpu" not in env:
+                env["cpu"] = self._cpu_kernel_error or kernels.cpu_unavailable_reason()
+            reason = env["cpu"] or kernels.cpu.param_unsupported_reason(p, grad)
         else:
             name, reason = "eager", f"no fused bf16 kernel for {p.device.type} tensors"
         if reason is None:

@@ -41,7 +41,7 @@ DTENSOR_UNSUPPORTED: dict[Rung, str] = {
 }
 """Rungs whose engine cannot step DTensor params, and why. torch's AdamW (the fp32 rung
 of float32 params) steps DTensors; the 8bit rung steps their local shards
-(:func:`optladder.optimizers.eightbit.sharded_adamw8bit_class`). The fp32 rung of
+(:func:`optladder.optimizers.eightbit.ladder_adamw8bit_class`). The fp32 rung of
 bfloat16/float16 params runs LadderAdamW too and refuses DTensors at build time."""
 
 
@@ -106,6 +106,7 @@ def build_engine(
     weight_decay: float = 1e-2,
     seed: int = 0,
     rounding: Rounding = "stochastic",
+    decoupled_weight_decay: bool = True,
 ) -> torch.optim.Optimizer:
     """Build the optimizer that runs ``rung`` over ``param_groups``.
 
@@ -119,6 +120,11 @@ def build_engine(
         lr, betas, eps, weight_decay: AdamW hyperparameters (torch's meaning).
         seed: the bf16 rung's stochastic-rounding seed, ``0 <= seed < 2**64``.
         rounding: the bf16 rung's rounding, ``"stochastic"`` or ``"nearest"``.
+        decoupled_weight_decay: True for AdamW (``param *= 1 - lr * wd``), False for Adam
+            (``grad += wd * param``), kept on every rung: ``torch.optim.Adam`` on fp32,
+            :class:`LadderAdamW` in Adam mode on bf16, and on 8bit bitsandbytes run with
+            weight decay 0 after the decay is added to the grad (bitsandbytes itself only
+            decays the AdamW way).
 
     Returns:
         A ``torch.optim.Optimizer``: ``torch.optim.AdamW`` or :class:`LadderAdamW` (fp32),
@@ -131,7 +137,13 @@ def build_engine(
             they are bfloat16/float16, see :data:`DTENSOR_UNSUPPORTED`).
         ImportError: for the 8bit rung without bitsandbytes.
     """
-    hyper: dict[str, Any] = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+    hyper: dict[str, Any] = {
+        "lr": lr,
+        "betas": betas,
+        "eps": eps,
+        "weight_decay": weight_decay,
+        "decoupled_weight_decay": decoupled_weight_decay,
+    }
     _refuse_dtensors(rung, param_groups, fused)
     clear_engine_keys(param_groups)
     if rung == "fp32":

@@ -3,10 +3,12 @@
 Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022). bitsandbytes
 is imported only when this rung is built.
 
-Sharded params (DTensor, e.g. FSDP2's ``fully_shard``) get a subclass of ``AdamW8bit``
-that runs bitsandbytes' update on each rank's local shard, while the size rule
-(``min_8bit_size``) follows the param's global element count, the same on every rank:
-see :func:`sharded_adamw8bit_class`.
+Sharded params (DTensor, e.g. FSDP2's ``fully_shard``) and Adam's coupled weight decay
+get a subclass of ``AdamW8bit`` (:func:`ladder_adamw8bit_class`): it runs bitsandbytes'
+update on each rank's local shard, while the size rule (``min_8bit_size``) follows the
+param's global element count, the same on every rank; and in Adam mode it adds
+``weight_decay * param`` to the grad and runs bitsandbytes with weight decay 0, because
+bitsandbytes applies weight decay the AdamW (decoupled) way.
 """
 
 from __future__ import annotations
@@ -49,8 +51,15 @@ def import_bitsandbytes() -> ModuleType:
 
 
 @functools.cache
-def sharded_adamw8bit_class() -> type[torch.optim.Optimizer]:
-    """bitsandbytes' ``AdamW8bit``, taught to step DTensor params on their local shards.
+def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
+    """bitsandbytes' ``AdamW8bit``, taught to step DTensor params on their local shards
+    and, with ``coupled_weight_decay=True``, to decay the Adam way.
+
+    Adam mode: bitsandbytes decays decoupled (``param *= 1 - lr * wd``, its CPU fallback
+    and CUDA kernel alike), so the decay is folded into the grad instead
+    (``grad += wd * param``, in place, before the update: the grad then holds the
+    decayed grad, as ``torch.optim.Adam`` computes it) and bitsandbytes runs with
+    weight decay 0.
 
     bitsandbytes' kernels take plain tensors (a DTensor reaching them raises "got mixed
     torch.Tensor and DTensor"). For each DTensor param this class hands bitsandbytes'
@@ -75,12 +84,19 @@ def sharded_adamw8bit_class() -> type[torch.optim.Optimizer]:
     """
     bnb = import_bitsandbytes()
 
-    class ShardedAdamW8bit(bnb.optim.AdamW8bit):  # type: ignore[name-defined]
-        """``AdamW8bit`` stepping DTensor params on their local shards; see
-        :func:`optladder.optimizers.eightbit.sharded_adamw8bit_class`."""
+    class LadderAdamW8bit(bnb.optim.AdamW8bit):  # type: ignore[name-defined]
+        """``AdamW8bit`` stepping DTensor params on their local shards, and decaying
+        the Adam way when ``coupled_weight_decay``; see
+        :func:`optladder.optimizers.eightbit.ladder_adamw8bit_class`."""
+
+        def __init__(self, *args: Any, coupled_weight_decay: bool = False, **kwargs: Any) -> None:
+            self.coupled_weight_decay = coupled_weight_decay
+            super().__init__(*args, **kwargs)
 
         def get_config(self, gindex: int, pindex: int, group: dict[str, Any]) -> dict[str, Any]:
             config: dict[str, Any] = super().get_config(gindex, pindex, group)
+            if self.coupled_weight_decay:
+                config["weight_decay"] = 0.0  # folded into the grad in update_step
             p = self.param_groups[gindex]["params"][pindex]
             if is_dtensor(p):
                 # bitsandbytes compares the tensor it is handed (the local shard) with
@@ -134,13 +150,18 @@ def sharded_adamw8bit_class() -> type[torch.optim.Optimizer]:
         def update_step(
             self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int
         ) -> None:
+            wd = group["weight_decay"] if self.coupled_weight_decay else 0.0
             if not is_dtensor(p):
+                if wd:
+                    p.grad.add_(p, alpha=wd)
                 super().update_step(group, p, gindex, pindex)
                 return
             with self._on_shard(p, with_grad=True) as shard:
+                if wd:
+                    shard.grad.add_(shard, alpha=wd)
                 super().update_step(group, shard, gindex, pindex)
 
-    return ShardedAdamW8bit
+    return LadderAdamW8bit
 
 
 def build_8bit(
@@ -150,13 +171,15 @@ def build_8bit(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    decoupled_weight_decay: bool = True,
 ) -> torch.optim.Optimizer:
     """Build ``bitsandbytes.optim.AdamW8bit`` over ``param_groups``.
 
     Tensors under bitsandbytes' ``min_8bit_size`` (4096 elements) keep float32 moments;
     larger ones keep uint8 codes with one float32 absmax per 256-element block. When any
-    param is a DTensor (FSDP2), the optimizer is :func:`sharded_adamw8bit_class`: each
+    param is a DTensor (FSDP2), the optimizer is :func:`ladder_adamw8bit_class`: each
     rank steps its local shard, and the 4,096-element rule follows the global count.
+    ``decoupled_weight_decay=False`` (Adam) uses it too, to decay the Adam way.
 
     Raises:
         ImportError: if bitsandbytes does not import (install ``optladder[8bit]``).
@@ -183,7 +206,11 @@ def build_8bit(
             f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
             "pip install 'optladder[8bit]'"
         ) from exc
-    engine: Any = sharded_adamw8bit_class() if sharded else bnb.optim.AdamW8bit
+    kwargs: dict[str, Any] = {}
+    engine: Any = bnb.optim.AdamW8bit
+    if sharded or not decoupled_weight_decay:
+        engine = ladder_adamw8bit_class()
+        kwargs["coupled_weight_decay"] = not decoupled_weight_decay
     return engine(
         param_groups,
         lr=lr,
@@ -191,4 +218,5 @@ def build_8bit(
         eps=eps,
         weight_decay=weight_decay,
         min_8bit_size=BNB_MIN_8BIT_SIZE,
+        **kwargs,
     )

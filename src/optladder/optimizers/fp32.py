@@ -18,6 +18,7 @@ def build_fp32(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    decoupled_weight_decay: bool = True,
 ) -> torch.optim.Optimizer:
     """Build the fp32 rung's optimizer.
 
@@ -28,6 +29,8 @@ def build_fp32(
             float32 moments (for bf16/fp16 params, whose moments torch keeps in their
             own dtype). See :mod:`optladder.optimizers.spec`.
         lr, betas, eps, weight_decay: AdamW hyperparameters.
+        decoupled_weight_decay: True for AdamW, False for Adam (``grad += wd * param``):
+            ``torch.optim.Adam`` then, with the same fused/foreach choice.
 
     Returns:
         The optimizer over ``param_groups``.
@@ -39,9 +42,9 @@ def build_fp32(
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
             moment_dtype=torch.float32,
         )
     flags = {"fused": True} if engine == "fused" else {"foreach": True}
-    return torch.optim.AdamW(
-        param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags
-    )
+    cls = torch.optim.AdamW if decoupled_weight_decay else torch.optim.Adam
+    return cls(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags)

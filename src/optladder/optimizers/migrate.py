@@ -18,7 +18,7 @@ the repeated ``v = beta2 * v`` updates.
 
 A DTensor param (FSDP2) is converted on this rank's local shard: torch's AdamW keeps
 DTensor moments laid out like the param, bitsandbytes' layout keeps plain tensors of the
-shard (:func:`optladder.optimizers.eightbit.sharded_adamw8bit_class`); whether the shard
+shard (:func:`optladder.optimizers.eightbit.ladder_adamw8bit_class`); whether the shard
 is quantized follows the param's global element count. No conversion communicates.
 """
 

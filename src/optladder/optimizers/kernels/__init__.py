@@ -7,6 +7,7 @@ imported at the first Triton step. The functions here only say whether a backend
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -21,10 +22,11 @@ __all__ = [
 ]
 
 
+@functools.cache
 def triton_unavailable_reason() -> str | None:
     """Why the Triton kernel cannot run in this environment, or None if it can.
 
-    Cheap: it looks for the package without importing it.
+    Cheap: it looks for the package without importing it, once per process.
     """
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed (pip install triton, the version torch pins)"

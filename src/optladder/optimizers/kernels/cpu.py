@@ -10,6 +10,9 @@ the hash of the source and the compiler command; later processes load it in mill
 One call updates every param of a group in one pass over memory: read the float32 param,
 the grad (float32, bfloat16 or float16) and the two bfloat16 moments, write the param and
 the moments (20 bytes per element with float32 grads, against 28 for float32 moments).
+Work is split into 128Ki-element items handed out to ``torch.get_num_threads()`` threads
+of torch's own OpenMP pool (the kernel links ``libgomp.so.1``, which resolves to the copy
+torch loaded); where torch runs another OpenMP runtime the kernel starts pthreads.
 """
 
 from __future__ import annotations
@@ -88,7 +91,12 @@ class _Hyper(ctypes.Structure):
 
 def compiler() -> str | None:
     """The C compiler the kernel is built with: ``$CC`` if set, else ``gcc``, if found."""
-    return shutil.which(os.environ.get("CC", "gcc"))
+    return _which(os.environ.get("CC", "gcc"))
+
+
+@functools.cache
+def _which(name: str) -> str | None:
+    return shutil.which(name)  # looked up once per name: this runs for every param step
 
 
 def unavailable_reason() -> str | None:

@@ -42,7 +42,7 @@ _tables: OrderedDict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, int]]
 
 
 @triton.jit
-def _u32(x):
+def _u32(x: tl.constexpr):
     return tl.full((), x, tl.uint32)
 
 
@@ -201,7 +201,7 @@ def _adamw_bf16_kernel(
     pid = tl.program_id(0)
     row = tl.load(chunks_ptr + 2 * pid)
     start = tl.load(chunks_ptr + 2 * pid + 1)
-    meta = meta_ptr + row * 8
+    meta = meta_ptr + row * 8  # _META_COLS int64 columns per param
     p_int = tl.load(meta)
     g_int = tl.load(meta + 1)
     m_int = tl.load(meta + 2)
@@ -334,6 +334,8 @@ def launch(
     if not params:
         return
     meta, chunks, n_chunks = _tables_for(params, grads, exp_avgs, exp_avg_sqs, steps, param_indices)
+    if n_chunks == 0:  # only empty params: their step counts still advance
+        return
     aligned = all(
         t.data_ptr() % 16 == 0 for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts
     )
