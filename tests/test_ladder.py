@@ -59,15 +59,15 @@ def test_is_oom_on_a_real_cpu_allocation_failure() -> None:
 SIZES = (20_000, 300, 5_000)
 
 
-def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+def _params(seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in SIZES]
+    return [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in SIZES]
 
 
 def _set_grads(params: list[torch.nn.Parameter], seed: int) -> None:
     gen = torch.Generator().manual_seed(1000 + seed)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
 
 
 def _opt(params, rung: str | None = "fp32", **kwargs):  # type: ignore[no-untyped-def]
@@ -222,8 +222,8 @@ def test_migration_peak_memory_is_one_params_new_state(src: str, dst: str) -> No
 
 
 # ---------------------------------------------------------------------------- two-phase
-def _count_allocations(rung: str, steps_before: int) -> int:
-    params = _params()
+def _count_allocations(rung: str, steps_before: int, dtype: torch.dtype) -> int:
+    params = _params(dtype=dtype)
     opt = _opt(params, rung=rung)
     for s in range(steps_before):
         _set_grads(params, s)
@@ -234,28 +234,40 @@ def _count_allocations(rung: str, steps_before: int) -> int:
     return counter.count
 
 
-@pytest.mark.parametrize("rung", RUNGS)
+@pytest.mark.parametrize(
+    ("rung", "dtype"),
+    [
+        ("fp32", torch.float32),  # torch's fused AdamW
+        ("bf16", torch.float32),  # the C kernel
+        ("8bit", torch.float32),  # bitsandbytes
+        ("fp32", torch.bfloat16),  # optladder's eager AdamW, float32 moments
+        ("bf16", torch.bfloat16),  # optladder's eager AdamW, bfloat16 moments
+    ],
+)
 @pytest.mark.parametrize("steps_before", [0, 2])
-def test_an_oom_at_any_allocation_changes_nothing(rung: str, steps_before: int) -> None:
+def test_an_oom_at_any_allocation_changes_nothing(
+    rung: str, dtype: torch.dtype, steps_before: int
+) -> None:
     """Fail the k-th allocation inside step() for every k; then one clean step must equal
     the step of an optimizer that never failed, bit for bit."""
-    n = _count_allocations(rung, steps_before)
+    n = _count_allocations(rung, steps_before, dtype)
     if steps_before == 0:
         # the first step creates two moments for each of the 3 params (and more: step
         # tensors on the fused fp32 rung, absmax on the 8-bit rung)
         assert n >= 6
     else:
-        # once state exists, every rung's commit runs in kernels that allocate nothing
-        # the dispatcher sees: there is nothing left to fail
+        # once state (and the eager path's scratch) exists, every rung's commit runs in
+        # kernels that allocate nothing the dispatcher sees, or on the cached scratch:
+        # there is nothing left to fail
         assert n == 0
-    clean_params = _params()
+    clean_params = _params(dtype=dtype)
     clean = _opt(clean_params, rung=rung)
     for s in range(steps_before + 1):
         _set_grads(clean_params, s)
         clean.step()
     expected = _snapshot(clean)
     for k in range(1, n + 1):
-        params = _params()
+        params = _params(dtype=dtype)
         opt = _opt(params, rung=rung)  # pinned: the OOM is re-raised, not escalated
         for s in range(steps_before):
             _set_grads(params, s)

@@ -235,7 +235,13 @@ def test_adam_mode_matches_torch_adam_on_every_rung(rung: str) -> None:
 
     def build(ps):  # type: ignore[no-untyped-def]
         return build_engine(
-            rung, [{"params": ps}], fused=True, lr=LR, betas=BETAS, eps=EPS, weight_decay=wd,
+            rung,
+            [{"params": ps}],
+            fused=True,
+            lr=LR,
+            betas=BETAS,
+            eps=EPS,
+            weight_decay=wd,
             decoupled_weight_decay=False,
         )
 
@@ -244,7 +250,9 @@ def test_adam_mode_matches_torch_adam_on_every_rung(rung: str) -> None:
         lambda ps: torch.optim.Adam(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=wd, foreach=False)
     )
     _, adamw, _ = _run(
-        lambda ps: torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=wd, foreach=False)
+        lambda ps: torch.optim.AdamW(
+            ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=wd, foreach=False
+        )
     )
     check_params(rung, init, params, ref)
     if rung != "8bit":  # the 8-bit bound is looser than the Adam/AdamW gap at K=5 steps

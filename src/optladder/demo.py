@@ -169,9 +169,8 @@ def run_demo(
         results.append(train_digits(free_memory=budget, epochs=epochs, seed=seed, log=log))
     log("\n== bf16 rung, forward under bf16 autocast ==")
     results.append(train_digits(rung="bf16", epochs=epochs, seed=seed, autocast=True, log=log))
-    log(
-        "\nrung   test accuracy   final loss   state bytes   bytes/param   seconds   (last: autocast)"
-    )
+    log("\n(the last row: forward under bf16 autocast)")
+    log("rung   test accuracy   final loss   state bytes   bytes/param   seconds")
     n = sum(p.numel() for p in make_model(seed).parameters())
     for res in results:
         log(

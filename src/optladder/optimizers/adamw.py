@@ -144,6 +144,8 @@ class LadderAdamW(torch.optim.Optimizer):
         self.backend: Backend = backend
         self.eager_reasons: dict[int, str] = {}
         self._cpu_kernel_error: str | None = None
+        self._plan: Any = None
+        self._scratch: dict[torch.device, Any] = {}
         super().__init__(params, defaults)
 
     _step_supports_amp_scaling = True
@@ -225,14 +227,34 @@ class LadderAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
-        found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
-        # Check everything before touching anything: a bad grad leaves all params as
-        # they were.
-        plan: list[tuple[dict[str, Any], list[tuple[torch.Tensor, int]]]] = []
+        self.prepare_step()
+        self.commit_step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        return loss
+
+    def prepare_step(self) -> list[torch.Tensor]:
+        """Phase one of a step: check the grads, route each param to a backend, and
+        allocate everything the step will need (state of params stepping for the first
+        time, ``step`` tensors on the Triton device, the eager path's scratch).
+
+        Returns:
+            The params whose state this call created.
+
+        Raises:
+            ValueError: if a grad is sparse. An OOM while allocating: the state created
+                so far is dropped first, so the optimizer is as it was.
+        """
+        from optladder.optimizers import eager
+
+        plan: list[tuple[dict[str, Any], dict[str, list[tuple[torch.Tensor, int]]]]] = []
+        env: dict[str, str | None] = {}
+        reasons: dict[int, str] = {}
         param_index = -1
         for group in self.param_groups:
-            items: list[tuple[torch.Tensor, int]] = []
+            routes: dict[str, list[tuple[torch.Tensor, int]]] = {
+                "eager": [],
+                "cpu": [],
+                "triton": [],
+            }
             for p in group["params"]:
                 param_index += 1
                 if p.grad is None:
@@ -242,22 +264,69 @@ class LadderAdamW(torch.optim.Optimizer):
                         f"param {param_index} has a sparse grad; optladder's AdamW needs "
                         "dense grads"
                     )
-                items.append((p, param_index))
-            plan.append((group, items))
-        self.eager_reasons = {}
-        env: dict[str, str | None] = {}
-        skip_host: bool | None = None
-        for group, items in plan:
-            routes: dict[str, list[tuple[torch.Tensor, int]]] = {
-                "eager": [],
-                "cpu": [],
-                "triton": [],
-            }
-            for p, i in items:
-                backend, reason = self._route(p, i, env)
-                routes[backend].append((p, i))
+                backend, reason = self._route(p, param_index, env)
+                routes[backend].append((p, param_index))
                 if reason is not None:
-                    self.eager_reasons[i] = reason
+                    reasons[param_index] = reason
+            plan.append((group, routes))
+        created: list[torch.Tensor] = []
+        try:
+            for _, routes in plan:
+                for items in routes.values():
+                    for p, _ in items:
+                        if len(self.state[p]) == 0:
+                            created.append(p)
+                            self._init_state(p)
+                for p, _ in routes["triton"]:
+                    st = self.state[p]
+                    if st["step"].device != p.device:
+                        st["step"] = st["step"].to(p.device)
+                if routes["cpu"] and not self._load_cpu_kernel(routes["cpu"], reasons):
+                    routes["eager"] += routes["cpu"]
+                    routes["cpu"] = []
+            need: dict[torch.device, int] = {}
+            for _, routes in plan:
+                for p, _ in routes["eager"]:
+                    need[p.device] = max(need.get(p.device, 0), eager.scratch_length(p))
+            for device, length in need.items():
+                have = self._scratch.get(device)
+                if have is None or have.length < length:
+                    self._scratch.pop(device, None)
+                    self._scratch[device] = eager.EagerScratch.allocate(length, device)
+        except BaseException:
+            for p in created:
+                self.state.pop(p, None)
+            raise
+        self._plan = plan
+        self.eager_reasons = reasons
+        return created
+
+    def release_scratch(self) -> None:
+        """Drop the prepared plan and the eager path's scratch buffers."""
+        self._plan = None
+        self._scratch.clear()
+
+    def commit_step(
+        self, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
+    ) -> None:
+        """Phase two of a step: write params, moments and step counts, allocating nothing
+        (the kernels update in place; the eager path uses the prepared scratch).
+
+        Args:
+            grad_scale: ``torch.amp.GradScaler``'s scale, when the grads are still scaled.
+            found_inf: its inf/NaN flag; when set, nothing changes, step counts included.
+
+        Raises:
+            RuntimeError: if :meth:`prepare_step` did not run first.
+        """
+        from optladder.optimizers import eager
+
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("commit_step() needs prepare_step() first")
+        self._plan = None
+        skip_host: bool | None = None
+        for group, routes in plan:
             if routes["triton"]:
                 self._step_triton(group, routes["triton"], grad_scale, found_inf)
             host = routes["cpu"] + routes["eager"]
@@ -268,14 +337,14 @@ class LadderAdamW(torch.optim.Optimizer):
             if skip_host:
                 continue
             if grad_scale is not None:
-                for p, _ in host:
-                    grad = cast(torch.Tensor, p.grad)
-                    grad.div_(grad_scale.to(grad.device))
-            if routes["cpu"] and not self._step_cpu(group, routes["cpu"]):
-                routes["eager"] += routes["cpu"]
+                inv = 1.0 / float(grad_scale.item())
+                torch._foreach_mul_([cast(torch.Tensor, p.grad) for p, _ in host], inv)
+            if routes["cpu"]:
+                self._step_cpu(group, routes["cpu"])
             for p, i in routes["eager"]:
-                self._step_param(p, group, i)
-        return loss
+                eager.eager_step(
+                    p, self.state[p], group, i, self.moment_dtype, self._scratch[p.device]
+                )
 
     def _route(
         self, p: torch.Tensor, param_index: int, env: dict[str, str | None]
@@ -322,8 +391,25 @@ class LadderAdamW(torch.optim.Optimizer):
             )
         return "eager", reason
 
-    def _step_cpu(self, group: dict[str, Any], items: list[tuple[torch.Tensor, int]]) -> bool:
-        """Step params with the C kernel; False (nothing written) if it cannot be built."""
+    def _load_cpu_kernel(
+        self, items: list[tuple[torch.Tensor, int]], reasons: dict[int, str]
+    ) -> bool:
+        """Build or load the C kernel; False (with the reason per param) if it cannot."""
+        from optladder.optimizers.kernels import cpu
+
+        try:
+            cpu.load_library()
+        except cpu.KernelBuildError as exc:
+            if self.backend == "cpu":
+                raise
+            self._cpu_kernel_error = f"the CPU kernel could not be built: {exc}"
+            for _, i in items:
+                reasons[i] = self._cpu_kernel_error
+            return False
+        return True
+
+    def _step_cpu(self, group: dict[str, Any], items: list[tuple[torch.Tensor, int]]) -> None:
+        """Step params with the C kernel (loaded by :meth:`_load_cpu_kernel`)."""
         from optladder.optimizers.kernels import cpu
 
         lr = float(group["lr"])
@@ -348,15 +434,6 @@ class LadderAdamW(torch.optim.Optimizer):
                 )
             )
             new_steps.append(step)
-        try:
-            cpu.load_library()
-        except cpu.KernelBuildError as exc:
-            if self.backend == "cpu":
-                raise
-            self._cpu_kernel_error = f"the CPU kernel could not be built: {exc}"
-            for _, i in items:
-                self.eager_reasons[i] = self._cpu_kernel_error
-            return False
         cpu.adamw_bf16_step(
             jobs,
             beta1=beta1,
@@ -370,7 +447,6 @@ class LadderAdamW(torch.optim.Optimizer):
         )
         for (p, _), step in zip(items, new_steps, strict=True):
             self.state[p]["step"].fill_(float(step))
-        return True
 
     def _step_triton(
         self,
@@ -427,7 +503,7 @@ class LadderAdamW(torch.optim.Optimizer):
 
         # Prepare every new value first, then commit: an error before the commit
         # leaves the param, the moments and the step count as they were.
-        grad = p.grad.detach().to(torch.float32, copy=True)
+        grad = cast(torch.Tensor, p.grad).detach().to(torch.float32, copy=True)
         if group["maximize"]:
             grad.neg_()
         param = p.detach().to(torch.float32, copy=True)

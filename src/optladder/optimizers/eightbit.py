@@ -19,7 +19,7 @@ import importlib
 import logging
 from collections.abc import Iterator
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -153,12 +153,12 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             wd = group["weight_decay"] if self.coupled_weight_decay else 0.0
             if not is_dtensor(p):
                 if wd:
-                    p.grad.add_(p, alpha=wd)
+                    cast(torch.Tensor, p.grad).add_(p, alpha=wd)
                 super().update_step(group, p, gindex, pindex)
                 return
             with self._on_shard(p, with_grad=True) as shard:
                 if wd:
-                    shard.grad.add_(shard, alpha=wd)
+                    cast(torch.Tensor, shard.grad).add_(shard, alpha=wd)
                 super().update_step(group, shard, gindex, pindex)
 
     return LadderAdamW8bit

@@ -59,12 +59,8 @@ def prepare_step(engine: torch.optim.Optimizer) -> list[torch.Tensor]:
     created: list[torch.Tensor] = []
     try:
         if isinstance(engine, LadderAdamW):
-            for group in engine.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None and len(engine.state[p]) == 0:
-                        created.append(p)
-                        engine._init_state(p)
-        elif is_bnb_engine(engine) or isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
+            return engine.prepare_step()  # rolls back its own state on failure
+        if is_bnb_engine(engine) or isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
             bnb = is_bnb_engine(engine)
             for gi, group in enumerate(engine.param_groups):
                 for pi, p in enumerate(group["params"]):
@@ -85,8 +81,13 @@ def rollback_step(engine: torch.optim.Optimizer, created: list[torch.Tensor]) ->
     """Drop the state :func:`prepare_step` created and any scratch it holds."""
     for p in created:
         engine.state.pop(p, None)
+    if isinstance(engine, LadderAdamW):
+        engine.release_scratch()
 
 
 def commit_step(engine: torch.optim.Optimizer) -> None:
     """Run the engine's step on the state :func:`prepare_step` allocated."""
-    engine.step()
+    if isinstance(engine, LadderAdamW):
+        engine.commit_step()
+    else:
+        engine.step()
