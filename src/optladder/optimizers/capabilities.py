@@ -62,7 +62,7 @@ def probe_capabilities(
     device_fused, _ = fused_adamw_runs(dev)
     misses: dict[Rung, str | None] = {
         "fp32": spec.fp32_fused_miss(device_fused, str(dev), dtypes, has_complex),
-        "bf16": spec.bf16_fused_miss(dev.type),
+        "bf16": spec.bf16_fused_miss(dev.type, dtypes),
         "8bit": spec.eightbit_fused_miss(dev.type),
     }
     for rung, miss in misses.items():

@@ -75,12 +75,32 @@ def fp32_engine(fused: bool, dtypes: Iterable[str]) -> Fp32Engine:
     return "fused" if fused else "foreach"
 
 
-def bf16_fused_miss(device_type: str) -> str | None:
-    """Why the bf16 rung is not on a fused kernel on ``device_type``, or None."""
-    return (
-        f"optladder's bf16 rung has no fused kernel for {device_type} yet; it runs the eager "
-        "reference implementation"
-    )
+def bf16_fused_miss(device_type: str, dtypes: Iterable[str] = ("float32",)) -> str | None:
+    """Why the bf16 rung is not on a fused kernel on ``device_type``, or None.
+
+    The fused kernels (:mod:`optladder.optimizers.kernels`: C on the CPU, Triton on CUDA)
+    step float32 params; other params, and devices without a kernel, run the eager path
+    (:mod:`optladder.optimizers.eager`), bit-identical but several times slower.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"``, ...
+        dtypes: names of the trainable params' dtypes.
+    """
+    from optladder.optimizers import kernels
+
+    other = sorted(set(dtypes) - {"float32"})
+    if other:
+        return (
+            f"the bf16 kernels step float32 params; {', '.join(other)} params run the eager "
+            "path"
+        )
+    if device_type == "cpu":
+        why = kernels.cpu_unavailable_reason()
+    elif device_type == "cuda":
+        why = kernels.triton_unavailable_reason()
+    else:
+        why = f"no fused bf16 kernel for {device_type}"
+    return None if why is None else f"{why}; the bf16 rung runs the eager path"
 
 
 def eightbit_fused_miss(device_type: str) -> str | None:
