@@ -27,6 +27,7 @@ from optladder.selector import (
     LadderOptimizer,
     OptimizerOutOfMemoryError,
     OptladderWarning,
+    adopt,
     choose_optimizer,
     is_oom,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "Overrides",
     "Policy",
     "Rung",
+    "adopt",
     "choose_optimizer",
     "decide",
     "is_oom",

@@ -11,6 +11,10 @@ from collections.abc import Iterable
 from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict
+
+from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.migrate import is_bnb_engine
 
 LOW_PRECISION_DTYPES = ("bfloat16", "float16")
 
@@ -90,10 +94,7 @@ def bf16_fused_miss(device_type: str, dtypes: Iterable[str] = ("float32",)) -> s
 
     other = sorted(set(dtypes) - {"float32"})
     if other:
-        return (
-            f"the bf16 kernels step float32 params; {', '.join(other)} params run the eager "
-            "path"
-        )
+        return f"the bf16 kernels step float32 params; {', '.join(other)} params run the eager path"
     if device_type == "cpu":
         why = kernels.cpu_unavailable_reason()
     elif device_type == "cuda":
@@ -112,3 +113,126 @@ def eightbit_fused_miss(device_type: str) -> str | None:
     if device_type == "cuda":
         return None
     return f"bitsandbytes has no fused 8-bit optimizer kernel on {device_type}"
+
+
+class FusedOptimizerConfig(BaseModel):
+    """An optimizer configuration that runs on a fused kernel, as plain data.
+
+    Attributes:
+        kind: ``"adam"`` (coupled weight decay: ``grad += wd * param``), ``"adamw"``
+            (decoupled: ``param *= 1 - lr * wd``) or ``"sgd"``.
+        lr: the default learning rate (per-group values stay in the param groups).
+        betas: Adam's ``(beta1, beta2)``; None for SGD.
+        eps: Adam's denominator term; None for SGD.
+        weight_decay: the default decay coefficient.
+        momentum, dampening, nesterov: SGD's; None/0/False for Adam.
+        use_bf16_moments: the moments are stored in bfloat16 (optladder's bf16 rung).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["adam", "adamw", "sgd"]
+    lr: float
+    betas: tuple[float, float] | None = None
+    eps: float | None = None
+    weight_decay: float = 0.0
+    momentum: float | None = None
+    dampening: float = 0.0
+    nesterov: bool = False
+    use_bf16_moments: bool = False
+
+
+def _param_misses(optimizer: torch.optim.Optimizer) -> str | None:
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if p.is_complex():
+                return (
+                    f"param {pi} of group {gi} is complex ({p.dtype}): the bf16 and 8-bit rungs "
+                    "take real params only"
+                )
+            if p.is_sparse or (p.grad is not None and p.grad.is_sparse):
+                return f"param {pi} of group {gi} is sparse: the fused kernels take dense tensors"
+    return None
+
+
+def _flag_misses(optimizer: torch.optim.Optimizer, flags: dict[str, str]) -> str | None:
+    for gi, group in enumerate(optimizer.param_groups):
+        for flag, why in flags.items():
+            if group.get(flag):
+                return f"{flag}=True in param group {gi}: {why}"
+    return None
+
+
+_ADAM_FLAGS = {
+    "amsgrad": "it keeps a third state tensor (max_exp_avg_sq) that no rung below fp32 stores",
+    "maximize": "bitsandbytes' 8-bit rung only descends",
+    "differentiable": "fused kernels do not record the update for autograd",
+}
+_SGD_FLAGS = {
+    "maximize": "optladder maps descending SGD only",
+    "differentiable": "fused kernels do not record the update for autograd",
+}
+
+
+def to_fused_config(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[FusedOptimizerConfig | None, str | None]:
+    """Map an optimizer to the fused configuration it runs as, or say why it does not.
+
+    Maps plain ``torch.optim.Adam``, ``torch.optim.AdamW`` and ``torch.optim.SGD``, and
+    optladder's :class:`~optladder.optimizers.adamw.LadderAdamW` (``use_bf16_moments``
+    when its moments are bfloat16); an optladder optimizer maps as its current engine.
+    Each unmappable case has its own reason: amsgrad, maximize, differentiable, sparse or
+    complex params, 8-bit block-quantized state, any other optimizer class.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``.
+
+    Returns:
+        ``(config, None)`` when it maps, ``(None, reason)`` when it does not.
+    """
+    inner = getattr(optimizer, "engine", None)  # an optladder optimizer's current engine
+    if isinstance(inner, torch.optim.Optimizer):
+        optimizer = inner
+    name = type(optimizer).__name__
+    if is_bnb_engine(optimizer):
+        return None, (
+            f"{name} keeps 8-bit block-quantized state: bitsandbytes owns its kernels and "
+            "its format, which is not a fused AdamW configuration"
+        )
+    d = optimizer.defaults
+    if isinstance(optimizer, LadderAdamW | torch.optim.Adam | torch.optim.AdamW):
+        miss = _flag_misses(optimizer, _ADAM_FLAGS) or _param_misses(optimizer)
+        if miss is not None:
+            return None, f"{name}: {miss}"
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
+            d.get("decoupled_weight_decay", False)
+        )
+        bf16 = isinstance(optimizer, LadderAdamW) and optimizer.moment_dtype == torch.bfloat16
+        return (
+            FusedOptimizerConfig(
+                kind="adamw" if decoupled else "adam",
+                lr=float(d["lr"]),
+                betas=(float(d["betas"][0]), float(d["betas"][1])),
+                eps=float(d["eps"]),
+                weight_decay=float(d["weight_decay"]),
+                use_bf16_moments=bf16,
+            ),
+            None,
+        )
+    if isinstance(optimizer, torch.optim.SGD):
+        miss = _flag_misses(optimizer, _SGD_FLAGS) or _param_misses(optimizer)
+        if miss is not None:
+            return None, f"{name}: {miss}"
+        return (
+            FusedOptimizerConfig(
+                kind="sgd",
+                lr=float(d["lr"]),
+                weight_decay=float(d["weight_decay"]),
+                momentum=float(d["momentum"]),
+                dampening=float(d["dampening"]),
+                nesterov=bool(d["nesterov"]),
+            ),
+            None,
+        )
+    return None, f"{name} is not Adam, AdamW or SGD: no fused mapping"

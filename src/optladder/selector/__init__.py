@@ -1,6 +1,7 @@
 """Wires policies and optimizers together: ``choose_optimizer``, the optladder optimizer,
 and the OOM ladder."""
 
+from optladder.selector.adopt import adopt
 from optladder.selector.choose import InsufficientMemoryError, OptladderWarning, choose_optimizer
 from optladder.selector.ladder import Ladder
 from optladder.selector.oom import describe_error, is_oom
@@ -23,6 +24,7 @@ __all__ = [
     "LadderOptimizer",
     "OptimizerOutOfMemoryError",
     "OptladderWarning",
+    "adopt",
     "choose_optimizer",
     "describe_error",
     "is_oom",

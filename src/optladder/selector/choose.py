@@ -93,6 +93,7 @@ def choose_optimizer(
     environ: Mapping[str, str] | None = None,
     max_retries: int = 2,
     on_escalate: Callable[[Escalation], None] | None = None,
+    decoupled_weight_decay: bool = True,
 ) -> LadderOptimizer:
     """Choose a rung for the model's optimizer state and build an AdamW on it.
 
@@ -119,6 +120,8 @@ def choose_optimizer(
         environ: the environment to read the overrides from; None means ``os.environ``.
         max_retries: escalations allowed within one ``step()``, ``>= 0``.
         on_escalate: called with each :class:`Escalation` when the ladder moves down.
+        decoupled_weight_decay: True (default) for AdamW; False for Adam's coupled decay
+            (``grad += weight_decay * param``), kept on every rung.
 
     Under ``torch.distributed`` every rank reaches the same decision: free memory is the
     minimum over ranks, each rung's state bytes the maximum over ranks, and rank 0's
@@ -178,6 +181,7 @@ def choose_optimizer(
         "weight_decay": weight_decay,
         "seed": seed,
         "rounding": rounding,
+        "decoupled_weight_decay": decoupled_weight_decay,
     }
 
     def rebuild(rung: Rung, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:

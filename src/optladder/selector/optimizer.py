@@ -148,9 +148,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         self.escalations: list[Escalation] = []
         self.last_step_skipped = False
         self._steps = 0
+        self._warned: set[str] = set()
         self._mark_groups(engine.param_groups, decision)
         super().__init__(engine.param_groups, engine.defaults)
         self._attach(engine)
+        self._warn_unfused()
 
     # ------------------------------------------------------------------ plumbing
     def _attach(self, engine: torch.optim.Optimizer) -> None:
@@ -253,6 +255,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 _unscale_grads(engine, grad_scale)
             commit_step(engine)
             self._steps += 1
+            self._warn_unfused()
             return None
         if created is not None:  # this rank prepared, another ran out of memory
             rollback_step(engine, created)
@@ -286,6 +289,16 @@ class LadderOptimizer(torch.optim.Optimizer):
             needed,
             free,
         )
+
+    def _warn_unfused(self) -> None:
+        """Log each distinct reason for leaving the fused path once per optimizer: the
+        decision's, and those of params the bf16 engine stepped eagerly."""
+        reasons = [] if self._decision.fused else [self._decision.unfused_reason or ""]
+        reasons += sorted(set(getattr(self.engine, "eager_reasons", {}).values()))
+        for reason in reasons:
+            if reason not in self._warned:
+                self._warned.add(reason)
+                logger.warning("optladder: %s rung not on the fused path: %s", self.rung, reason)
 
     # ------------------------------------------------------------------ moving
     def can_escalate(self) -> bool:
@@ -355,6 +368,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         )
         self._mark_groups(new.param_groups, self._decision)
         self._attach(new)
+        self._warn_unfused()
         _empty_cache(self.device)
 
     # ------------------------------------------------------------------ checkpoints

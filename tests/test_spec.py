@@ -1,0 +1,190 @@
+"""The fused-spec mapping, adopt(), drift, and one warning per reason."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from optladder import adopt, choose_optimizer
+from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.spec import FusedOptimizerConfig, to_fused_config
+
+
+def _p(n: int = 8, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.randn(n, dtype=dtype))]
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (lambda: torch.optim.AdamW(_p(), lr=2e-3, weight_decay=0.1), ("adamw", False)),
+        (lambda: torch.optim.Adam(_p(), lr=2e-3, weight_decay=0.1), ("adam", False)),
+        (lambda: torch.optim.Adam(_p(), decoupled_weight_decay=True), ("adamw", False)),
+        (lambda: LadderAdamW(_p()), ("adamw", True)),
+        (lambda: LadderAdamW(_p(), moment_dtype=torch.float32), ("adamw", False)),
+        (lambda: LadderAdamW(_p(), decoupled_weight_decay=False), ("adam", True)),
+        (lambda: torch.optim.SGD(_p(), lr=0.1, momentum=0.9), ("sgd", False)),
+        (lambda: choose_optimizer(_p(), rung="bf16", free_memory="1GiB"), ("adamw", True)),
+    ],
+)
+def test_maps(make, expected) -> None:  # type: ignore[no-untyped-def]
+    config, why = to_fused_config(make())
+    assert why is None and isinstance(config, FusedOptimizerConfig)
+    assert (config.kind, config.use_bf16_moments) == expected
+
+
+def test_maps_hyperparameters() -> None:
+    config, _ = to_fused_config(torch.optim.Adam(_p(), lr=2e-3, betas=(0.8, 0.99), eps=1e-6))
+    assert config is not None
+    assert (config.lr, config.betas, config.eps, config.weight_decay) == (
+        2e-3,
+        (0.8, 0.99),
+        1e-6,
+        0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: torch.optim.Adam(_p(), amsgrad=True), "amsgrad=True"),
+        (lambda: torch.optim.AdamW(_p(), maximize=True), "maximize=True"),
+        (lambda: torch.optim.Adam(_p(), differentiable=True), "differentiable=True"),
+        (lambda: torch.optim.AdamW(_p(dtype=torch.complex64)), "is complex"),
+        (lambda: torch.optim.SGD(_p(), lr=0.1, maximize=True), "maximize=True"),
+        (lambda: torch.optim.RMSprop(_p()), "RMSprop is not Adam, AdamW or SGD"),
+        (
+            lambda: choose_optimizer(_p(5000), rung="8bit", free_memory="1GiB"),
+            "8-bit block-quantized state",
+        ),
+    ],
+)
+def test_misses_say_why(make, reason: str) -> None:  # type: ignore[no-untyped-def]
+    config, why = to_fused_config(make())
+    assert config is None and why is not None and reason in why
+
+
+def test_sparse_grad_is_a_miss() -> None:
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    config, why = to_fused_config(torch.optim.Adam(emb.parameters()))
+    assert config is None and "sparse" in (why or "")
+
+
+# ------------------------------------------------------------------------------ adopt
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 4))
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(seed))
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
+def test_adopt_keeps_adam_state_and_coupled_decay() -> None:
+    """Adopt a torch Adam (coupled decay) mid-run: the next steps match torch Adam."""
+    model, ref_model = _model(), _model()
+    user = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.5)
+    ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2, weight_decay=0.5, foreach=False)
+    for s in range(2):
+        _step(model, user, s)
+        _step(ref_model, ref, s)
+    opt = adopt(user, free_memory="1GiB")
+    assert opt.rung == "fp32" and type(opt.engine) is torch.optim.Adam
+    assert opt.state[model[0].weight]["step"].item() == 2.0
+    for s in range(2, 4):
+        _step(model, opt, s)
+        _step(ref_model, ref, s)
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        # fused vs single-tensor Adam: float32 rounding of ~10 ops a step, 4 steps
+        torch.testing.assert_close(a, b, rtol=0, atol=4 * 10 * 2**-23 * 2)
+
+
+def test_adopt_into_a_cheaper_rung_converts_the_state() -> None:
+    model = _model()
+    user = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, user, 0)
+    opt = adopt(user, free_memory="1GiB", rung="bf16")
+    st = opt.state[model[0].weight]
+    assert st["exp_avg"].dtype == torch.bfloat16 and st["step"].item() == 1.0
+    torch.testing.assert_close(
+        st["exp_avg"].float(), user.state[model[0].weight]["exp_avg"], rtol=2**-8, atol=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda m: torch.optim.SGD(m.parameters(), lr=0.1), "cannot adopt SGD"),
+        (lambda m: torch.optim.Adam(m.parameters(), amsgrad=True), "amsgrad=True"),
+        (lambda m: torch.optim.RMSprop(m.parameters()), "RMSprop is not Adam"),
+    ],
+)
+def test_adopt_refuses_with_the_reason(make, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=match):
+        adopt(make(_model()), free_memory="1GiB")
+
+
+def test_adopt_refuses_hyperparameters_in_kwargs() -> None:
+    with pytest.raises(ValueError, match=r"do not pass \['lr'\]"):
+        adopt(torch.optim.AdamW(_model().parameters()), lr=1.0)
+
+
+# ------------------------------------------------------------------------------ drift
+def test_toggling_the_bf16_rung_mid_run_rebuilds_and_keeps_stepping() -> None:
+    """fp32 -> bf16 -> fp32 on the same params: each step runs the engine of the rung
+    it is on (bf16 state while on bf16), and the result tracks plain AdamW closely."""
+    model, ref_model = _model(), _model()
+    opt = choose_optimizer(model, lr=1e-2, free_memory="1GiB")
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, foreach=False)
+    rungs = ["fp32", "fp32", "bf16", "bf16", "fp32", "fp32"]
+    for s, rung in enumerate(rungs):
+        opt.migrate_to(rung, "toggled by the test")  # type: ignore[arg-type]
+        _step(model, opt, s)
+        _step(ref_model, ref, s)
+        dtype = opt.state[model[0].weight]["exp_avg"].dtype
+        assert dtype == (torch.bfloat16 if rung == "bf16" else torch.float32)
+    assert opt.state[model[0].weight]["step"].item() == len(rungs)
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        # two steps stored in bf16 moments: bounded as in test_rungs (lr * U * 1.5 * 2**-7 * 3)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-2 * 3.17 * 1.5 * 2**-7 * 3)
+
+
+def test_changing_betas_mid_run_takes_effect_on_the_fused_kernel() -> None:
+    """A hyperparameter change reaches the next step (nothing stale is cached)."""
+    params = [torch.nn.Parameter(torch.randn(1000))]
+    opt = choose_optimizer(params, rung="bf16", free_memory="1GiB")
+    ref = LadderAdamW([torch.nn.Parameter(params[0].detach().clone())], backend="eager")
+    for s, betas in enumerate([(0.9, 0.999), (0.5, 0.9)]):
+        for group in (opt.param_groups[0], ref.param_groups[0]):
+            group["betas"] = betas
+        g = torch.randn(1000, generator=torch.Generator().manual_seed(s))
+        params[0].grad = g.clone()
+        ref.param_groups[0]["params"][0].grad = g.clone()
+        opt.step()
+        ref.step()
+    st, rst = opt.state[params[0]], ref.state[ref.param_groups[0]["params"][0]]
+    assert torch.equal(st["exp_avg"], rst["exp_avg"])  # the kernel's moments are the oracle's
+    assert torch.equal(st["exp_avg_sq"], rst["exp_avg_sq"])
+
+
+# --------------------------------------------------------------------------- warnings
+def test_one_warning_per_distinct_reason(caplog: pytest.LogCaptureFixture) -> None:
+    params = [torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16)) for _ in range(3)]
+    caplog.set_level(logging.WARNING, logger="optladder")
+    opt = choose_optimizer(params, rung="bf16", free_memory="1GiB")
+    for s in range(4):
+        for p in params:
+            p.grad = torch.randn(64, generator=torch.Generator().manual_seed(s)).bfloat16()
+        opt.step()
+    lines = [r.getMessage() for r in caplog.records if "not on the fused path" in r.getMessage()]
+    # 3 params x 4 steps, two distinct reasons (the decision's, and the CPU kernel's per
+    # param), each logged once
+    assert len(lines) == len(set(lines)) == 2, lines
+    assert "bfloat16 params run the eager path" in lines[0]
+    assert "the CPU kernel steps float32 params only" in lines[1]
