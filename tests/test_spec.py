@@ -188,3 +188,28 @@ def test_one_warning_per_distinct_reason(caplog: pytest.LogCaptureFixture) -> No
     assert len(lines) == len(set(lines)) == 2, lines
     assert "bfloat16 params run the eager path" in lines[0]
     assert "the CPU kernel steps float32 params only" in lines[1]
+
+
+# ----------------------------------------------------------------------- growth
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+def test_add_param_group_mid_run_on_every_rung(rung: str) -> None:
+    model = _model()
+    opt = choose_optimizer(model[0].parameters(), free_memory="1GiB", rung=rung)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _step(model, opt, 0)
+    sched.step()
+    opt.add_param_group({"params": list(model[2].parameters()), "lr": 1e-3})
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["rung"] == rung
+    before = model[2].weight.detach().clone()
+    _step(model, opt, 1)
+    assert not torch.equal(before, model[2].weight)  # the new group is stepped
+    st = opt.state[model[2].weight]
+    key = "exp_avg" if rung != "8bit" else "state1"
+    expected = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.float32}[rung]
+    assert st[key].dtype == expected  # 96*4 = 384 elements: bitsandbytes keeps float32
+    # the new group escalates with the rest
+    if rung != "8bit":
+        opt.migrate_to("8bit", "test")
+        _step(model, opt, 2)
+        assert opt.state[model[2].weight]["state1"].dtype == torch.float32
+        assert opt.state[model[0].weight]["state1"].dtype == torch.uint8  # 64*96 >= 4096
