@@ -1,0 +1,369 @@
+"""The integrations in examples/: a plain loop, a Hugging Face Trainer, a Lightning module.
+
+Each runs the example's own functions on the digits or a tiny GPT-2, injects an OOM in
+the optimizer step or in forward, and checks that the run escalates, keeps the SAME
+optimizer object in the trainer and the scheduler, keeps the schedule, takes exactly one
+optimizer step per batch, and learns.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+import optladder.selector.optimizer as ladder_optimizer
+from memtools import FailNthAllocation
+from optladder import LadderOptimizer
+
+pytestmark = pytest.mark.filterwarnings(
+    # raised by torch when lightning builds a LeafSpec; nothing optladder can change
+    r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated"
+)
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+FREE = "1GiB"  # the policy picks fp32 for these small models: a known starting rung
+
+
+@cache
+def _example(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` once (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        f"optladder_examples_{name}", EXAMPLES / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look classes up here
+    spec.loader.exec_module(module)
+    return module
+
+
+def _oom_in_optimizer_step(monkeypatch: pytest.MonkeyPatch, at_call: int) -> list[int]:
+    """Make the ``at_call``-th prepare phase of ``LadderOptimizer.step`` (1-based; a retry
+    is a call too) run out of memory: the first allocation it makes fails
+    (``FailNthAllocation(1)``), and if it allocates nothing (moments already exist),
+    ``torch.OutOfMemoryError`` is raised as a real allocation failure would be.
+
+    Returns:
+        A list that gets one item per prepare call.
+    """
+    real = ladder_optimizer.prepare_step
+    calls: list[int] = []
+
+    def prepare(engine: torch.optim.Optimizer) -> list[torch.Tensor]:
+        calls.append(1)
+        if len(calls) == at_call:
+            with FailNthAllocation(1):
+                real(engine)
+            raise torch.OutOfMemoryError(f"injected: optimizer step, prepare call {at_call}")
+        return real(engine)
+
+    monkeypatch.setattr(ladder_optimizer, "prepare_step", prepare)
+    return calls
+
+
+def _oom_in_forward(module: torch.nn.Module, at_call: int) -> list[int]:
+    """Make ``module``'s ``at_call``-th forward (1-based) raise ``torch.OutOfMemoryError``
+    before it runs. Returns a list that gets one item per forward call."""
+    calls: list[int] = []
+
+    def hook(mod: torch.nn.Module, args: Any) -> None:
+        calls.append(1)
+        if len(calls) == at_call:
+            raise torch.OutOfMemoryError(f"injected: forward call {at_call}")
+
+    module.register_forward_pre_hook(hook)
+    return calls
+
+
+def _steps(opt: LadderOptimizer) -> set[int]:
+    """The distinct per-param step counts in the optimizer's state."""
+    return {int(s["step"]) for s in opt.state.values()}
+
+
+def _moment_dtypes(opt: LadderOptimizer) -> set[torch.dtype]:
+    """The dtypes of the first moments (``exp_avg``, or bitsandbytes' ``state1``)."""
+    return {s["exp_avg" if "exp_avg" in s else "state1"].dtype for s in opt.state.values()}
+
+
+MOMENT_DTYPES = {
+    "fp32": {torch.float32},
+    "bf16": {torch.bfloat16},
+    "8bit": {torch.uint8, torch.float32},  # bitsandbytes keeps small tensors in float32
+}
+
+
+# ---------------------------------------------------------------------------- plain loop
+def test_plain_loop_oom_in_step_escalates_and_keeps_the_schedule(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plain = _example("plain_loop")
+    calls = _oom_in_optimizer_step(monkeypatch, at_call=5)  # fp32 moments exist by then
+    result = plain.train(epochs=2, lr=1e-2, warmup_steps=6, free_memory=FREE)
+    opt = result.optimizer
+
+    assert isinstance(opt, LadderOptimizer)
+    assert result.scheduler.optimizer is opt
+    steps = 2 * math.ceil(1437 / 64)  # 46
+    assert len(result.losses) == steps
+    assert len(calls) == steps + 1  # one retry
+    assert [(e.from_rung, e.to_rung, e.step) for e in result.escalations] == [("fp32", "bf16", 4)]
+    assert result.rungs == ["fp32"] * 4 + ["bf16"] * (steps - 4)
+    assert _moment_dtypes(opt) == {torch.bfloat16}
+    assert _steps(opt) == {steps}  # the retried step was taken once
+    # warmup 1/6 .. 6/6 of 1e-2, then a cosine over 40 steps: half way at step 26, 0 at 46
+    assert result.lrs[0] == pytest.approx(1e-2 / 6)
+    assert result.lrs[5] == pytest.approx(1e-2)
+    assert result.lrs[26] == pytest.approx(5e-3)
+    assert result.lrs == pytest.approx(
+        [1e-2 * plain.warmup_cosine(k, 6, steps) for k in range(steps)]
+    )
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    assert sum(result.losses[-5:]) / 5 < 0.3 * result.losses[0]
+    assert result.test_accuracy > 0.9
+
+
+def test_plain_loop_oom_in_forward_reruns_the_step_one_rung_down() -> None:
+    plain = _example("plain_loop")
+    model = plain.make_model()
+    forwards = _oom_in_forward(model, at_call=3)
+    result = plain.train(epochs=1, model=model, free_memory=FREE)
+    opt = result.optimizer
+
+    steps = math.ceil(1437 / 64)
+    assert len(result.losses) == steps  # the failed batch was rerun, not skipped
+    assert len(forwards) == steps + 1 + 1  # + the failed one + the test-set forward
+    assert [(e.from_rung, e.to_rung, e.step) for e in result.escalations] == [("fp32", "bf16", 2)]
+    assert "forward/backward" in result.escalations[0].reason
+    assert result.scheduler.optimizer is opt
+    assert _steps(opt) == {steps}
+    assert result.losses[-1] < 0.5 * result.losses[0]
+
+
+# ---------------------------------------------------------------------------- HF Trainer
+@pytest.fixture(scope="module")
+def hf() -> ModuleType:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    return _example("hf_trainer")
+
+
+def _hf_scheduler(trainer: Any) -> torch.optim.lr_scheduler.LRScheduler:
+    """The torch scheduler inside the Trainer's (possibly accelerate-wrapped) one."""
+    return getattr(trainer.lr_scheduler, "scheduler", trainer.lr_scheduler)
+
+
+def test_hf_trainer_oom_in_step_escalates_with_the_same_optimizer(
+    hf: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer, history = hf.build_trainer(
+        tmp_path, max_steps=12, batch_size=8, lr=3e-3, warmup_steps=3, free_memory=FREE
+    )
+    opt = trainer.ladder.optimizer
+    calls = _oom_in_optimizer_step(monkeypatch, at_call=3)
+    trainer.train()
+
+    assert isinstance(opt, LadderOptimizer)
+    assert trainer.optimizer.optimizer is opt  # accelerate's wrapper holds the same object
+    assert _hf_scheduler(trainer).optimizer is opt
+    assert len(calls) == 13
+    assert [(e.from_rung, e.to_rung, e.step) for e in opt.escalations] == [("fp32", "bf16", 2)]
+    assert [r for _, r in history.rungs] == ["fp32"] * 2 + ["bf16"] * 10
+    assert trainer.state.global_step == 12
+    assert _steps(opt) == {12}
+    assert _moment_dtypes(opt) == {torch.bfloat16}
+    # warmup 0, 1/3, 2/3 of 3e-3, then half a cosine over 9 steps
+    assert history.lrs[:4] == pytest.approx([0.0, 1e-3, 2e-3, 3e-3])
+    assert history.lrs == pytest.approx([3e-3 * hf.cosine_with_warmup(k, 3, 12) for k in range(12)])
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.0  # from ~5.5 nats per byte
+
+
+def test_hf_trainer_oom_in_forward_reruns_the_micro_batch(hf: ModuleType, tmp_path: Path) -> None:
+    model = hf.make_model()
+    forwards = _oom_in_forward(model, at_call=4)
+    trainer, history = hf.build_trainer(
+        tmp_path, max_steps=8, batch_size=8, warmup_steps=2, model=model, free_memory=FREE
+    )
+    trainer.train()
+    opt = trainer.ladder.optimizer
+
+    assert len(forwards) == 9  # 8 steps + the failed forward
+    assert trainer.state.global_step == 8
+    assert [(e.from_rung, e.to_rung, e.step) for e in opt.escalations] == [("fp32", "bf16", 3)]
+    assert "forward/backward" in opt.escalations[0].reason
+    assert [r for _, r in history.rungs] == ["fp32"] * 3 + ["bf16"] * 5
+    assert _steps(opt) == {8}
+    assert trainer.optimizer.optimizer is opt and _hf_scheduler(trainer).optimizer is opt
+
+
+def test_hf_ladder_trainer_refuses_gradient_accumulation(hf: ModuleType, tmp_path: Path) -> None:
+    from transformers import TrainingArguments
+
+    model = hf.make_model()
+    opt = hf.choose_optimizer(model, free_memory=FREE)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), gradient_accumulation_steps=2, report_to="none", use_cpu=True
+    )
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        hf.LadderTrainer(model=model, args=args, optimizers=(opt, None))
+    with pytest.raises(TypeError, match="choose_optimizer"):
+        hf.LadderTrainer(
+            model=model,
+            args=TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True),
+            optimizers=(torch.optim.AdamW(model.parameters()), None),
+        )
+
+
+def test_hf_trainer_resume_moves_to_the_checkpoints_rung(
+    hf: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    common: dict[str, Any] = dict(max_steps=8, batch_size=8, warmup_steps=2, free_memory=FREE)
+    first, _ = hf.build_trainer(tmp_path, save_steps=4, **common)
+    _oom_in_optimizer_step(monkeypatch, at_call=2)
+    first.train()
+    monkeypatch.undo()
+    assert first.ladder.optimizer.rung == "bf16"
+
+    resumed, history = hf.build_trainer(tmp_path, **common)
+    opt = resumed.ladder.optimizer
+    assert opt.rung == "fp32"  # the policy's choice, before the checkpoint is loaded
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+
+    assert opt.rung == "bf16" and opt.decision.origin == "checkpoint"
+    assert opt.escalations == []  # moved by the checkpoint, not by an OOM
+    assert resumed.state.global_step == 8
+    assert _steps(opt) == {8}
+    assert _hf_scheduler(resumed).optimizer is opt
+    assert history.lrs == pytest.approx(
+        [3e-3 * hf.cosine_with_warmup(k, 2, 8) for k in range(4, 8)]
+    )
+    # the resumed run ends where the uninterrupted one did
+    for a, b in zip(first.model.parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+def test_hf_trainer_runs_every_rung(hf: ModuleType, tmp_path: Path, rung: str) -> None:
+    trainer, history = hf.build_trainer(tmp_path, max_steps=3, batch_size=4, rung=rung)
+    trainer.train()
+    opt = trainer.ladder.optimizer
+    assert opt.rung == rung and opt.decision.origin == "pinned"
+    assert trainer.optimizer.optimizer is opt
+    assert _moment_dtypes(opt) == MOMENT_DTYPES[rung]
+    assert [r for _, r in history.rungs] == [rung] * 3
+
+
+# ---------------------------------------------------------------------------- Lightning
+@pytest.fixture(scope="module")
+def lit() -> ModuleType:
+    pytest.importorskip("lightning")
+    return _example("lightning_module")
+
+
+def _one_cycle_lrs(max_lr: float, total_steps: int) -> list[float]:
+    """OneCycleLR's learning rate at each step, from a throwaway SGD."""
+    sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=max_lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=max_lr, total_steps=total_steps)
+    lrs = []
+    for _ in range(total_steps):
+        lrs.append(sgd.param_groups[0]["lr"])
+        sgd.step()
+        sched.step()
+    return lrs
+
+
+def _count_calls(module: Any, name: str) -> list[int]:
+    """Count calls of ``module.<name>`` (an instance-level wrapper)."""
+    calls: list[int] = []
+    original: Callable[..., Any] = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    return calls
+
+
+def test_lightning_oom_in_step_escalates_inside_step_closure(
+    lit: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = lit.DigitsModule(lr=1e-2, total_steps=12, free_memory=FREE)
+    training_steps = _count_calls(module, "training_step")
+    calls = _oom_in_optimizer_step(monkeypatch, at_call=4)
+    trainer = lit.fit(module, epochs=1, limit_train_batches=12)
+    opt = module.opt
+
+    assert isinstance(opt, LadderOptimizer)
+    assert trainer.optimizers[0] is opt
+    assert trainer.lr_scheduler_configs[0].scheduler.optimizer is opt
+    wrapped = module.optimizers()  # Lightning's LightningOptimizer around it
+    assert wrapped.optimizer is opt
+    assert wrapped.rung == "bf16" and wrapped.param_groups is opt.param_groups
+    assert len(calls) == 13
+    assert len(training_steps) == 12  # the closure ran once per step; the retry reused it
+    assert [(e.from_rung, e.to_rung, e.step) for e in opt.escalations] == [("fp32", "bf16", 3)]
+    assert module.rungs == ["fp32"] * 3 + ["bf16"] * 9
+    assert trainer.global_step == 12
+    assert _steps(opt) == {12}
+    assert module.lrs == pytest.approx(_one_cycle_lrs(1e-2, 12))
+    assert module.losses[-1] < 0.7 * module.losses[0]
+
+
+def test_lightning_resume_moves_to_the_checkpoints_rung(
+    lit: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = lit.DigitsModule(lr=1e-2, total_steps=12, free_memory=FREE)
+    _oom_in_optimizer_step(monkeypatch, at_call=2)
+    trainer = lit.fit(first, epochs=1, limit_train_batches=6)
+    monkeypatch.undo()
+    assert first.opt.rung == "bf16"
+    trainer.save_checkpoint(tmp_path / "first.ckpt")
+
+    resumed = lit.DigitsModule(lr=1e-2, total_steps=12, free_memory=FREE)
+    trainer = lit.fit(resumed, epochs=2, limit_train_batches=6, ckpt_path=tmp_path / "first.ckpt")
+    opt = resumed.opt
+    assert opt.rung == "bf16" and opt.decision.origin == "checkpoint"
+    assert opt.escalations == []  # moved by the checkpoint, not by an OOM
+    assert resumed.rungs == ["bf16"] * 6
+    assert trainer.global_step == 12
+    assert _steps(opt) == {12}
+    assert trainer.lr_scheduler_configs[0].scheduler.optimizer is opt
+    assert first.lrs + resumed.lrs == pytest.approx(_one_cycle_lrs(1e-2, 12))
+
+
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+def test_lightning_runs_every_rung(lit: ModuleType, rung: str) -> None:
+    module = lit.DigitsModule(lr=1e-2, total_steps=8, rung=rung)
+    trainer = lit.fit(module, epochs=1, limit_train_batches=8)
+    assert trainer.optimizers[0] is module.opt and module.opt.rung == rung
+    assert _moment_dtypes(module.opt) == MOMENT_DTYPES[rung]
+    assert _steps(module.opt) == {8}
+    assert module.losses[-1] < 0.8 * module.losses[0]
+
+
+def test_lightning_oom_in_forward_reruns_the_closure_one_rung_down(lit: ModuleType) -> None:
+    module = lit.DigitsModule(lr=1e-2, total_steps=10, free_memory=FREE)
+    forwards = _oom_in_forward(module.net, at_call=5)
+    trainer = lit.fit(module, epochs=1, limit_train_batches=10)
+    opt = module.opt
+
+    assert len(forwards) == 11  # 10 steps + the failed forward
+    assert trainer.global_step == 10
+    assert [(e.from_rung, e.to_rung, e.step) for e in opt.escalations] == [("fp32", "bf16", 4)]
+    assert "forward/backward" in opt.escalations[0].reason
+    assert module.rungs == ["fp32"] * 4 + ["bf16"] * 6
+    assert _steps(opt) == {10}
+    assert module.lrs == pytest.approx(_one_cycle_lrs(1e-2, 10))
+    assert module.losses[-1] < 0.7 * module.losses[0]
+    assert lit.evaluate_accuracy(module) > 0.5
