@@ -153,6 +153,19 @@ def _tolerance(rung: str, x: torch.Tensor, signed: bool) -> torch.Tensor:
     return torch.zeros_like(x)
 
 
+def _assert_converted(src: str, dst: str, before: tuple, after: tuple) -> None:
+    """Moments converted from ``src`` to ``dst`` are within ``dst``'s storage error."""
+    (m0, v0, _), (m1, v1, _) = before, after
+    # moving down rounds into the target format; moving up is exact, except that
+    # bitsandbytes' dequantized values are rounded to bf16 when the target is bf16
+    if RUNGS.index(dst) > RUNGS.index(src) or dst == "bf16":
+        tol_m, tol_v = _tolerance(dst, m0, signed=True), _tolerance(dst, v0, signed=False)
+    else:
+        tol_m = tol_v = torch.zeros_like(m0)
+    assert bool(((m1 - m0).abs() <= tol_m).all())
+    assert bool(((v1 - v0).abs() <= tol_v).all())
+
+
 # ---------------------------------------------------------------------------- migration
 @pytest.mark.parametrize("src", RUNGS)
 @pytest.mark.parametrize("dst", RUNGS)
@@ -186,14 +199,7 @@ def test_migration_keeps_state_groups_and_identity(src: str, dst: str) -> None:
         m0, v0, step0 = before[id(p)]
         m1, v1, step1 = _moments_fp32(opt, p)
         assert step1 == step0 == 3
-        # moving down rounds into the target format; moving up is exact, except that
-        # bitsandbytes' dequantized values are rounded to bf16 when the target is bf16
-        if RUNGS.index(dst) > RUNGS.index(src) or dst == "bf16":
-            tol_m, tol_v = _tolerance(dst, m0, signed=True), _tolerance(dst, v0, signed=False)
-        else:
-            tol_m = tol_v = torch.zeros_like(m0)
-        assert bool(((m1 - m0).abs() <= tol_m).all())
-        assert bool(((v1 - v0).abs() <= tol_v).all())
+        _assert_converted(src, dst, (m0, v0, step0), (m1, v1, step1))
     _set_grads(params, 9)
     opt.step()  # the new engine steps on the migrated state
     assert _moments_fp32(opt, params[0])[2] == 4
@@ -459,12 +465,7 @@ def test_any_rung_loads_into_any_pinned_rung(src: str, dst: str, tmp_path) -> No
         m0, v0, step0 = _moments_fp32(opt, p)
         m1, v1, step1 = _moments_fp32(live, q)
         assert step0 == step1 == 2
-        if RUNGS.index(dst) > RUNGS.index(src) or dst == "bf16":
-            tol_m, tol_v = _tolerance(dst, m0, signed=True), _tolerance(dst, v0, signed=False)
-        else:
-            tol_m = tol_v = torch.zeros_like(m0)
-        assert bool(((m1 - m0).abs() <= tol_m).all())
-        assert bool(((v1 - v0).abs() <= tol_v).all())
+        _assert_converted(src, dst, (m0, v0, step0), (m1, v1, step1))
     st = live.state[live_params[0]]
     if dst == "bf16":
         assert st["exp_avg"].dtype == torch.bfloat16
