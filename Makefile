@@ -1,28 +1,36 @@
 # Two entry points, each self-sufficient on a fresh machine:
-#   make demo   - create/update .venv, install, train the digits demo on every rung
-#   make test   - create/update .venv, install, run lint, type check and the test suite
+#   make demo   - create/update .venv, install optladder with the demo's extra, run the demo
+#   make test   - create/update .venv, install the test extra too, run lint, type check, tests
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
 
+# Every pip call below is pinned by constraints.txt (torch==2.13.0), so no dependency can
+# swap the installed torch for another build.
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint clean
 
-$(STAMP): pyproject.toml constraints.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: $(BIN)/python constraints.txt
 	$(BIN)/pip install -q "torch==2.13.0"
+	touch $@
+
+$(VENV)/.demo: $(VENV)/.torch pyproject.toml
+	$(BIN)/pip install -q -e ".[demo]"
+	touch $@
+
+$(VENV)/.test: $(VENV)/.torch pyproject.toml
 	$(BIN)/pip install -q -e ".[demo,test]"
-	touch $(STAMP)
+	touch $@ $(VENV)/.demo
 
-venv: $(STAMP)
-
-demo: $(STAMP)
+demo: $(VENV)/.demo
 	$(BIN)/optladder demo
 
-lint: $(STAMP)
+lint: $(VENV)/.test
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/ruff format --check src tests bench examples
 	$(BIN)/mypy

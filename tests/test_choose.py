@@ -126,7 +126,8 @@ def test_no_trainable_params() -> None:
 def test_complex_params_get_fp32_and_refuse_bf16() -> None:
     p = torch.nn.Parameter(torch.randn(10_000, dtype=torch.complex64))
     # fp32 (160,000 bytes) is over the gate, but bf16 and 8bit cannot take complex params
-    opt = choose_optimizer([p], free_memory=100_000, strict=False)
+    with pytest.warns(OptladderWarning, match="exceeds the memory gate"):
+        opt = choose_optimizer([p], free_memory=100_000, strict=False)
     assert opt.rung == "fp32"
     assert any("complex" in r for r in opt.decision.reasons)
     with pytest.raises(ValueError, match="complex"):

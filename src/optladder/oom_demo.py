@@ -119,8 +119,13 @@ def run_oom_demo(steps: int = 20, hidden: int = HIDDEN, log: Callable[[str], Non
     for name in ("OPTLADDER_RUNG", "OPTLADDER_BF16_ADAM", "OPTLADDER_8BIT_ADAM"):
         env.pop(name, None)  # the demo shows the policy's choice and the ladder
     proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+        [sys.executable, "-c", code],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # the escalation's log line in its place
+        text=True,
+        check=False,
     )
-    for line in (proc.stdout + proc.stderr).splitlines():
+    for line in proc.stdout.splitlines():
         log(line)
     return proc.returncode
