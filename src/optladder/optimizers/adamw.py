@@ -14,6 +14,7 @@ all math in float32 whatever the storage dtypes.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, Literal, cast
 
@@ -32,13 +33,27 @@ kernel and raise for a param it cannot step."""
 _BACKENDS = ("auto", "eager", "cpu", "triton")
 
 
+def _real(value: object) -> float | None:
+    """``value`` as a finite float if it is a real number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def validate_hyperparams(
     lr: float | torch.Tensor, betas: tuple[float, float], eps: float, weight_decay: float
 ) -> None:
     """Check AdamW hyperparameters the way ``torch.optim.AdamW`` does.
 
+    Real numbers of any type are accepted (Python, NumPy); bools, NaN and infinities are
+    not.
+
     Args:
-        lr: learning rate, ``>= 0`` (a float or a 0-d tensor).
+        lr: learning rate, ``>= 0`` (a number or a one-element tensor).
         betas: ``(beta1, beta2)``, each in ``[0, 1)``.
         eps: term added to the denominator, ``>= 0``.
         weight_decay: decay coefficient, ``>= 0``.
@@ -46,20 +61,28 @@ def validate_hyperparams(
     Raises:
         ValueError: naming the argument, its value and the allowed range.
     """
-    lr_value = float(lr.item()) if isinstance(lr, torch.Tensor) else lr
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError(f"lr as a tensor must have one element, got shape {tuple(lr.shape)}")
-    if not (isinstance(lr_value, (int, float)) and lr_value >= 0.0 and math.isfinite(lr_value)):
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or lr.is_complex():
+            raise ValueError(
+                f"lr as a tensor must have one real element, got shape {tuple(lr.shape)}"
+            )
+        lr_value = _real(float(lr.item()))
+    else:
+        lr_value = _real(lr)
+    if lr_value is None or lr_value < 0.0:
         raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+    if not (isinstance(betas, tuple | list) and len(betas) == 2):
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, b in enumerate(betas):
-        if not (isinstance(b, (int, float)) and 0.0 <= b < 1.0):
+        value = _real(b)
+        if value is None or not 0.0 <= value < 1.0:
             raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}")
-    if not (isinstance(eps, (int, float)) and eps >= 0.0 and math.isfinite(eps)):
+    eps_value = _real(eps)
+    if eps_value is None or eps_value < 0.0:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0.0):
-        raise ValueError(f"weight_decay must be a number >= 0, got {weight_decay!r}")
+    wd_value = _real(weight_decay)
+    if wd_value is None or wd_value < 0.0:
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
 
 
 class LadderAdamW(torch.optim.Optimizer):

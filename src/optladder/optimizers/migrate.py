@@ -126,6 +126,12 @@ def _dequantize(
 ) -> torch.Tensor:
     if codes.dtype != torch.uint8:  # bitsandbytes keeps small tensors in float32
         return codes.to(dtype)
+    blocks = -(-codes.numel() // BNB_BLOCKSIZE)
+    if absmax.numel() != blocks or code.numel() != 256:
+        raise ValueError(
+            f"8-bit state of {codes.numel()} elements needs {blocks} absmax values and a "
+            f"256-entry code book; got {absmax.numel()} and {code.numel()}"
+        )
     code = code.to(codes.device)
     out = torch.ops.bitsandbytes.dequantize_blockwise(
         codes, absmax.to(codes.device), code, BNB_BLOCKSIZE, dtype
@@ -315,3 +321,68 @@ def migrate_engine(
             spec = state_target(source, source_groups[id(p)], p, sizes.get(id(p)))
             source.state[p] = convert_param_state(target.state.pop(p), p, spec)
         raise
+
+
+def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> None:
+    """Check one param's saved state before anything is converted or loaded.
+
+    Accepts the Adam layout (``step``, ``exp_avg``, ``exp_avg_sq``: floating tensors of
+    the param's element count) and the bitsandbytes layout (``step``, ``state1``/
+    ``state2``: uint8 codes with float32 ``absmax1``/``absmax2`` of one value per
+    started 256-element block and 256-entry ``qmap1``/``qmap2``, or float32 moments).
+    Checked against the param's local shard for a DTensor param.
+
+    Args:
+        state: the saved state of one param.
+        p: the live param.
+        where: names the param in messages, e.g. ``"param 3"``.
+
+    Raises:
+        ValueError: naming the param, the key, what was found and what is allowed.
+    """
+    state = unwrap_bnb_state(state)
+    shard = local_tensor(p)
+    n = shard.numel()
+    if "max_exp_avg_sq" in state:
+        raise ValueError(
+            f"{where}: the state holds max_exp_avg_sq (amsgrad), which no optladder rung keeps"
+        )
+    step = state.get("step")
+    if isinstance(step, torch.Tensor):
+        ok_step = step.numel() == 1 and not step.is_complex()
+    else:
+        ok_step = isinstance(step, int | float) and not isinstance(step, bool)
+    if not ok_step or read_step(state) < 0:
+        raise ValueError(f"{where}: 'step' must be a number >= 0 (or a 0-d tensor), got {step!r}")
+    bnb = "state1" in state
+    names = ("state1", "state2") if bnb else ("exp_avg", "exp_avg_sq")
+    for name in names:
+        t = state.get(name)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{where}: the state has no tensor {name!r} (got {type(t).__name__})")
+        t = local_tensor(t)
+        if t.numel() != n:
+            raise ValueError(
+                f"{where}: {name} has {t.numel()} elements (shape {tuple(t.shape)}) but the "
+                f"param has {n} (shape {tuple(shard.shape)})"
+            )
+        if t.dim() > 1 and t.shape != shard.shape:
+            raise ValueError(
+                f"{where}: {name} has shape {tuple(t.shape)} but the param has {tuple(shard.shape)}"
+            )
+        if t.dtype == torch.uint8 and bnb:
+            i = name[-1]
+            absmax, qmap = state.get(f"absmax{i}"), state.get(f"qmap{i}")
+            blocks = -(-n // BNB_BLOCKSIZE)
+            if not (isinstance(absmax, torch.Tensor) and absmax.dtype == torch.float32):
+                raise ValueError(f"{where}: 8-bit {name} needs a float32 absmax{i} tensor")
+            if absmax.numel() != blocks:
+                raise ValueError(
+                    f"{where}: absmax{i} has {absmax.numel()} values; {n} elements in "
+                    f"{BNB_BLOCKSIZE}-element blocks need {blocks}"
+                )
+            if not (isinstance(qmap, torch.Tensor) and qmap.numel() == 256):
+                raise ValueError(f"{where}: 8-bit {name} needs a 256-entry qmap{i} tensor")
+        elif not t.is_floating_point():
+            allowed = "uint8 codes or float32" if bnb else "a floating dtype"
+            raise ValueError(f"{where}: {name} has dtype {t.dtype}; allowed: {allowed}")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.adamw import LadderAdamW, validate_hyperparams
 from optladder.optimizers.migrate import is_bnb_engine
 
 
@@ -43,6 +43,41 @@ def _torch_adam_init(group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     return state
 
 
+def check_step_inputs(engine: torch.optim.Optimizer) -> None:
+    """Refuse, before anything is allocated or written, what would fail half-way:
+    out-of-range group hyperparameters, sparse grads, grads of another shape or device,
+    and (for torch's fused AdamW) grads laid out unlike their param, which its CPU kernel
+    silently mis-updates.
+
+    Raises:
+        ValueError: naming the group or param, what was found and what is allowed.
+    """
+    fused = not isinstance(engine, LadderAdamW) and not is_bnb_engine(engine)
+    for gi, group in enumerate(engine.param_groups):
+        try:
+            validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        except ValueError as exc:
+            raise ValueError(f"param group {gi}: {exc}") from None
+        for pi, p in enumerate(group["params"]):
+            g = p.grad
+            if g is None:
+                continue
+            where = f"param {pi} of group {gi}"
+            if g.is_sparse:
+                raise ValueError(f"{where} has a sparse grad; optladder's rungs need dense grads")
+            if g.shape != p.shape or g.device != p.device:
+                raise ValueError(
+                    f"{where} has a grad of shape {tuple(g.shape)} on {g.device}; the param has "
+                    f"shape {tuple(p.shape)} on {p.device}"
+                )
+            if fused and group.get("fused") and g.stride() != p.stride():
+                raise ValueError(
+                    f"{where} has a grad with strides {g.stride()} but the param has "
+                    f"{p.stride()}; torch's fused AdamW needs them laid out alike (autograd's "
+                    "grads are; set hand-made grads with torch.empty_like(param))"
+                )
+
+
 def prepare_step(engine: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Allocate the state the engine's next step needs, before anything is written.
 
@@ -53,9 +88,11 @@ def prepare_step(engine: torch.optim.Optimizer) -> list[torch.Tensor]:
         The params whose state this call created (for :func:`rollback_step`).
 
     Raises:
+        ValueError: from :func:`check_step_inputs`, before anything changes.
         Whatever the allocation raised (an OOM); the state created so far is dropped
         first, so the engine is as it was.
     """
+    check_step_inputs(engine)
     created: list[torch.Tensor] = []
     try:
         if isinstance(engine, LadderAdamW):

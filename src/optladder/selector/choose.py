@@ -25,6 +25,7 @@ from optladder.policies import (
 )
 from optladder.rungs import RUNGS, Rung
 from optladder.selector.optimizer import Escalation, LadderOptimizer
+from optladder.sharding import is_dtensor
 from optladder.units import format_bytes, parse_bytes
 
 logger = logging.getLogger("optladder")
@@ -134,8 +135,12 @@ def choose_optimizer(
         A :class:`LadderOptimizer`; ``.decision`` holds the :class:`optladder.Decision`.
 
     Raises:
-        ValueError: bad hyperparameters, ``free_memory``, ``rung``, ``seed`` or
-            ``rounding``; no trainable params; a rung that cannot take the params.
+        ValueError: bad hyperparameters (per group too), ``free_memory``, ``rung``,
+            ``seed``, ``rounding`` or ``max_retries``; per-group amsgrad/maximize; a param
+            listed twice, two params over the same memory, an expanded view; no
+            trainable params; a rung that cannot take the params.
+        TypeError: ``policy``, ``environ``, ``on_escalate`` or ``decoupled_weight_decay``
+            of the wrong type.
         optladder.OverrideError: an unknown or contradictory override variable.
         InsufficientMemoryError: ``strict=True`` and no allowed rung passes the gate.
         ImportError: the 8bit rung without bitsandbytes.
@@ -145,7 +150,9 @@ def choose_optimizer(
         raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
     if rounding not in ("stochastic", "nearest"):
         raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+    _check_options(policy, environ, max_retries, on_escalate, decoupled_weight_decay)
     groups = normalize_param_groups(model_or_params)
+    _check_groups(groups, decoupled_weight_decay)
     footprint = measure_footprint(groups)
     overrides = read_overrides(rung, environ)
     target = _target_device(groups, device)
@@ -192,6 +199,76 @@ def choose_optimizer(
     return LadderOptimizer(
         engine, decision, rebuild, max_retries=max_retries, on_escalate=on_escalate
     )
+
+
+def _check_options(
+    policy: object,
+    environ: object,
+    max_retries: object,
+    on_escalate: object,
+    decoupled_weight_decay: object,
+) -> None:
+    """Type checks of choose_optimizer's options, each naming the argument."""
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"policy must be an optladder.Policy, got {type(policy).__name__}")
+    if environ is not None and not isinstance(environ, Mapping):
+        raise TypeError(f"environ must be a mapping of str to str, got {type(environ).__name__}")
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+    if on_escalate is not None and not callable(on_escalate):
+        raise TypeError(f"on_escalate must be callable, got {type(on_escalate).__name__}")
+    if not isinstance(decoupled_weight_decay, bool):
+        raise TypeError(
+            f"decoupled_weight_decay must be True (AdamW) or False (Adam), got "
+            f"{decoupled_weight_decay!r}"
+        )
+
+
+def _check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> None:
+    """Refuse what the rungs would silently get wrong: per-group options no rung keeps,
+    out-of-range per-group hyperparameters, a param listed twice or two params over the
+    same memory (each would be stepped twice), and expanded views (stride 0)."""
+    seen: dict[int, str] = {}
+    storage: dict[tuple[Any, ...], str] = {}
+    for gi, group in enumerate(groups):
+        for flag in ("amsgrad", "maximize", "differentiable"):
+            if group.get(flag):
+                raise ValueError(
+                    f"param group {gi} sets {flag}=True, which optladder's rungs do not support"
+                )
+        if group.get("decoupled_weight_decay", decoupled_weight_decay) != decoupled_weight_decay:
+            raise ValueError(
+                f"param group {gi} sets decoupled_weight_decay={group['decoupled_weight_decay']!r}"
+                f"; pass decoupled_weight_decay={group['decoupled_weight_decay']!r} to "
+                "choose_optimizer instead (one mode per optimizer)"
+            )
+        try:
+            validate_hyperparams(
+                group.get("lr", 0.0),
+                group.get("betas", (0.0, 0.0)),
+                group.get("eps", 0.0),
+                group.get("weight_decay", 0.0),
+            )
+        except ValueError as exc:
+            raise ValueError(f"param group {gi}: {exc}") from None
+        for pi, p in enumerate(group["params"]):
+            where = f"param {pi} of group {gi}"
+            if id(p) in seen:
+                raise ValueError(f"{where} is the same tensor as {seen[id(p)]}; list it once")
+            seen[id(p)] = where
+            if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
+                raise ValueError(
+                    f"{where} is an expanded view (a stride of 0): its elements share memory. "
+                    "Optimize a real tensor (.contiguous())"
+                )
+            if p.device.type != "meta" and not is_dtensor(p) and p.numel() > 0:
+                key = (str(p.device), p.data_ptr(), tuple(p.shape), p.stride(), p.dtype)
+                if key in storage:
+                    raise ValueError(
+                        f"{where} views the same memory as {storage[key]}; each would be "
+                        "stepped; optimize one of them"
+                    )
+                storage[key] = where
 
 
 def _distributed() -> Any:

@@ -17,18 +17,18 @@ from typing import Any
 
 import torch
 
+from optladder.optimizers.adamw import validate_hyperparams
 from optladder.optimizers.build import ENGINE_KEYS
 from optladder.optimizers.migrate import (
+    check_param_state,
     convert_param_state,
     migrate_engine,
     state_target,
-    unwrap_bnb_state,
 )
 from optladder.optimizers.transaction import commit_step, prepare_step, rollback_step
 from optladder.policies.decision import Decision, escalation_target
 from optladder.rungs import RUNGS, Rung
 from optladder.selector.oom import describe_error, is_oom
-from optladder.sharding import local_tensor
 from optladder.units import format_bytes
 
 logger = logging.getLogger("optladder")
@@ -392,12 +392,19 @@ class LadderOptimizer(torch.optim.Optimizer):
 
         Raises:
             ValueError: if the checkpoint does not fit the params (group count, param
-                count, element count or shape); the optimizer is left unchanged.
+                count, element count or shape), its state is malformed (missing keys,
+                wrong dtypes, absmax of the wrong length, amsgrad state), or its
+                hyperparameters are out of range; the optimizer is left unchanged.
         """
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         groups = state_dict.get("param_groups")
         saved_state = state_dict.get("state")
         if not isinstance(groups, list) or not isinstance(saved_state, dict):
             raise ValueError("state_dict must have a 'param_groups' list and a 'state' dict")
+        for gi, saved in enumerate(groups):
+            if not (isinstance(saved, dict) and isinstance(saved.get("params"), list)):
+                raise ValueError(f"param group {gi} of the state_dict has no 'params' list")
         live_groups = self.param_groups
         if len(groups) != len(live_groups):
             raise ValueError(
@@ -413,27 +420,24 @@ class LadderOptimizer(torch.optim.Optimizer):
                 )
             pairs += zip(saved["params"], live["params"])
         for pi, (key, p) in enumerate(pairs):
-            st = unwrap_bnb_state(saved_state.get(key) or {})
-            if not st:
-                continue
-            moment = st.get("exp_avg", st.get("state1"))
-            if not isinstance(moment, torch.Tensor):
-                continue
-            # A DTensor param's state is checked against this rank's shard: the 8bit
-            # rung keeps plain tensors of the shard, torch's AdamW DTensors of the param.
-            moment, shard = local_tensor(moment), local_tensor(p)
-            the_param = "this rank's shard of the param" if shard is not p else "the param"
-            if moment.numel() != shard.numel():
-                raise ValueError(
-                    f"param {pi}: the state_dict's moments have {moment.numel()} elements "
-                    f"(shape {tuple(moment.shape)}) but {the_param} has {shard.numel()} "
-                    f"(shape {tuple(shard.shape)})"
+            st = saved_state.get(key)
+            if st:
+                if not isinstance(st, dict):
+                    raise ValueError(
+                        f"param {pi}: its state must be a dict, got {type(st).__name__}"
+                    )
+                check_param_state(st, p, f"param {pi}")
+        for gi, saved in enumerate(groups):
+            try:
+                validate_hyperparams(
+                    saved.get("lr", 0.0),
+                    saved.get("betas", (0.0, 0.0)),
+                    saved.get("eps", 0.0),
+                    saved.get("weight_decay", 0.0),
                 )
-            if moment.dim() > 1 and moment.shape != shard.shape:
-                raise ValueError(
-                    f"param {pi}: the state_dict's moments have shape {tuple(moment.shape)} but "
-                    f"{the_param} has shape {tuple(shard.shape)}"
-                )
+                _check_group_options(saved)
+            except ValueError as exc:
+                raise ValueError(f"param group {gi} of the state_dict: {exc}") from None
         saved_rung = next((r for r in RUNGS if groups and groups[0].get(RUNG_KEY) == r), None)
         saved_origin = groups[0].get(ORIGIN_KEY) if groups else None
         move_to: Rung | None = (
@@ -486,6 +490,18 @@ def _unscale_grads(engine: torch.optim.Optimizer, grad_scale: torch.Tensor) -> N
     grads = [p.grad for g in engine.param_groups for p in g["params"] if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, inv)
+
+
+def _check_group_options(group: dict[str, Any]) -> None:
+    """Refuse per-group options that no rung keeps (instead of silently dropping them)."""
+    for flag in ("amsgrad", "maximize", "differentiable"):
+        if group.get(flag):
+            raise ValueError(f"{flag}=True is not supported by optladder's rungs")
+    seed = group.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    if group.get("rounding", "stochastic") not in ("stochastic", "nearest"):
+        raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {group['rounding']!r}")
 
 
 def _restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
