@@ -370,8 +370,8 @@ def _case_fsdp(rank: int) -> None:
     assert_matches_reference()
 
     # Migration up keeps DTensor moments laid out like the params, on this rank's shard.
-    opt.migrate_to("fp32", "test")
-    ref.migrate_to("fp32", "test")
+    opt.migrate_to("fp32", "test", force=True)
+    ref.migrate_to("fp32", "test", force=True)
     exp_avg = opt.state[params[0]]["exp_avg"]
     assert isinstance(exp_avg, DTensor) and exp_avg.to_local().shape == (32, 96)
     assert measure_state_bytes(opt) == opt.decision.state_bytes["fp32"] == 8 * 4_672

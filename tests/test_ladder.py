@@ -185,7 +185,7 @@ def test_migration_keeps_state_groups_and_identity(src: str, dst: str) -> None:
     group_ids = [id(g) for g in opt.param_groups]
     opt_id = id(opt)
 
-    opt.migrate_to(dst, "test")
+    opt.migrate_to(dst, "test", force=True)
 
     assert id(opt) == opt_id and opt.rung == dst
     assert [id(g) for g in opt.param_groups] == group_ids
@@ -217,7 +217,7 @@ def test_migration_peak_memory_is_one_params_new_state(src: str, dst: str) -> No
     with LiveBytes() as live:
         live.watch(old_tensors)
         del old_tensors
-        opt.migrate_to(dst, "test")
+        opt.migrate_to(dst, "test", force=True)
     # bound: the largest param's new state (+ 4 bytes for its step tensor on torch rungs)
     bound = rung_state_bytes(dst, sizes[0], torch.float32) + 4
     if dst == "8bit":
@@ -530,3 +530,19 @@ def test_a_real_cpu_oom_under_rlimit_as_escalates_and_finishes() -> None:
     assert "can't allocate memory" in text  # the CPU allocator's own error
     assert "finished 3 steps" in text and "on bf16" in text
     assert "escalations: fp32 -> bf16" in text
+
+
+def test_migrate_to_honours_pins_and_disabled_rungs() -> None:
+    pinned = _opt(_params(), rung="fp32")
+    with pytest.raises(ValueError, match=r"pinned by rung='fp32' \(pass force=True"):
+        pinned.migrate_to("8bit", "test")
+    assert pinned.rung == "fp32"
+    no_bf16 = _opt(_params(), rung=None, environ={"OPTLADDER_BF16_ADAM": "0"})
+    with pytest.raises(ValueError, match="disabled by OPTLADDER_BF16_ADAM=0"):
+        no_bf16.migrate_to("bf16", "test")
+    with pytest.raises(ValueError, match="origin must be"):
+        no_bf16.migrate_to("8bit", "test", origin="bogus")
+    # a checkpoint that escalated to a disabled rung is converted, not followed
+    _, escalated = _trained("bf16", escalated=True)
+    no_bf16.load_state_dict(escalated.state_dict())
+    assert no_bf16.rung == "fp32"

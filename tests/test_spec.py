@@ -209,7 +209,7 @@ def test_add_param_group_mid_run_on_every_rung(rung: str) -> None:
     assert st[key].dtype == expected  # 96*4 = 384 elements: bitsandbytes keeps float32
     # the new group escalates with the rest
     if rung != "8bit":
-        opt.migrate_to("8bit", "test")
+        opt.migrate_to("8bit", "test", force=True)
         _step(model, opt, 2)
         assert opt.state[model[2].weight]["state1"].dtype == torch.float32
         assert opt.state[model[0].weight]["state1"].dtype == torch.uint8  # 64*96 >= 4096

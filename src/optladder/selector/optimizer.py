@@ -26,7 +26,7 @@ from optladder.optimizers.migrate import (
     state_target,
 )
 from optladder.optimizers.transaction import commit_step, prepare_step, rollback_step
-from optladder.policies.decision import Decision, escalation_target
+from optladder.policies.decision import Decision, allowed_rungs, escalation_target
 from optladder.rungs import RUNGS, Rung
 from optladder.selector.oom import describe_error, is_oom
 from optladder.units import format_bytes
@@ -328,20 +328,40 @@ class LadderOptimizer(torch.optim.Optimizer):
             self.on_escalate(event)
         return event
 
-    def migrate_to(self, rung: Rung, reason: str, origin: str = "escalated") -> None:
+    def migrate_to(
+        self, rung: Rung, reason: str, origin: str = "escalated", *, force: bool = False
+    ) -> None:
         """Rebuild on ``rung`` and move every param's state there, keeping this object,
         the param-group dicts (per-group hyperparameters, a tensor lr included), param
         order and per-param step counts.
 
-        On failure (an OOM while converting) the groups and state are put back and the
-        error is re-raised.
+        On failure (an OOM while converting) the groups are put back and the converted
+        params converted back (exact when the source is the wider format; see
+        :func:`optladder.optimizers.migrate.migrate_engine`), and the error is re-raised.
+
+        Args:
+            rung: the target rung.
+            reason: why, in a sentence (recorded in the decision's reasons).
+            origin: ``"escalated"`` or ``"checkpoint"`` (``Decision.origin``).
+            force: move even from a pinned rung or onto a rung the user disabled (``=0``)
+                or that is unavailable; without it those raise.
+
+        Raises:
+            ValueError: an unknown rung or origin; a pinned rung or a disabled or
+                unavailable target without ``force``.
         """
         if rung not in RUNGS:
             raise ValueError(f"rung={rung!r} is not a rung; accepted values: {', '.join(RUNGS)}")
+        if origin not in ("escalated", "checkpoint"):
+            raise ValueError(f"origin must be 'escalated' or 'checkpoint', got {origin!r}")
         if self._rebuild is None:
             raise RuntimeError("this optimizer was built without a rebuild function")
         if rung == self.rung:
             return
+        if not force:
+            why = _move_refused(self._decision, rung)
+            if why is not None:
+                raise ValueError(f"cannot move to {rung}: {why} (pass force=True to move anyway)")
         old = self.engine
         saved_groups = [dict(g) for g in old.param_groups]
         try:
@@ -446,6 +466,8 @@ class LadderOptimizer(torch.optim.Optimizer):
             and saved_origin in ("escalated", "checkpoint")
             and self._decision.origin in ("policy", "escalated", "checkpoint")
             and self._rebuild is not None
+            and saved_rung is not None
+            and _move_refused(self._decision, saved_rung) is None  # not onto a disabled rung
             else None
         )
         engine = self.engine
@@ -490,6 +512,15 @@ def _unscale_grads(engine: torch.optim.Optimizer, grad_scale: torch.Tensor) -> N
     grads = [p.grad for g in engine.param_groups for p in g["params"] if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, inv)
+
+
+def _move_refused(decision: Decision, rung: Rung) -> str | None:
+    """Why the user's word forbids moving ``decision``'s optimizer to ``rung``, or None."""
+    if decision.overrides.pinned is not None:
+        source = decision.overrides.sources[0] if decision.overrides.sources else "the user"
+        return f"the {decision.rung} rung is pinned by {source}"
+    allowed, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
+    return None if allowed[rung] else excluded[rung]
 
 
 def _check_group_options(group: dict[str, Any]) -> None:
