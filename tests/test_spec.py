@@ -213,3 +213,33 @@ def test_add_param_group_mid_run_on_every_rung(rung: str) -> None:
         _step(model, opt, 2)
         assert opt.state[model[2].weight]["state1"].dtype == torch.float32
         assert opt.state[model[0].weight]["state1"].dtype == torch.uint8  # 64*96 >= 4096
+
+
+@pytest.mark.parametrize(
+    ("rung", "param", "match"),
+    [
+        ("8bit", torch.randn(4, dtype=torch.complex64), "takes real params only"),
+        ("bf16", torch.randn(4, dtype=torch.complex64), "takes real params only"),
+        ("fp32", torch.randn(4).bfloat16(), "would keep its moments in that dtype"),
+        ("8bit", torch.randn(4, dtype=torch.float64), "float32, bfloat16 or float16"),
+    ],
+)
+def test_add_param_group_refuses_what_the_rung_cannot_take(rung: str, param, match: str) -> None:  # type: ignore[no-untyped-def]
+    model = _model()
+    opt = choose_optimizer(model, free_memory="1GiB", rung=rung)
+    before = len(opt.param_groups)
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [torch.nn.Parameter(param)]})
+    assert len(opt.param_groups) == before
+
+
+def test_add_param_group_checks_and_updates_the_estimate() -> None:
+    model = _model()
+    opt = choose_optimizer(model[0].parameters(), free_memory="1GiB", rung="bf16")
+    with pytest.raises(ValueError, match=r"param group 1: lr must be a finite number >= 0"):
+        opt.add_param_group({"params": list(model[2].parameters()), "lr": -1.0})
+    with pytest.raises(ValueError, match="same tensor as param 0 of group 0"):
+        opt.add_param_group({"params": [model[0].weight]})
+    opt.add_param_group({"params": list(model[2].parameters())})
+    # bf16: 4 bytes per element of both layers, 64*96+96 + 96*4+4
+    assert opt.decision.state_bytes["bf16"] == 4 * (64 * 96 + 96 + 96 * 4 + 4)

@@ -24,8 +24,8 @@ from optladder.policies import (
     trainable_params,
 )
 from optladder.rungs import RUNGS, Rung
+from optladder.selector.checks import check_groups
 from optladder.selector.optimizer import Escalation, LadderOptimizer
-from optladder.sharding import is_dtensor
 from optladder.units import format_bytes, parse_bytes
 
 logger = logging.getLogger("optladder")
@@ -152,7 +152,7 @@ def choose_optimizer(
         raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
     _check_options(policy, environ, max_retries, on_escalate, decoupled_weight_decay)
     groups = normalize_param_groups(model_or_params)
-    _check_groups(groups, decoupled_weight_decay)
+    check_groups(groups, decoupled_weight_decay)
     footprint = measure_footprint(groups)
     overrides = read_overrides(rung, environ)
     target = _target_device(groups, device)
@@ -222,53 +222,6 @@ def _check_options(
             f"decoupled_weight_decay must be True (AdamW) or False (Adam), got "
             f"{decoupled_weight_decay!r}"
         )
-
-
-def _check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> None:
-    """Refuse what the rungs would silently get wrong: per-group options no rung keeps,
-    out-of-range per-group hyperparameters, a param listed twice or two params over the
-    same memory (each would be stepped twice), and expanded views (stride 0)."""
-    seen: dict[int, str] = {}
-    storage: dict[tuple[Any, ...], str] = {}
-    for gi, group in enumerate(groups):
-        for flag in ("amsgrad", "maximize", "differentiable"):
-            if group.get(flag):
-                raise ValueError(
-                    f"param group {gi} sets {flag}=True, which optladder's rungs do not support"
-                )
-        if group.get("decoupled_weight_decay", decoupled_weight_decay) != decoupled_weight_decay:
-            raise ValueError(
-                f"param group {gi} sets decoupled_weight_decay={group['decoupled_weight_decay']!r}"
-                f"; pass decoupled_weight_decay={group['decoupled_weight_decay']!r} to "
-                "choose_optimizer instead (one mode per optimizer)"
-            )
-        try:
-            validate_hyperparams(
-                group.get("lr", 0.0),
-                group.get("betas", (0.0, 0.0)),
-                group.get("eps", 0.0),
-                group.get("weight_decay", 0.0),
-            )
-        except ValueError as exc:
-            raise ValueError(f"param group {gi}: {exc}") from None
-        for pi, p in enumerate(group["params"]):
-            where = f"param {pi} of group {gi}"
-            if id(p) in seen:
-                raise ValueError(f"{where} is the same tensor as {seen[id(p)]}; list it once")
-            seen[id(p)] = where
-            if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
-                raise ValueError(
-                    f"{where} is an expanded view (a stride of 0): its elements share memory. "
-                    "Optimize a real tensor (.contiguous())"
-                )
-            if p.device.type != "meta" and not is_dtensor(p) and p.numel() > 0:
-                key = (str(p.device), p.data_ptr(), tuple(p.shape), p.stride(), p.dtype)
-                if key in storage:
-                    raise ValueError(
-                        f"{where} views the same memory as {storage[key]}; each would be "
-                        "stepped; optimize one of them"
-                    )
-                storage[key] = where
 
 
 def _distributed() -> Any:

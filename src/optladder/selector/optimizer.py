@@ -27,7 +27,9 @@ from optladder.optimizers.migrate import (
 )
 from optladder.optimizers.transaction import commit_step, prepare_step, rollback_step
 from optladder.policies.decision import Decision, allowed_rungs, escalation_target
+from optladder.policies.footprint import measure_footprint
 from optladder.rungs import RUNGS, Rung
+from optladder.selector.checks import check_groups, check_params_for_rung
 from optladder.selector.oom import describe_error, is_oom
 from optladder.units import format_bytes
 
@@ -191,13 +193,31 @@ class LadderOptimizer(torch.optim.Optimizer):
         return self._decision.capabilities.device
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group to the current rung's engine (torch's semantics)."""
+        """Add a param group to the current rung's engine (torch's semantics), after the
+        same checks as ``choose_optimizer`` (hyperparameters, duplicates, params the rung
+        cannot take); the decision's footprint and state bytes are updated.
+
+        Raises:
+            ValueError: naming the param or option, what was found and what is allowed.
+        """
         if self._engine is None:  # called by torch.optim.Optimizer.__init__
             super().add_param_group(param_group)
             return
         group = dict(param_group)
+        params = group.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        if not params or not all(isinstance(p, torch.Tensor) for p in params):
+            raise ValueError("param_group['params'] must be a non-empty list of tensors")
+        group["params"] = params
+        decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
+        check_groups([*self.param_groups, group], decoupled)
+        check_params_for_rung(params, self.rung, self._engine)
         self._mark_groups([group], self._decision)
         self._engine.add_param_group(group)
+        footprint = measure_footprint(self.param_groups)
+        self._decision = self._decision.model_copy(
+            update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of all params (to None by default, as torch does)."""
