@@ -523,3 +523,28 @@ def test_probe_cuda_follows_the_fused_list(monkeypatch: pytest.MonkeyPatch) -> N
     c = probe_capabilities("cuda")
     assert c.fused["fp32"] is False
     assert "no fused AdamW kernel on cuda" in c.unfused_reasons["fp32"]
+
+
+def test_decide_refuses_when_no_rung_can_be_used() -> None:
+    from optladder import Capabilities, Overrides, decide, measure_footprint
+
+    footprint = measure_footprint([torch.nn.Parameter(torch.randn(8, dtype=torch.complex64))])
+    caps = Capabilities(
+        device="cpu",
+        fused={"fp32": True, "bf16": True, "8bit": False},
+        available={"fp32": False, "bf16": True, "8bit": True},
+        unavailable_reasons={"fp32": "fp32 is unavailable (test)"},
+    )
+    with pytest.raises(ValueError, match="no rung can be used: fp32 is unavailable"):
+        decide(footprint, 2**30, caps, overrides=Overrides())
+
+
+def test_policy_is_strict_about_types() -> None:
+    from pydantic import ValidationError
+
+    from optladder import Policy
+
+    with pytest.raises(ValidationError, match="memory_fraction"):
+        Policy(memory_fraction=True)
+    with pytest.raises(ValidationError, match="proactive_bf16"):
+        Policy(proactive_bf16="yes")

@@ -42,6 +42,7 @@ RUNGS = ("fp32", "bf16", "8bit")
         (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), True),
         (RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"), False),
         (ValueError("out of memory"), False),  # only RuntimeError messages are read
+        (RuntimeError("tensor 'out of memory' is a weird name"), False),
         (KeyError("exp_avg"), False),
     ],
 )

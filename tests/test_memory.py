@@ -322,6 +322,8 @@ def test_probe_free_memory_cuda_index(
     monkeypatch: pytest.MonkeyPatch, device: str, probed: str
 ) -> None:
     monkeypatch.setattr(memory, "cuda_free_bytes", lambda i: (1000 * (i + 1), "fake"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     probe = probe_free_memory(device)
     expected_index = int(probed.split(":")[1])
     assert probe == MemoryProbe(
@@ -334,3 +336,17 @@ def test_probe_free_memory_refuses_unknown_devices(device: str) -> None:
     with pytest.raises(ValueError, match="free_memory") as info:
         probe_free_memory(device)
     assert repr(device) in str(info.value)
+
+
+def test_probe_free_memory_refuses_an_invisible_cuda_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"cannot probe free memory on 'cuda:1'.*free_memory"):
+        probe_free_memory("cuda:1")
+
+
+@pytest.mark.parametrize("device", [None, 5, "gpu"])
+def test_probe_free_memory_refuses_non_devices(device: object) -> None:
+    with pytest.raises(ValueError, match="is not a torch device"):
+        probe_free_memory(device)  # type: ignore[arg-type]

@@ -197,3 +197,8 @@ def test_overrides_are_frozen() -> None:
     overrides = read_overrides(environ={BF16: "1"})
     with pytest.raises(ValidationError):
         overrides.forced = "8bit"  # type: ignore[misc]
+
+
+def test_a_non_string_variable_value_is_refused() -> None:
+    with pytest.raises(OverrideError, match="OPTLADDER_BF16_ADAM=1 must be a string"):
+        read_overrides(None, {"OPTLADDER_BF16_ADAM": 1})  # type: ignore[dict-item]

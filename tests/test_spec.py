@@ -243,3 +243,77 @@ def test_add_param_group_checks_and_updates_the_estimate() -> None:
     opt.add_param_group({"params": list(model[2].parameters())})
     # bf16: 4 bytes per element of both layers, 64*96+96 + 96*4+4
     assert opt.decision.state_bytes["bf16"] == 4 * (64 * 96 + 96 + 96 * 4 + 4)
+
+
+# ------------------------------------------------------------------ more bad input
+@pytest.mark.parametrize("thing", [None, "adam", torch.nn.Linear(2, 2)])
+def test_adopt_refuses_non_optimizers(thing: object) -> None:
+    with pytest.raises(TypeError, match="must be a torch.optim.Optimizer"):
+        adopt(thing)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_retries": -1}, ValueError, "max_retries must be an integer >= 0"),
+        ({"max_retries": True}, ValueError, "max_retries must be an integer >= 0"),
+        ({"policy": {"memory_fraction": 0.5}}, TypeError, "policy must be an optladder.Policy"),
+        ({"environ": 1}, TypeError, "environ must be a mapping"),
+        ({"on_escalate": 1}, TypeError, "on_escalate must be callable"),
+        ({"decoupled_weight_decay": None}, TypeError, "decoupled_weight_decay must be"),
+        ({"lr": True}, ValueError, "lr must be a finite number"),
+        ({"weight_decay": float("inf")}, ValueError, "weight_decay must be a finite number"),
+    ],
+)
+def test_choose_optimizer_option_types(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        choose_optimizer(_model(), free_memory="1GiB", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("group", "match"),
+    [
+        ({"maximize": True}, "maximize=True"),
+        ({"amsgrad": True}, "amsgrad=True"),
+        ({"decoupled_weight_decay": False}, "pass decoupled_weight_decay=False"),
+        ({"lr": -1.0}, "param group 0: lr must be"),
+    ],
+)
+def test_per_group_options_are_refused_not_dropped(group: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        choose_optimizer([{"params": _model().parameters(), **group}], free_memory="1GiB")
+
+
+def test_a_param_listed_twice_or_aliased_or_expanded_is_refused() -> None:
+    p = torch.nn.Parameter(torch.randn(5000))
+    with pytest.raises(ValueError, match="same tensor as param 0 of group 0"):
+        choose_optimizer([p, p], free_memory="1GiB")
+    t = torch.randn(5000)
+    with pytest.raises(ValueError, match="views the same memory"):
+        choose_optimizer([torch.nn.Parameter(t), torch.nn.Parameter(t)], free_memory="1GiB")
+    expanded = torch.nn.Parameter(torch.randn(1, 4).expand(5000, 4))
+    with pytest.raises(ValueError, match="expanded view"):
+        choose_optimizer([expanded], free_memory="1GiB")
+
+
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+def test_a_sparse_grad_changes_nothing(rung: str) -> None:
+    lin = torch.nn.Linear(8, 8)
+    emb = torch.nn.Embedding(10, 8, sparse=True)
+    opt = choose_optimizer([*lin.parameters(), *emb.parameters()], rung=rung, free_memory="1GiB")
+    before = [p.detach().clone() for p in (*lin.parameters(), *emb.parameters())]
+    (lin(torch.randn(2, 8)).sum() + emb(torch.tensor([1])).sum()).backward()
+    with pytest.raises(ValueError, match="sparse grad"):
+        opt.step()
+    after = [p.detach() for p in (*lin.parameters(), *emb.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert not any(opt.state.values())
+
+
+def test_misplaced_grad_strides_are_refused_on_the_fused_rung() -> None:
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    opt = choose_optimizer([p], rung="fp32", free_memory="1GiB")
+    p.grad = torch.randn(4, 6).t()  # same shape, transposed layout
+    with pytest.raises(ValueError, match="laid out alike"):
+        opt.step()
+    assert not any(opt.state.values())

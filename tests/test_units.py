@@ -36,7 +36,7 @@ from optladder.units import format_bytes, parse_bytes
         ("0.1KiB", 102),
         (0, 0),
         (12_345, 12_345),
-        (2**70, 2**70),  # ints are returned as they are, however large
+        (2**63 - 1, 2**63 - 1),  # the largest accepted: an int64
         (1.9, 1),
         (1e9, 10**9),
     ],
@@ -78,7 +78,7 @@ def test_parse_bytes_rejects_and_names_the_argument(value: object) -> None:
         parse_bytes(value)
     message = str(info.value)
     assert message.startswith(f"free_memory={value!r} ")  # the argument name and the value
-    assert ">= 0" in message  # the allowed forms
+    assert "from 0 to 2**63 - 1" in message  # the allowed forms
     assert "'24GiB'" in message
 
 
@@ -102,3 +102,9 @@ def test_parse_bytes_names_the_given_argument() -> None:
 )
 def test_format_bytes(n: int, expected: str) -> None:
     assert format_bytes(n) == expected
+
+
+@pytest.mark.parametrize("value", [2**63, 10**400, "1e300TiB", 1e30])
+def test_parse_bytes_refuses_more_than_an_int64(value: object) -> None:
+    with pytest.raises(ValueError, match="from 0 to 2\\*\\*63 - 1"):
+        parse_bytes(value)

@@ -21,6 +21,10 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
+MAX_BYTES = 2**63 - 1
+"""The largest byte count accepted (what an int64 holds; 8 EiB)."""
+
+
 def parse_bytes(value: object, name: str = "free_memory") -> int:
     """Parse a byte count given as an integer or a string such as ``"24GiB"``.
 
@@ -39,16 +43,16 @@ def parse_bytes(value: object, name: str = "free_memory") -> int:
         ValueError: if the value is negative, not finite, or not parsable; the message
             names ``name``, the value, and what is allowed.
     """
-    allowed = "a number of bytes >= 0, or a string such as '24GiB', '512MB', '1.5e9'"
+    allowed = "a number of bytes from 0 to 2**63 - 1, or a string such as '24GiB', '512MB', '1.5e9'"
     error = ValueError(f"{name}={value!r} is not a byte count; expected {allowed}")
     if isinstance(value, bool):
         raise error
     if isinstance(value, int):  # before float(): a huge int does not fit a float
-        if value < 0:
+        if not 0 <= value <= MAX_BYTES:
             raise error
         return value
     if isinstance(value, float):
-        if not math.isfinite(value) or value < 0:
+        if not math.isfinite(value) or not 0 <= value <= MAX_BYTES:
             raise error
         return int(value)
     if not isinstance(value, str):
@@ -61,7 +65,10 @@ def parse_bytes(value: object, name: str = "free_memory") -> int:
     number = Decimal(match.group(1))
     if not math.isfinite(float(number)):  # "1e400": refuse, as a float value would be
         raise error
-    return int(number * _UNITS[unit])
+    result = int(number * _UNITS[unit])
+    if result > MAX_BYTES:
+        raise error
+    return result
 
 
 def format_bytes(n: int) -> str:

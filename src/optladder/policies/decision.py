@@ -176,8 +176,12 @@ def decide(
             if state[r] <= budget:
                 chosen = r
                 break
+        if not candidates:
+            raise ValueError(
+                "no rung can be used: " + "; ".join(excluded[r] for r in RUNGS if r in excluded)
+            )
         if chosen is None:
-            rung = candidates[-1]  # fp32 is never excluded for real reasons: non-empty
+            rung = candidates[-1]
             reasons.append(f"no allowed rung passes the gate; the cheapest is {rung}")
             fits = False
         else:

@@ -204,14 +204,26 @@ def probe_free_memory(device: torch.device | str) -> MemoryProbe:
         The :class:`MemoryProbe`.
 
     Raises:
-        ValueError: for a device type with no probe (pass ``free_memory`` instead).
+        ValueError: for something that is not a device, a device type with no probe, or a
+            CUDA device this process cannot see (pass ``free_memory`` instead).
     """
-    dev = torch.device(device)
+    if not isinstance(device, torch.device | str):
+        raise ValueError(f"device={device!r} is not a torch device (e.g. 'cpu', 'cuda:0')")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device={device!r} is not a torch device ({exc})") from None
     if dev.type == "cpu":
         free, source = host_free_bytes()
         return MemoryProbe(device="cpu", free_bytes=free, source=source)
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ValueError(
+                f"cannot probe free memory on {str(dev)!r}: this process sees "
+                f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA "
+                "devices; pass free_memory (bytes or a string such as '80GiB') to plan for it"
+            )
         free, source = cuda_free_bytes(index)
         return MemoryProbe(device=f"cuda:{index}", free_bytes=free, source=source)
     raise ValueError(

@@ -70,9 +70,11 @@ class Overrides(BaseModel):
         return "forced" if self.forced is not None else "policy"
 
 
-def _parse_switch(name: str, value: str | None) -> bool | None:
+def _parse_switch(name: str, value: object) -> bool | None:
     if value is None:
         return None
+    if not isinstance(value, str):
+        raise OverrideError(f"{name}={value!r} must be a string; accepted values: {_BOOL_VALUES}")
     text = value.strip().lower()
     if text in _TRUE:
         return True

@@ -22,7 +22,7 @@ class Policy(BaseModel):
         proactive_bf16: set False to choose bf16 only when the memory gate demands it.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     proactive_bf16_min_params: int = Field(default=50_000_000, ge=0)
     memory_fraction: float = Field(default=0.25, gt=0.0, le=1.0)

@@ -39,6 +39,11 @@ def adopt(optimizer: torch.optim.Optimizer, **kwargs: Any) -> LadderOptimizer:
     """
     if isinstance(optimizer, LadderOptimizer):
         return optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer (Adam, AdamW or LadderAdamW), got "
+            f"{type(optimizer).__name__}"
+        )
     taken = {"lr", "betas", "eps", "weight_decay", "decoupled_weight_decay"} & kwargs.keys()
     if taken:
         raise ValueError(

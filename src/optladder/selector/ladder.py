@@ -75,8 +75,8 @@ class Ladder:
                 f"optimizer must be an optladder optimizer (from choose_optimizer), got "
                 f"{type(optimizer).__name__}"
             )
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
         self.optimizer = optimizer
         self.max_retries = max_retries
 

@@ -16,7 +16,11 @@ _OOM_TYPES: tuple[type[BaseException], ...] = tuple(
 
 _OOM_MESSAGES = (
     "can't allocate memory",  # c10 DefaultCPUAllocator
-    "out of memory",  # CUDA/HIP/XPU/MPS runtime and caching allocators
+    "cuda out of memory",  # torch's caching allocators
+    "hip out of memory",
+    "xpu out of memory",
+    "mps backend out of memory",
+    "error: out of memory",  # "CUDA error: out of memory" from the runtime
     "cublas_status_alloc_failed",  # cuBLAS workspace allocation
     "cudnn_status_alloc_failed",
     "cudaerrormemoryallocation",
@@ -29,7 +33,8 @@ def is_oom(exc: BaseException) -> bool:
 
     True for ``torch.OutOfMemoryError`` (CUDA and other devices), Python's
     ``MemoryError``, and ``RuntimeError``s whose message is an allocation failure: the CPU
-    allocator's "can't allocate memory", a runtime's "out of memory", cuBLAS's
+    allocator's "can't allocate memory", a device allocator's "CUDA/HIP/XPU out of
+    memory" or "MPS backend out of memory", the CUDA runtime's "error: out of memory", cuBLAS's
     ``CUBLAS_STATUS_ALLOC_FAILED`` and cuDNN's ``CUDNN_STATUS_ALLOC_FAILED``. False for
     everything else.
 

@@ -197,7 +197,14 @@ def load_library() -> ctypes.CDLL:
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
     """
-    return load(build())
+    try:
+        path = build()
+    except OSError as exc:  # an unusable cache directory: unwritable, not a directory, ...
+        raise KernelBuildError(
+            f"the bf16 CPU kernel's cache directory is unusable ({exc}); set XDG_CACHE_HOME "
+            "to a writable directory"
+        ) from exc
+    return load(path)
 
 
 def load(path: Path) -> ctypes.CDLL:
