@@ -111,7 +111,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             free_memory=args.free_memory,
             world_size=args.world_size,
             dtype=args.dtype,
-            policy=Policy(**fields),
+            policy=Policy.model_validate(fields),
             rung=args.rung,
         )
     except (ValueError, ImportError) as exc:
