@@ -248,7 +248,7 @@ def test_add_param_group_checks_and_updates_the_estimate() -> None:
 # ------------------------------------------------------------------ more bad input
 @pytest.mark.parametrize("thing", [None, "adam", torch.nn.Linear(2, 2)])
 def test_adopt_refuses_non_optimizers(thing: object) -> None:
-    with pytest.raises(TypeError, match="must be a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"must be a torch\.optim\.Optimizer"):
         adopt(thing)  # type: ignore[arg-type]
 
 
