@@ -21,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
         "Without options: once per rung, with a free memory that makes the policy choose "
         "it, then the OOM ladder demo (--oom).",
     )
-    demo.add_argument("--rung", choices=RUNGS, help="pin a rung")
+    demo.add_argument("--rung", type=str.lower, choices=RUNGS, help="pin a rung")
     demo.add_argument(
         "--free-memory",
         help="memory the optimizer may assume free: bytes or e.g. '2MiB' (default: probed)",
@@ -75,7 +75,9 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         choices=("float32", "bfloat16", "float16"),
         help="param dtype (default float32; --model: the factory's own)",
     )
-    plan.add_argument("--rung", choices=RUNGS, help="pin a rung, past the memory gate")
+    plan.add_argument(
+        "--rung", type=str.lower, choices=RUNGS, help="pin a rung, past the memory gate"
+    )
     plan.add_argument(
         "--policy-fraction", type=float, help="the memory gate's fraction, in (0, 1] (default 0.25)"
     )
