@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, cast
 
 import torch
 from torch.optim.optimizer import ParamsT
 
-from optladder.optimizers.rounding import Rounding, element_key, round_moments
+from optladder.optimizers.rounding import (
+    Rounding,
+    check_rounding,
+    check_seed,
+    element_key,
+    round_moments,
+)
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -83,6 +89,27 @@ def validate_hyperparams(
     wd_value = _real(weight_decay)
     if wd_value is None or wd_value < 0.0:
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+
+
+def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
+    """:func:`validate_hyperparams` on the values a param group sets; a key the group
+    leaves out takes the optimizer's default, which is checked where it is given.
+
+    Raises:
+        ValueError: naming the hyperparameter, its value and the allowed range.
+    """
+    validate_hyperparams(
+        group.get("lr", 0.0),
+        group.get("betas", (0.0, 0.0)),
+        group.get("eps", 0.0),
+        group.get("weight_decay", 0.0),
+    )
+
+
+def unscale_grads_(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
+    """Divide ``grads`` by ``torch.amp.GradScaler``'s scale, in place (allocates nothing)."""
+    if grads:
+        torch._foreach_mul_(grads, 1.0 / float(grad_scale.item()))
 
 
 class LadderAdamW(torch.optim.Optimizer):
@@ -149,10 +176,8 @@ class LadderAdamW(torch.optim.Optimizer):
             raise ValueError(
                 f"moment_dtype must be torch.bfloat16 or torch.float32, got {moment_dtype}"
             )
-        if rounding not in ("stochastic", "nearest"):
-            raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
-        if not (isinstance(seed, int) and 0 <= seed < 2**64):
-            raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        check_rounding(rounding)
+        check_seed(seed)
         defaults: dict[str, Any] = {
             "lr": lr,
             "betas": tuple(betas),
@@ -360,8 +385,7 @@ class LadderAdamW(torch.optim.Optimizer):
             if skip_host:
                 continue
             if grad_scale is not None:
-                inv = 1.0 / float(grad_scale.item())
-                torch._foreach_mul_([cast(torch.Tensor, p.grad) for p, _ in host], inv)
+                unscale_grads_([cast(torch.Tensor, p.grad) for p, _ in host], grad_scale)
             if routes["cpu"]:
                 self._step_cpu(group, routes["cpu"])
             for p, i in routes["eager"]:

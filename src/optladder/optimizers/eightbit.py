@@ -164,6 +164,26 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
     return LadderAdamW8bit
 
 
+def check_8bit_param(p: torch.Tensor, where: str) -> None:
+    """Raise unless the 8-bit rung can take ``p``: real float32, bfloat16 or float16.
+
+    Args:
+        p: the param.
+        where: names it in the message, e.g. ``"param 2 of group 0"``.
+
+    Raises:
+        ValueError: naming the param, its dtype and what is allowed.
+    """
+    if p.is_complex():
+        raise ValueError(
+            f"{where} is complex ({p.dtype}); the 8bit rung takes real params only: use rung='fp32'"
+        )
+    if p.dtype not in _BNB_DTYPES:
+        raise ValueError(
+            f"{where} has dtype {p.dtype}; the 8bit rung takes float32, bfloat16 or float16 params"
+        )
+
+
 def build_8bit(
     param_groups: list[dict[str, Any]],
     *,
@@ -189,16 +209,7 @@ def build_8bit(
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
             sharded = sharded or is_dtensor(p)
-            if p.is_complex():
-                raise ValueError(
-                    f"param {pi} of group {gi} is complex ({p.dtype}); the 8bit rung takes real "
-                    "params only: use rung='fp32'"
-                )
-            if p.dtype not in _BNB_DTYPES:
-                raise ValueError(
-                    f"param {pi} of group {gi} has dtype {p.dtype}; the 8bit rung takes "
-                    "float32, bfloat16 or float16 params"
-                )
+            check_8bit_param(p, f"param {pi} of group {gi}")
     try:
         bnb = import_bitsandbytes()
     except ImportError as exc:

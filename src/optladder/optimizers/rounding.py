@@ -62,6 +62,26 @@ def hash32(x: int) -> int:
     return x
 
 
+def check_seed(seed: object) -> None:
+    """Raise unless ``seed`` is an integer in ``[0, 2**64)`` (a bool is not a seed).
+
+    Raises:
+        ValueError: naming ``seed``, its value and the allowed range.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+
+
+def check_rounding(rounding: object) -> None:
+    """Raise unless ``rounding`` is ``"stochastic"`` or ``"nearest"``.
+
+    Raises:
+        ValueError: naming ``rounding``, its value and the allowed values.
+    """
+    if rounding not in ("stochastic", "nearest"):
+        raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+
+
 def _mix(a: int, b: int) -> int:
     return hash32(((a * _GOLDEN) & MASK32) ^ (b & MASK32))
 
@@ -80,8 +100,7 @@ def element_key(seed: int, step: int, param_index: int) -> int:
     Raises:
         ValueError: if an argument is out of range.
     """
-    if not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    check_seed(seed)
     if not 0 <= step < 2**32:
         raise ValueError(f"step must be in [0, 2**32), got {step}")
     if param_index < 0:

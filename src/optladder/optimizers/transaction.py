@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from optladder.optimizers.adamw import LadderAdamW, validate_hyperparams
+from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
 from optladder.optimizers.migrate import is_bnb_engine
 
 
@@ -55,7 +55,7 @@ def check_step_inputs(engine: torch.optim.Optimizer) -> None:
     fused = not isinstance(engine, LadderAdamW) and not is_bnb_engine(engine)
     for gi, group in enumerate(engine.param_groups):
         try:
-            validate_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            validate_group_hyperparams(group)
         except ValueError as exc:
             raise ValueError(f"param group {gi}: {exc}") from None
         for pi, p in enumerate(group["params"]):

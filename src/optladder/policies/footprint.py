@@ -157,8 +157,9 @@ def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
     return groups
 
 
-def _storage_key(p: torch.Tensor) -> tuple[Any, ...] | None:
-    """Identity of the memory a param occupies, or None where there is none (meta).
+def storage_key(p: torch.Tensor) -> tuple[Any, ...] | None:
+    """Identity of the memory a param occupies, or None where there is none (meta): two
+    params with the same key are the same view of the same memory.
 
     A DTensor has no storage of its own (its ``data_ptr`` raises): it is identified by
     its local shard's memory plus its global shape, stride and placements.
@@ -197,7 +198,7 @@ def trainable_params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
             if not p.requires_grad or id(p) in seen_ids:
                 continue
             seen_ids.add(id(p))
-            key = _storage_key(p)
+            key = storage_key(p)
             if key is not None:
                 if key in seen_storage:
                     continue

@@ -1,16 +1,42 @@
-"""Checks of param groups shared by ``choose_optimizer`` and ``add_param_group``."""
+"""Checks of param groups shared by ``choose_optimizer``, ``add_param_group`` and
+``load_state_dict``."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from optladder.optimizers.adamw import validate_hyperparams
+from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
+from optladder.optimizers.eightbit import check_8bit_param
+from optladder.optimizers.rounding import check_rounding, check_seed
+from optladder.policies.footprint import storage_key
 from optladder.rungs import Rung
-from optladder.sharding import is_dtensor
 
-_BNB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+def check_group_options(group: Mapping[str, Any]) -> None:
+    """Refuse per-group options that no rung keeps (instead of silently dropping them),
+    and an out-of-range bf16 seed or rounding mode.
+
+    Raises:
+        ValueError: naming the option, its value and what is allowed.
+    """
+    for flag in ("amsgrad", "maximize", "differentiable"):
+        if group.get(flag):
+            raise ValueError(f"{flag}=True is not supported by optladder's rungs")
+    check_seed(group.get("seed", 0))
+    check_rounding(group.get("rounding", "stochastic"))
+
+
+def check_max_retries(max_retries: object) -> None:
+    """Raise unless ``max_retries`` is an integer ``>= 0`` (a bool is not a count).
+
+    Raises:
+        ValueError: naming ``max_retries``, its value and what is allowed.
+    """
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
 
 
 def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> None:
@@ -28,11 +54,6 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
     seen: dict[int, str] = {}
     storage: dict[tuple[Any, ...], str] = {}
     for gi, group in enumerate(groups):
-        for flag in ("amsgrad", "maximize", "differentiable"):
-            if group.get(flag):
-                raise ValueError(
-                    f"param group {gi} sets {flag}=True, which optladder's rungs do not support"
-                )
         if group.get("decoupled_weight_decay", decoupled_weight_decay) != decoupled_weight_decay:
             raise ValueError(
                 f"param group {gi} sets decoupled_weight_decay={group['decoupled_weight_decay']!r}"
@@ -40,12 +61,8 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
                 "choose_optimizer instead (one mode per optimizer)"
             )
         try:
-            validate_hyperparams(
-                group.get("lr", 0.0),
-                group.get("betas", (0.0, 0.0)),
-                group.get("eps", 0.0),
-                group.get("weight_decay", 0.0),
-            )
+            check_group_options(group)
+            validate_group_hyperparams(group)
         except ValueError as exc:
             raise ValueError(f"param group {gi}: {exc}") from None
         for pi, p in enumerate(group["params"]):
@@ -58,8 +75,8 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
                     f"{where} is an expanded view (a stride of 0): its elements share memory. "
                     "Optimize a real tensor (.contiguous())"
                 )
-            if p.device.type != "meta" and not is_dtensor(p) and p.numel() > 0:
-                key = (str(p.device), p.data_ptr(), tuple(p.shape), p.stride(), p.dtype)
+            key = storage_key(p) if p.numel() > 0 else None  # empty tensors share no memory
+            if key is not None:
                 if key in storage:
                     raise ValueError(
                         f"{where} views the same memory as {storage[key]}; each would be "
@@ -80,14 +97,12 @@ def check_params_for_rung(
     Raises:
         ValueError: naming the param, its dtype and what is allowed.
     """
-    from optladder.optimizers.adamw import LadderAdamW
-
     for pi, p in enumerate(params):
         where = f"param {pi} of the new group ({p.dtype})"
+        if rung == "8bit":
+            check_8bit_param(p, f"param {pi} of the new group")
         if p.is_complex() and rung != "fp32":
             raise ValueError(f"{where}: the {rung} rung takes real params only")
-        if rung == "8bit" and p.dtype not in _BNB_DTYPES:
-            raise ValueError(f"{where}: the 8bit rung takes float32, bfloat16 or float16 params")
         torch_engine = rung == "fp32" and not isinstance(engine, LadderAdamW)
         if torch_engine and p.dtype in (torch.bfloat16, torch.float16):
             raise ValueError(

@@ -11,7 +11,7 @@ import torch
 
 from optladder.optimizers import build_engine, probe_capabilities, validate_hyperparams
 from optladder.optimizers.build import without_dtensor_unsupported
-from optladder.optimizers.rounding import Rounding
+from optladder.optimizers.rounding import Rounding, check_rounding, check_seed
 from optladder.policies import (
     Decision,
     Footprint,
@@ -24,7 +24,7 @@ from optladder.policies import (
     trainable_params,
 )
 from optladder.rungs import RUNGS, Rung
-from optladder.selector.checks import check_groups
+from optladder.selector.checks import check_groups, check_max_retries
 from optladder.selector.optimizer import Escalation, LadderOptimizer
 from optladder.units import format_bytes, parse_bytes
 
@@ -146,10 +146,8 @@ def choose_optimizer(
         ImportError: the 8bit rung without bitsandbytes.
     """
     validate_hyperparams(lr, betas, eps, weight_decay)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    if rounding not in ("stochastic", "nearest"):
-        raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+    check_seed(seed)
+    check_rounding(rounding)
     _check_options(policy, environ, max_retries, on_escalate, decoupled_weight_decay)
     groups = normalize_param_groups(model_or_params)
     check_groups(groups, decoupled_weight_decay)
@@ -213,8 +211,7 @@ def _check_options(
         raise TypeError(f"policy must be an optladder.Policy, got {type(policy).__name__}")
     if environ is not None and not isinstance(environ, Mapping):
         raise TypeError(f"environ must be a mapping of str to str, got {type(environ).__name__}")
-    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-        raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+    check_max_retries(max_retries)
     if on_escalate is not None and not callable(on_escalate):
         raise TypeError(f"on_escalate must be callable, got {type(on_escalate).__name__}")
     if not isinstance(decoupled_weight_decay, bool):

@@ -26,6 +26,7 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from optladder.policies.decision import escalation_target
+from optladder.selector.checks import check_max_retries
 from optladder.selector.oom import describe_error, is_oom
 from optladder.selector.optimizer import LadderOptimizer, OptimizerOutOfMemoryError
 
@@ -75,8 +76,7 @@ class Ladder:
                 f"optimizer must be an optladder optimizer (from choose_optimizer), got "
                 f"{type(optimizer).__name__}"
             )
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
-            raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+        check_max_retries(max_retries)
         self.optimizer = optimizer
         self.max_retries = max_retries
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from optladder.optimizers.adamw import validate_hyperparams
+from optladder.optimizers.adamw import unscale_grads_, validate_group_hyperparams
 from optladder.optimizers.build import ENGINE_KEYS
 from optladder.optimizers.migrate import (
     check_param_state,
@@ -29,7 +29,12 @@ from optladder.optimizers.transaction import commit_step, prepare_step, rollback
 from optladder.policies.decision import Decision, allowed_rungs, escalation_target
 from optladder.policies.footprint import measure_footprint
 from optladder.rungs import RUNGS, Rung
-from optladder.selector.checks import check_groups, check_params_for_rung
+from optladder.selector.checks import (
+    check_group_options,
+    check_groups,
+    check_max_retries,
+    check_params_for_rung,
+)
 from optladder.selector.oom import describe_error, is_oom
 from optladder.units import format_bytes
 
@@ -140,8 +145,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         max_retries: int = 2,
         on_escalate: Callable[[Escalation], None] | None = None,
     ) -> None:
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        check_max_retries(max_retries)
         self._engine: torch.optim.Optimizer | None = None
         self._decision = decision
         self._rebuild = rebuild
@@ -272,7 +276,8 @@ class LadderOptimizer(torch.optim.Optimizer):
             error = exc
         if not _agree_any(error is not None, self.device):
             if grad_scale is not None:
-                _unscale_grads(engine, grad_scale)
+                grads = [p.grad for g in engine.param_groups for p in g["params"]]
+                unscale_grads_([g for g in grads if g is not None], grad_scale)
             commit_step(engine)
             self._steps += 1
             self._warn_unfused()
@@ -469,13 +474,8 @@ class LadderOptimizer(torch.optim.Optimizer):
                 check_param_state(st, p, f"param {pi}")
         for gi, saved in enumerate(groups):
             try:
-                validate_hyperparams(
-                    saved.get("lr", 0.0),
-                    saved.get("betas", (0.0, 0.0)),
-                    saved.get("eps", 0.0),
-                    saved.get("weight_decay", 0.0),
-                )
-                _check_group_options(saved)
+                validate_group_hyperparams(saved)
+                check_group_options(saved)
             except ValueError as exc:
                 raise ValueError(f"param group {gi} of the state_dict: {exc}") from None
         saved_rung = next((r for r in RUNGS if groups and groups[0].get(RUNG_KEY) == r), None)
@@ -526,14 +526,6 @@ class LadderOptimizer(torch.optim.Optimizer):
         return f"{type(self).__name__}(rung={self.rung!r}, {fused}, engine={engine})"
 
 
-def _unscale_grads(engine: torch.optim.Optimizer, grad_scale: torch.Tensor) -> None:
-    """Divide every grad by the GradScaler's scale, in place (allocates nothing)."""
-    inv = 1.0 / float(grad_scale.item())
-    grads = [p.grad for g in engine.param_groups for p in g["params"] if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, inv)
-
-
 def _move_refused(decision: Decision, rung: Rung) -> str | None:
     """Why the user's word forbids moving ``decision``'s optimizer to ``rung``, or None."""
     if decision.overrides.pinned is not None:
@@ -541,18 +533,6 @@ def _move_refused(decision: Decision, rung: Rung) -> str | None:
         return f"the {decision.rung} rung is pinned by {source}"
     allowed, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
     return None if allowed[rung] else excluded[rung]
-
-
-def _check_group_options(group: dict[str, Any]) -> None:
-    """Refuse per-group options that no rung keeps (instead of silently dropping them)."""
-    for flag in ("amsgrad", "maximize", "differentiable"):
-        if group.get(flag):
-            raise ValueError(f"{flag}=True is not supported by optladder's rungs")
-    seed = group.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
-    if group.get("rounding", "stochastic") not in ("stochastic", "nearest"):
-        raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {group['rounding']!r}")
 
 
 def _restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
