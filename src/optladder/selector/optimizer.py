@@ -326,10 +326,6 @@ class LadderOptimizer(torch.optim.Optimizer):
                 logger.warning("optladder: %s rung not on the fused path: %s", self.rung, reason)
 
     # ------------------------------------------------------------------ moving
-    def can_escalate(self) -> bool:
-        """Whether a cheaper rung is available to move to."""
-        return self._rebuild is not None and escalation_target(self._decision)[0] is not None
-
     def escalate(self, reason: str) -> Escalation:
         """Move the state to the next cheaper rung (one rung), in place.
 
