@@ -38,7 +38,8 @@ def test_is_a_torch_optimizer_with_decision() -> None:
     assert opt.rung == opt.decision.rung == "fp32"
     assert opt.decision.free_memory == 2**30
     assert opt.decision.budget_bytes == 2**30 // 4
-    assert opt.param_groups is opt.engine.param_groups
+    assert len(opt.param_groups) == len(opt.engine.param_groups) == 1
+    assert opt.param_groups[0] is opt.engine.param_groups[0]  # the same dict
     assert opt.state is opt.engine.state
     assert opt.param_groups[0]["lr"] == 3e-4
 

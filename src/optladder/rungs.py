@@ -6,7 +6,8 @@ neither.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -72,3 +73,38 @@ class Capabilities(BaseModel):
     available: dict[Rung, bool] = Field(default_factory=lambda: dict.fromkeys(RUNGS, True))
     unavailable_reasons: dict[Rung, str] = Field(default_factory=dict)
     slow: dict[Rung, str] = Field(default_factory=dict)
+
+
+RUNG_KEY = "rung"
+"""Param-group key holding the group's rung. The optladder optimizer writes it into every
+group (param groups survive torch's loader and distributed checkpointing; a top-level
+key would not); a user writes it into a group to pin that group's rung."""
+ORIGIN_KEY = "rung_origin"
+"""Param-group key recording how the group's rung was reached: ``Decision.origin`` for
+the groups that follow the decision, :data:`GROUP_PIN_ORIGIN` for a pinned group."""
+REASON_KEY = "rung_reason"
+"""Param-group key recording why, in a sentence."""
+GROUP_PIN_ORIGIN = "group"
+"""``ORIGIN_KEY`` of a group that pins its own rung."""
+
+
+def group_pin(group: Mapping[str, Any], where: str) -> Rung | None:
+    """The rung a param group pins, or None when it follows the decision.
+
+    A group pins its rung when it has a ``"rung"`` entry (:data:`RUNG_KEY`) and either
+    no ``"rung_origin"`` entry (a group the user wrote, e.g. ``{"params": emb_params,
+    "rung": "fp32"}``, the way bitsandbytes users keep embeddings in 32-bit state) or
+    the origin :data:`GROUP_PIN_ORIGIN` (a pinned group the optladder optimizer marked).
+    A ``"rung"`` entry with another origin records where a group that follows the
+    decision stands, and pins nothing.
+
+    Args:
+        group: one param group.
+        where: names the group in messages, e.g. ``"param group 2"``.
+
+    Raises:
+        ValueError: if the pinned value is not a rung (case-insensitive).
+    """
+    if RUNG_KEY not in group or group.get(ORIGIN_KEY, GROUP_PIN_ORIGIN) != GROUP_PIN_ORIGIN:
+        return None
+    return parse_rung(group[RUNG_KEY], f"{where}['{RUNG_KEY}']")

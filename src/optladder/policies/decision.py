@@ -60,6 +60,11 @@ class Decision(BaseModel):
             f"free memory: {self.free_memory_source}",
             "fused" if self.fused else f"not fused: {self.unfused_reason}",
         ]
+        if self.footprint.pinned_params:
+            lines.append(
+                f"of which {format_bytes(self.footprint.pinned_state_bytes)} for "
+                f"{self.footprint.pinned_params:,} params in groups that pin their rung"
+            )
         lines += [f"- {r}" for r in self.reasons]
         return "\n".join(lines)
 

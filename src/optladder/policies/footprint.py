@@ -9,7 +9,14 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from optladder.rungs import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE, BNB_QMAP_BYTES, RUNGS, Rung
+from optladder.rungs import (
+    BNB_BLOCKSIZE,
+    BNB_MIN_8BIT_SIZE,
+    BNB_QMAP_BYTES,
+    RUNGS,
+    Rung,
+    group_pin,
+)
 from optladder.sharding import is_dtensor, local_numel, local_tensor
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -30,13 +37,19 @@ class Footprint(BaseModel):
         largest_param: elements of the largest trainable param.
         devices: sorted device strings of the trainable params, e.g. ``("cuda:0",)``.
         dtypes: sorted dtype names, e.g. ``("bfloat16", "float32")``.
-        has_complex: whether any trainable param is complex (only the fp32 rung takes
-            complex params).
-        state_bytes: per rung, the bytes of state tensors its engine allocates for these
-            params on this rank (moments; for ``8bit`` also absmax and the shared code
-            books). The 0-d ``step`` counters are not counted.
+        has_complex: whether any trainable param that follows the decision (in a group
+            that does not pin its rung) is complex (only the fp32 rung takes complex
+            params).
+        state_bytes: per rung, the bytes of state tensors the engines allocate for these
+            params on this rank when the groups that follow the decision are on that
+            rung (moments; for ``8bit`` also absmax and the shared code books), the
+            ``pinned_state_bytes`` included. The 0-d ``step`` counters are not counted.
         sharded: whether any trainable param is a DTensor; its ``state_bytes`` then
             count this rank's shards.
+        pinned_params: elements of the trainable params in groups that pin their rung
+            (:func:`optladder.rungs.group_pin`).
+        pinned_state_bytes: the state bytes of those params on their pinned rungs (part
+            of every rung's ``state_bytes``: they do not move).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -50,6 +63,8 @@ class Footprint(BaseModel):
     has_complex: bool
     state_bytes: dict[Rung, int]
     sharded: bool = False
+    pinned_params: int = 0
+    pinned_state_bytes: int = 0
 
     def bytes_per_param(self, rung: Rung) -> float:
         """State bytes per trainable param element on ``rung``."""
@@ -207,6 +222,16 @@ def trainable_params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
     return out
 
 
+def _state_bytes(params: list[torch.Tensor], rung: Rung) -> int:
+    """State bytes ``params`` need on ``rung`` in one engine (its code books included)."""
+    total = sum(rung_state_bytes(rung, p.numel(), p.dtype, local_numel(p)) for p in params)
+    if rung == "8bit":
+        total += BNB_QMAP_BYTES * len(
+            {str(p.device) for p in params if p.numel() >= BNB_MIN_8BIT_SIZE}
+        )
+    return total
+
+
 def measure_footprint(model_or_params: object) -> Footprint:
     """Measure what a model's trainable params need in optimizer state on every rung.
 
@@ -215,6 +240,11 @@ def measure_footprint(model_or_params: object) -> Footprint:
     smaller tensors keep two float32 moments; larger ones keep uint8 codes plus one
     float32 absmax per 256-element block, per moment; plus 2,048 bytes of code books per
     device) and equals what ``bitsandbytes.optim.AdamW8bit`` allocates.
+
+    A param group that pins its rung (``{"params": ..., "rung": "fp32"}``, see
+    :func:`optladder.rungs.group_pin`) is counted on that rung for every rung's
+    ``state_bytes`` (its engine has code books of its own), and reported in
+    ``pinned_params`` and ``pinned_state_bytes``.
 
     DTensor params (FSDP2, ``torch.distributed.tensor``): ``trainable_params``,
     ``largest_param`` and the 4,096-element rule use the global element count
@@ -230,10 +260,16 @@ def measure_footprint(model_or_params: object) -> Footprint:
 
     Raises:
         TypeError: if the input is not a module, params, or param groups.
-        ValueError: if no param has ``requires_grad=True``.
+        ValueError: if no param has ``requires_grad=True``, or a group pins something
+            that is not a rung.
     """
     groups = normalize_param_groups(model_or_params)
     params = trainable_params(groups)
+    pin_of: dict[int, Rung | None] = {}
+    for gi, g in enumerate(groups):
+        pin = group_pin(g, f"param group {gi}")
+        for p in g["params"]:
+            pin_of.setdefault(id(p), pin)
     frozen_ids: set[int] = set()
     frozen = 0
     for g in groups:
@@ -246,14 +282,8 @@ def measure_footprint(model_or_params: object) -> Footprint:
             "model_or_params has no trainable parameters (none with requires_grad=True); "
             "unfreeze some or pass the ones to optimize"
         )
-    state = dict.fromkeys(RUNGS, 0)
-    eight_bit_devices: set[str] = set()
-    for p in params:
-        for rung in RUNGS:
-            state[rung] += rung_state_bytes(rung, p.numel(), p.dtype, local_numel(p))
-        if p.numel() >= BNB_MIN_8BIT_SIZE:
-            eight_bit_devices.add(str(p.device))
-    state["8bit"] += BNB_QMAP_BYTES * len(eight_bit_devices)
+    following = [p for p in params if pin_of[id(p)] is None]
+    pinned = sum(_state_bytes([p for p in params if pin_of[id(p)] == rung], rung) for rung in RUNGS)
     return Footprint(
         trainable_params=sum(p.numel() for p in params),
         param_tensors=len(params),
@@ -261,7 +291,9 @@ def measure_footprint(model_or_params: object) -> Footprint:
         largest_param=max(p.numel() for p in params),
         devices=tuple(sorted({str(p.device) for p in params})),
         dtypes=tuple(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
-        has_complex=any(p.is_complex() for p in params),
-        state_bytes=state,
+        has_complex=any(p.is_complex() for p in following),
+        state_bytes={rung: _state_bytes(following, rung) + pinned for rung in RUNGS},
         sharded=any(is_dtensor(p) for p in params),
+        pinned_params=sum(p.numel() for p in params if pin_of[id(p)] is not None),
+        pinned_state_bytes=pinned,
     )

@@ -11,8 +11,9 @@ import torch
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
 from optladder.optimizers.eightbit import check_8bit_param
 from optladder.optimizers.rounding import check_rounding, check_seed
+from optladder.policies.decision import Decision, allowed_rungs
 from optladder.policies.footprint import storage_key
-from optladder.rungs import Rung
+from optladder.rungs import Rung, group_pin
 
 
 def check_group_options(group: Mapping[str, Any]) -> None:
@@ -41,8 +42,9 @@ def check_max_retries(max_retries: object) -> None:
 
 def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> None:
     """Refuse what the rungs would silently get wrong: per-group options no rung keeps,
-    out-of-range per-group hyperparameters, a param listed twice or two params over the
-    same memory (each would be stepped twice), and expanded views (stride 0).
+    out-of-range per-group hyperparameters, a pinned ``"rung"`` that is not a rung, a
+    param listed twice or two params over the same memory (each would be stepped twice),
+    and expanded views (stride 0).
 
     Args:
         groups: all param groups (for ``add_param_group``: the live ones plus the new).
@@ -60,6 +62,7 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
                 f"; pass decoupled_weight_decay={group['decoupled_weight_decay']!r} to "
                 "choose_optimizer instead (one mode per optimizer)"
             )
+        group_pin(group, f"param group {gi}")
         try:
             check_group_options(group)
             validate_group_hyperparams(group)
@@ -83,6 +86,35 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
                         "stepped; optimize one of them"
                     )
                 storage[key] = where
+
+
+def check_pins(groups: list[dict[str, Any]], decision: Decision) -> None:
+    """Refuse group pins the run cannot honour: a pinned rung the user disabled (``=0``)
+    or the device cannot run, and groups that all pin (then nothing follows the
+    decision; pin the whole optimizer with ``rung=`` instead).
+
+    Args:
+        groups: all param groups.
+        decision: the decision for the groups that follow it.
+
+    Raises:
+        ValueError: naming the group, its rung and why it cannot be used.
+    """
+    # Complex params in a pinned group are refused by the rung's engine, naming the param.
+    real = decision.footprint.model_copy(update={"has_complex": False})
+    allowed, excluded = allowed_rungs(real, decision.capabilities, decision.overrides)
+    pins = [group_pin(group, f"param group {gi}") for gi, group in enumerate(groups)]
+    for gi, pin in enumerate(pins):
+        if pin is not None and not allowed[pin]:
+            raise ValueError(
+                f"param group {gi} pins the {pin} rung, which cannot be used: {excluded[pin]}"
+            )
+    if pins and all(pin is not None for pin in pins):
+        raise ValueError(
+            "every param group pins its rung (param_group['rung']), so none follows the "
+            "decision; leave at least one group unpinned, or pin the whole optimizer with "
+            "rung= / OPTLADDER_RUNG"
+        )
 
 
 def check_params_for_rung(

@@ -23,8 +23,8 @@ from optladder.policies import (
     read_overrides,
     trainable_params,
 )
-from optladder.rungs import RUNGS, Rung
-from optladder.selector.checks import check_groups, check_max_retries
+from optladder.rungs import RUNGS, Rung, group_pin
+from optladder.selector.checks import check_groups, check_max_retries, check_pins
 from optladder.selector.optimizer import Escalation, LadderOptimizer
 from optladder.units import format_bytes, parse_bytes
 
@@ -103,9 +103,15 @@ def choose_optimizer(
     ``OPTLADDER_BF16_ADAM``, ``OPTLADDER_8BIT_ADAM``, read now), decides with
     :func:`optladder.decide`, and builds the rung's engine.
 
+    A param group may pin its own rung with a ``"rung"`` entry (``{"params":
+    model.embed.parameters(), "rung": "fp32"}``, as bitsandbytes users keep embeddings
+    in 32-bit state): it runs on that rung whatever the decision, an out-of-memory step
+    never moves it, and its state bytes count in every rung's estimate. The other
+    groups follow the decision (``rung=`` and the variables apply to them).
+
     Args:
         model_or_params: a ``torch.nn.Module``, params, or param groups (per-group
-            hyperparameters are kept).
+            hyperparameters and ``"rung"`` pins are kept).
         lr: learning rate, ``>= 0``. betas: ``(beta1, beta2)`` in ``[0, 1)``.
         eps: ``>= 0``. weight_decay: decoupled (AdamW) decay, ``>= 0``.
         rung: pin a rung (``"fp32"``, ``"bf16"``, ``"8bit"``), past the memory gate.
@@ -138,7 +144,8 @@ def choose_optimizer(
         ValueError: bad hyperparameters (per group too), ``free_memory``, ``rung``,
             ``seed``, ``rounding`` or ``max_retries``; per-group amsgrad/maximize; a param
             listed twice, two params over the same memory, an expanded view; no
-            trainable params; a rung that cannot take the params.
+            trainable params; a rung that cannot take the params; a group pinning a
+            disabled or unavailable rung, or every group pinning one.
         TypeError: ``policy``, ``environ``, ``on_escalate`` or ``decoupled_weight_decay``
             of the wrong type.
         optladder.OverrideError: an unknown or contradictory override variable.
@@ -161,7 +168,10 @@ def choose_optimizer(
         free, source = parse_bytes(free_memory, "free_memory"), "given as free_memory"
     free, source = _min_over_ranks(free, source, target)
     footprint = _largest_over_ranks(footprint, target)
-    capabilities = probe_capabilities(target, footprint.dtypes, footprint.has_complex)
+    # Over every param, pinned ones too: a complex param anywhere keeps torch's fp32 AdamW
+    # off its fused kernel (footprint.has_complex counts the params that follow only).
+    has_complex = any(p.is_complex() for p in trainable_params(groups))
+    capabilities = probe_capabilities(target, footprint.dtypes, has_complex)
     if footprint.sharded:
         capabilities = without_dtensor_unsupported(capabilities)
     decision = _same_on_all_ranks(
@@ -169,6 +179,7 @@ def choose_optimizer(
             footprint, free, capabilities, policy or Policy(), overrides, free_memory_source=source
         )
     )
+    check_pins(groups, decision)
     if not decision.fits:
         if decision.origin == "policy" and strict:
             raise InsufficientMemoryError(decision)
@@ -192,10 +203,20 @@ def choose_optimizer(
     def rebuild(rung: Rung, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         return build_engine(rung, param_groups, fused=capabilities.fused[rung], **hyper)
 
-    engine = rebuild(decision.rung, groups)
+    pins = [group_pin(g, f"param group {gi}") for gi, g in enumerate(groups)]
+    engine = rebuild(decision.rung, [g for g, pin in zip(groups, pins) if pin is None])
+    pinned = {
+        r: rebuild(r, [g for g, pin in zip(groups, pins) if pin == r]) for r in RUNGS if r in pins
+    }
     logger.info("optladder decision: %s", decision.summary())
     return LadderOptimizer(
-        engine, decision, rebuild, max_retries=max_retries, on_escalate=on_escalate
+        engine,
+        decision,
+        rebuild,
+        pinned=pinned,
+        param_groups=groups,
+        max_retries=max_retries,
+        on_escalate=on_escalate,
     )
 
 

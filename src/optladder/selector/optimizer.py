@@ -11,7 +11,7 @@ commits, so ranks never differ in rung or step count.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,25 +28,38 @@ from optladder.optimizers.migrate import (
 from optladder.optimizers.transaction import commit_step, prepare_step, rollback_step
 from optladder.policies.decision import Decision, allowed_rungs, escalation_target
 from optladder.policies.footprint import measure_footprint
-from optladder.rungs import RUNGS, Rung
+from optladder.rungs import (
+    GROUP_PIN_ORIGIN,
+    ORIGIN_KEY,
+    REASON_KEY,
+    RUNG_KEY,
+    RUNGS,
+    Rung,
+    group_pin,
+)
 from optladder.selector.checks import (
     check_group_options,
     check_groups,
     check_max_retries,
     check_params_for_rung,
+    check_pins,
 )
 from optladder.selector.oom import describe_error, is_oom
 from optladder.units import format_bytes
 
 logger = logging.getLogger("optladder")
 
-RUNG_KEY = "rung"
-"""Param-group key recording the rung (param groups survive torch's loader and
-distributed checkpointing; a top-level key would not)."""
-ORIGIN_KEY = "rung_origin"
-"""Param-group key recording how the rung was reached (``Decision.origin``)."""
-REASON_KEY = "rung_reason"
-"""Param-group key recording why, in a sentence."""
+__all__ = [
+    "ORIGIN_KEY",
+    "REASON_KEY",
+    "RUNG_KEY",
+    "EngineBuilder",
+    "Escalation",
+    "LadderOptimizer",
+    "OptimizerOutOfMemoryError",
+]
+
+_PIN_REASON = "pinned by its param group"
 _LADDER_KEYS = (RUNG_KEY, ORIGIN_KEY, REASON_KEY)
 
 EngineBuilder = Callable[[Rung, list[dict[str, Any]]], torch.optim.Optimizer]
@@ -108,24 +121,41 @@ class LadderOptimizer(torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` that runs the current rung's engine and climbs down the
     ladder when a step runs out of memory.
 
-    ``param_groups``, ``state`` and ``defaults`` are the engine's own objects, so an LR
-    scheduler or a trainer that edits ``opt.param_groups[i]["lr"]`` edits the engine's
-    groups. The object stays the same when the rung changes, so references held by
-    schedulers and trainers stay valid. Each param group records ``"rung"``,
-    ``"rung_origin"`` and ``"rung_reason"``, saved in ``state_dict()``.
+    The dicts in ``param_groups`` are the engines' own group dicts, and ``state`` is the
+    one dict every engine keeps its state in, so an LR scheduler or a trainer that edits
+    ``opt.param_groups[i]["lr"]`` edits the engine's group. The object stays the same
+    when the rung changes, so references held by schedulers and trainers stay valid.
+    Each param group records ``"rung"``, ``"rung_origin"`` and ``"rung_reason"``, saved
+    in ``state_dict()``.
+
+    Param groups that pin their own rung (``{"params": emb, "rung": "fp32"}``, as
+    bitsandbytes users keep embeddings in 32-bit state; see
+    :func:`optladder.rungs.group_pin`) run on an engine of that rung and never move: an
+    out-of-memory step escalates the other groups, those that follow the decision.
+    ``rung``, ``engine`` and ``decision`` describe those; the decision's state bytes
+    include the pinned groups'.
 
     Args:
-        engine: the rung's optimizer (built by :func:`optladder.optimizers.build_engine`).
-        decision: the :class:`optladder.Decision` that chose it.
-        rebuild: builds another rung's engine over the same groups (needed to escalate).
+        engine: the optimizer of the groups that follow the decision (built by
+            :func:`optladder.optimizers.build_engine`).
+        decision: the :class:`optladder.Decision` that chose its rung.
+        rebuild: builds another rung's engine over given groups (needed to escalate).
+        pinned: per pinned rung, the engine of the groups that pin it.
+        param_groups: every group dict of the engines, in the user's order (the order of
+            ``param_groups`` and of ``state_dict()``); default ``engine``'s groups, then
+            the pinned engines'.
         max_retries: escalations allowed within one ``step()`` call, ``>= 0``.
         on_escalate: called with each :class:`Escalation`, after the move and before the
             retry.
 
+    Raises:
+        ValueError: if ``param_groups`` is not the engines' group dicts, each once.
+
     Attributes:
         decision: the decision behind the current rung.
-        rung: the current rung.
-        engine: the current rung's optimizer.
+        rung: the current rung of the groups that follow the decision.
+        engine: their optimizer.
+        pinned_engines: per pinned rung, the optimizer of the groups that pin it.
         escalations: the moves made so far.
         last_step_skipped: whether the last ``step()`` was skipped by
             ``torch.amp.GradScaler`` for an inf/NaN grad (keep an LR scheduler in step
@@ -142,11 +172,14 @@ class LadderOptimizer(torch.optim.Optimizer):
         decision: Decision,
         rebuild: EngineBuilder | None = None,
         *,
+        pinned: Mapping[Rung, torch.optim.Optimizer] | None = None,
+        param_groups: Sequence[dict[str, Any]] | None = None,
         max_retries: int = 2,
         on_escalate: Callable[[Escalation], None] | None = None,
     ) -> None:
         check_max_retries(max_retries)
         self._engine: torch.optim.Optimizer | None = None
+        self._pinned: dict[Rung, torch.optim.Optimizer] = dict(pinned or {})
         self._decision = decision
         self._rebuild = rebuild
         self.max_retries = max_retries
@@ -154,17 +187,40 @@ class LadderOptimizer(torch.optim.Optimizer):
         self.escalations: list[Escalation] = []
         self.last_step_skipped = False
         self._steps = 0
-        self._warned: set[str] = set()
+        self._warned: set[tuple[Rung, str]] = set()
         self._mark_groups(engine.param_groups, decision)
+        for rung, pinned_engine in self._pinned.items():
+            _mark_pinned(pinned_engine.param_groups, rung)
         super().__init__(engine.param_groups, engine.defaults)
+        owned = [g for e in self._engines(engine) for g in e.param_groups]
+        order = list(owned if param_groups is None else param_groups)
+        if sorted(map(id, order)) != sorted(map(id, owned)):
+            raise ValueError(
+                "param_groups must list each group dict of the engines once (the dicts the "
+                "engines hold, not copies)"
+            )
+        self.param_groups = order
+        self.state = engine.state
+        for pinned_engine in self._pinned.values():
+            self._share_state(pinned_engine)
         self._attach(engine)
         self._warn_unfused()
 
     # ------------------------------------------------------------------ plumbing
+    def _engines(self, engine: torch.optim.Optimizer | None = None) -> list[torch.optim.Optimizer]:
+        """The engine of the groups that follow the decision, then the pinned engines."""
+        return [engine or self.engine, *self._pinned.values()]
+
+    def _share_state(self, engine: torch.optim.Optimizer) -> None:
+        """Move ``engine``'s state into this optimizer's ``state`` dict and make that its
+        state dict: every engine touches only its own params' entries."""
+        if engine.state is not self.state:
+            self.state.update(engine.state)
+            engine.state = self.state
+
     def _attach(self, engine: torch.optim.Optimizer) -> None:
         self._engine = engine
-        self.param_groups = engine.param_groups
-        self.state = engine.state
+        self._share_state(engine)
         self.defaults = engine.defaults
 
     @staticmethod
@@ -182,6 +238,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         return self._engine
 
     @property
+    def pinned_engines(self) -> dict[Rung, torch.optim.Optimizer]:
+        """Per pinned rung, the optimizer of the groups that pin it (a new dict)."""
+        return dict(self._pinned)
+
+    @property
     def decision(self) -> Decision:
         """The :class:`optladder.Decision` behind the current rung."""
         return self._decision
@@ -197,12 +258,17 @@ class LadderOptimizer(torch.optim.Optimizer):
         return self._decision.capabilities.device
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group to the current rung's engine (torch's semantics), after the
-        same checks as ``choose_optimizer`` (hyperparameters, duplicates, params the rung
-        cannot take); the decision's footprint and state bytes are updated.
+        """Add a param group (torch's semantics) after the same checks as
+        ``choose_optimizer`` (hyperparameters, duplicates, params the rung cannot take);
+        the decision's footprint and state bytes are updated.
+
+        The group joins the current rung's engine, or, when it pins a rung
+        (``param_group["rung"]``), that rung's pinned engine (built when it is the first
+        group to pin that rung).
 
         Raises:
-            ValueError: naming the param or option, what was found and what is allowed.
+            ValueError: naming the param or option, what was found and what is allowed;
+                a pinned rung that is disabled or unavailable.
         """
         if self._engine is None:  # called by torch.optim.Optimizer.__init__
             super().add_param_group(param_group)
@@ -215,9 +281,31 @@ class LadderOptimizer(torch.optim.Optimizer):
         group["params"] = params
         decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
         check_groups([*self.param_groups, group], decoupled)
-        check_params_for_rung(params, self.rung, self._engine)
-        self._mark_groups([group], self._decision)
-        self._engine.add_param_group(group)
+        pin = group_pin(group, f"param group {len(self.param_groups)}")
+        if pin is None:
+            engine: torch.optim.Optimizer | None = self._engine
+            check_params_for_rung(params, self.rung, self._engine)
+            self._mark_groups([group], self._decision)
+        else:
+            check_pins([*self.param_groups, group], self._decision)
+            engine = self._pinned.get(pin)
+            if engine is not None:
+                check_params_for_rung(params, pin, engine)
+            elif self._rebuild is None:
+                raise ValueError(
+                    f"the new group pins the {pin} rung, and this optimizer was built without "
+                    "a rebuild function to build that rung's engine"
+                )
+            _mark_pinned([group], pin)
+        if engine is None:
+            assert pin is not None and self._rebuild is not None
+            engine = self._rebuild(pin, [group])  # allocates no state
+            check_params_for_rung(params, pin, engine)
+            self._pinned[pin] = engine
+            self._share_state(engine)
+        else:
+            engine.add_param_group(group)
+        self.param_groups.append(engine.param_groups[-1])
         footprint = measure_footprint(self.param_groups)
         self._decision = self._decision.model_copy(
             update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
@@ -225,7 +313,8 @@ class LadderOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of all params (to None by default, as torch does)."""
-        self.engine.zero_grad(set_to_none=set_to_none)
+        for engine in self._engines():
+            engine.zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ stepping
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -265,24 +354,29 @@ class LadderOptimizer(torch.optim.Optimizer):
             self.escalate(f"out of memory in the optimizer step on {self.rung} ({failure})")
 
     def _two_phase_step(self, retries: int, grad_scale: torch.Tensor | None = None) -> str | None:
-        engine = self.engine
-        created: list[torch.Tensor] | None = None
+        engines = self._engines()
+        prepared: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
         error: BaseException | None = None
         try:
-            created = prepare_step(engine)
+            for engine in engines:
+                prepared.append((engine, prepare_step(engine)))
         except BaseException as exc:
+            for engine, created in prepared:  # the failing engine rolled itself back
+                rollback_step(engine, created)
+            prepared = []
             if not is_oom(exc):
                 raise
             error = exc
         if not _agree_any(error is not None, self.device):
             if grad_scale is not None:
-                grads = [p.grad for g in engine.param_groups for p in g["params"]]
+                grads = [p.grad for g in self.param_groups for p in g["params"]]
                 unscale_grads_([g for g in grads if g is not None], grad_scale)
-            commit_step(engine)
+            for engine in engines:  # commits allocate nothing: all of them run
+                commit_step(engine)
             self._steps += 1
             self._warn_unfused()
             return None
-        if created is not None:  # this rank prepared, another ran out of memory
+        for engine, created in prepared:  # this rank prepared, another ran out of memory
             rollback_step(engine, created)
         message = describe_error(error) if error is not None else "another rank ran out of memory"
         target, why_not = escalation_target(self._decision)
@@ -316,14 +410,22 @@ class LadderOptimizer(torch.optim.Optimizer):
         )
 
     def _warn_unfused(self) -> None:
-        """Log each distinct reason for leaving the fused path once per optimizer: the
-        decision's, and those of params the bf16 engine stepped eagerly."""
-        reasons = [] if self._decision.fused else [self._decision.unfused_reason or ""]
-        reasons += sorted(set(getattr(self.engine, "eager_reasons", {}).values()))
-        for reason in reasons:
-            if reason not in self._warned:
-                self._warned.add(reason)
-                logger.warning("optladder: %s rung not on the fused path: %s", self.rung, reason)
+        """Log each distinct reason for leaving the fused path once per optimizer and
+        rung: the decision's, a pinned rung's, and those of params an engine stepped
+        eagerly."""
+        caps = self._decision.capabilities
+        reasons: list[tuple[Rung, str]] = []
+        if not self._decision.fused:
+            reasons.append((self.rung, self._decision.unfused_reason or ""))
+        for rung, engine in [(self.rung, self.engine), *self._pinned.items()]:
+            if engine is not self.engine and not caps.fused.get(rung, False):
+                reasons.append((rung, caps.unfused_reasons.get(rung, "no fused kernel here")))
+            eager = getattr(engine, "eager_reasons", {}).values()
+            reasons += [(rung, reason) for reason in sorted(set(eager))]
+        for rung, reason in reasons:
+            if (rung, reason) not in self._warned:
+                self._warned.add((rung, reason))
+                logger.warning("optladder: %s rung not on the fused path: %s", rung, reason)
 
     # ------------------------------------------------------------------ moving
     def escalate(self, reason: str) -> Escalation:
@@ -354,7 +456,7 @@ class LadderOptimizer(torch.optim.Optimizer):
     ) -> None:
         """Rebuild on ``rung`` and move every param's state there, keeping this object,
         the param-group dicts (per-group hyperparameters, a tensor lr included), param
-        order and per-param step counts.
+        order and per-param step counts. Groups that pin their rung stay where they are.
 
         On failure (an OOM while converting) the groups are put back and the converted
         params converted back (exact when the source is the wider format; see
@@ -414,9 +516,11 @@ class LadderOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The engine's ``state_dict``; each param group records its rung, how it was
-        reached and why."""
-        return self.engine.state_dict()
+        """The engine's ``state_dict`` (torch's layout over all groups when some pin
+        their rung); each param group records its rung, how it was reached and why."""
+        if not self._pinned:
+            return self.engine.state_dict()  # bitsandbytes wraps its state for FSDP
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict`` saved from any rung into this optimizer.
@@ -425,11 +529,12 @@ class LadderOptimizer(torch.optim.Optimizer):
         reached by escalation, the optimizer first moves to the checkpoint's rung (a
         resumed run must not run out of memory again). Otherwise (a pinned rung, or a
         checkpoint from a policy choice) the checkpoint's state is converted into this
-        optimizer's rung. bf16 moments stay bfloat16, 8-bit state stays uint8 codes with
-        float32 absmax, ``step`` lands where the engine keeps it, and this optimizer's
-        engine flags (``fused``, ``foreach``) are kept. Hyperparameters (lr, betas, eps,
-        weight_decay, a scheduler's ``initial_lr``, the bf16 seed) come from the
-        checkpoint.
+        optimizer's rung. Groups that pin their rung keep it: their state is converted
+        into it, whatever the checkpoint had. bf16 moments stay bfloat16, 8-bit state
+        stays uint8 codes with float32 absmax, ``step`` lands where the engine keeps it,
+        and this optimizer's engine flags (``fused``, ``foreach``) are kept.
+        Hyperparameters (lr, betas, eps, weight_decay, a scheduler's ``initial_lr``, the
+        bf16 seed) come from the checkpoint.
 
         Raises:
             ValueError: if the checkpoint does not fit the params (group count, param
@@ -474,8 +579,12 @@ class LadderOptimizer(torch.optim.Optimizer):
                 check_group_options(saved)
             except ValueError as exc:
                 raise ValueError(f"param group {gi} of the state_dict: {exc}") from None
-        saved_rung = next((r for r in RUNGS if groups and groups[0].get(RUNG_KEY) == r), None)
-        saved_origin = groups[0].get(ORIGIN_KEY) if groups else None
+        following = {id(g) for g in self.engine.param_groups}
+        first: dict[str, Any] = next(
+            (g for g, live in zip(groups, live_groups) if id(live) in following), {}
+        )
+        saved_rung = next((r for r in RUNGS if first.get(RUNG_KEY) == r), None)
+        saved_origin = first.get(ORIGIN_KEY)
         move_to: Rung | None = (
             saved_rung
             if saved_rung != self.rung
@@ -487,39 +596,41 @@ class LadderOptimizer(torch.optim.Optimizer):
             else None
         )
         engine = self.engine
-        saved_groups = [dict(g) for g in engine.param_groups]
+        saved_groups = [dict(g) for g in live_groups]
         try:
             if move_to is not None:  # the live state is replaced below: nothing to migrate
                 assert self._rebuild is not None
                 engine = self._rebuild(move_to, engine.param_groups)
+            owner = {id(g): e for e in self._engines(engine) for g in e.param_groups}
             new_state: dict[torch.Tensor, dict[str, Any]] = {}
-            live_groups = [g for g in engine.param_groups for _ in g["params"]]
-            for (key, p), group in zip(pairs, live_groups):
+            group_of_param = [g for g in live_groups for _ in g["params"]]
+            for (key, p), group in zip(pairs, group_of_param):
                 saved_param_state = saved_state.get(key)
                 if saved_param_state:
-                    new_state[p] = convert_param_state(
-                        saved_param_state, p, state_target(engine, group, p), copy=True
-                    )
+                    target = state_target(owner[id(group)], group, p)
+                    new_state[p] = convert_param_state(saved_param_state, p, target, copy=True)
         except BaseException:
-            _restore_groups(self.engine.param_groups, saved_groups)
+            _restore_groups(live_groups, saved_groups)
             raise
         # Commit: nothing below allocates.
-        for saved, live in zip(groups, engine.param_groups):
+        for saved, live in zip(groups, live_groups):
             for name, value in saved.items():
                 if name != "params" and name not in ENGINE_KEYS and name not in _LADDER_KEYS:
                     live[name] = value
-        engine.state.clear()
-        engine.state.update(new_state)
+        self.state.clear()
+        self.state.update(new_state)
         if move_to is not None:
             reason = f"the checkpoint had escalated to {move_to}"
             self._switch(engine, move_to, reason, "checkpoint")
-        else:
-            self._attach(engine)
 
     def __repr__(self) -> str:
         fused = "fused" if self.decision.fused else "not fused"
         engine = type(self.engine).__name__
-        return f"{type(self).__name__}(rung={self.rung!r}, {fused}, engine={engine})"
+        pinned = "".join(
+            f", pinned {rung}: {type(e).__name__} ({len(e.param_groups)} groups)"
+            for rung, e in self._pinned.items()
+        )
+        return f"{type(self).__name__}(rung={self.rung!r}, {fused}, engine={engine}{pinned})"
 
 
 def _move_refused(decision: Decision, rung: Rung) -> str | None:
@@ -529,6 +640,14 @@ def _move_refused(decision: Decision, rung: Rung) -> str | None:
         return f"the {decision.rung} rung is pinned by {source}"
     allowed, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
     return None if allowed[rung] else excluded[rung]
+
+
+def _mark_pinned(groups: list[dict[str, Any]], rung: Rung) -> None:
+    """Record in each group that it pins ``rung`` (the form :func:`group_pin` reads)."""
+    for group in groups:
+        group[RUNG_KEY] = rung
+        group[ORIGIN_KEY] = GROUP_PIN_ORIGIN
+        group[REASON_KEY] = _PIN_REASON
 
 
 def _restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:

@@ -1,0 +1,388 @@
+"""Param groups that pin their own rung (``{"params": ..., "rung": "fp32"}``): footprint,
+decision, stepping, escalation, checkpoints, growth and errors."""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+
+import pytest
+import torch
+
+from memtools import FailNthAllocation
+from optladder import OptimizerOutOfMemoryError, choose_optimizer, measure_footprint
+from optladder.optimizers import LadderAdamW
+from optladder.optimizers.state import measure_state_bytes
+from optladder.rungs import group_pin
+
+# emb: 100 x 64 = 6,400 elements; proj: 64 x 64 weight (4,096) + 64 bias.
+EMB, W, B = 6_400, 4_096, 64
+QMAP = 2 * 256 * 4  # bitsandbytes' two float32 code books, per engine and device
+# Hand-computed state bytes (moments only): fp32 8 B/elem, bf16 4 B/elem, 8bit 2 B/elem
+# plus two float32 absmax per 256-element block, float32 moments under 4,096 elements.
+FOLLOW = {"fp32": (W + B) * 8, "bf16": (W + B) * 4, "8bit": 2 * W + 2 * 4 * 16 + B * 8 + QMAP}
+PINNED = {"fp32": EMB * 8, "bf16": EMB * 4, "8bit": 2 * EMB + 2 * 4 * 25 + QMAP}
+
+
+def _model(seed: int = 0) -> torch.nn.ModuleDict:
+    torch.manual_seed(seed)
+    return torch.nn.ModuleDict(
+        {"emb": torch.nn.Embedding(100, 64), "proj": torch.nn.Linear(64, 64)}
+    )
+
+
+def _groups(model: torch.nn.ModuleDict, pin: str = "fp32") -> list[dict]:
+    return [
+        {"params": [model.emb.weight], "rung": pin, "lr": 2e-3},
+        {"params": list(model.proj.parameters())},
+    ]
+
+
+def _set_grads(params: list[torch.Tensor], seed: int, scale: float = 1.0) -> None:
+    gen = torch.Generator().manual_seed(100 + seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * scale
+
+
+def _params(model: torch.nn.ModuleDict) -> list[torch.Tensor]:
+    return [model.emb.weight, *model.proj.parameters()]
+
+
+def _torch_adamw_emb(steps: int, lr: float = 2e-3) -> torch.Tensor:
+    """The embedding after ``steps`` steps of torch's fused AdamW on the same grads."""
+    model = _model()
+    ref = torch.optim.AdamW([model.emb.weight], lr=lr, weight_decay=1e-2, fused=True)
+    for s in range(steps):
+        _set_grads(_params(model), s)
+        ref.step()
+    return model.emb.weight.detach()
+
+
+def _snapshot(opt) -> tuple[list[torch.Tensor], dict]:  # type: ignore[no-untyped-def]
+    params = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    return params, copy.deepcopy(opt.state_dict())
+
+
+def _assert_same(a, b) -> None:  # type: ignore[no-untyped-def]
+    for x, y in zip(a[0], b[0]):
+        assert torch.equal(x, y)
+    assert a[1]["param_groups"] == b[1]["param_groups"]
+    assert a[1]["state"].keys() == b[1]["state"].keys()
+    for k, st in a[1]["state"].items():
+        assert st.keys() == b[1]["state"][k].keys()
+        for name, v in st.items():
+            w = b[1]["state"][k][name]
+            assert (torch.equal(v, w) and v.dtype == w.dtype) if torch.is_tensor(v) else v == w
+
+
+def test_group_pin_reads_user_pins_and_ignores_the_ladders_marks() -> None:
+    assert group_pin({"params": [], "rung": " BF16 "}, "g") == "bf16"
+    assert group_pin({"params": [], "rung": "8bit", "rung_origin": "group"}, "g") == "8bit"
+    # a group that follows the decision records its rung; that pins nothing
+    assert group_pin({"params": [], "rung": "bf16", "rung_origin": "escalated"}, "g") is None
+    assert group_pin({"params": []}, "g") is None
+    with pytest.raises(ValueError, match=r"g\['rung'\]='fp16' is not a rung; accepted"):
+        group_pin({"params": [], "rung": "fp16"}, "g")
+
+
+@pytest.mark.parametrize("pin", ["fp32", "bf16", "8bit"])
+def test_footprint_counts_a_pinned_group_on_its_rung(pin: str) -> None:
+    fp = measure_footprint(_groups(_model(), pin))
+    assert fp.state_bytes == {r: FOLLOW[r] + PINNED[pin] for r in FOLLOW}
+    assert fp.pinned_params == EMB and fp.pinned_state_bytes == PINNED[pin]
+    assert fp.trainable_params == EMB + W + B
+    # without the pin the embedding moves with the rest
+    plain = measure_footprint([{"params": [_model().emb.weight]}, _groups(_model())[1]])
+    assert plain.pinned_params == 0
+    assert plain.state_bytes["bf16"] == (EMB + W + B) * 4
+
+
+@pytest.mark.parametrize("pin", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+def test_measured_state_equals_the_estimate(pin: str, rung: str) -> None:
+    model = _model()
+    opt = choose_optimizer(_groups(model, pin), rung=rung, free_memory="1GiB")
+    assert opt.decision.state_bytes[rung] == FOLLOW[rung] + PINNED[pin]
+    _set_grads(_params(model), 0)
+    opt.step()
+    assert measure_state_bytes(opt) == opt.decision.state_bytes[rung]
+    assert opt.state[model.emb.weight] is opt.pinned_engines[pin].state[model.emb.weight]
+
+
+def test_a_pinned_group_runs_its_rung_and_the_rest_runs_the_decision() -> None:
+    model = _model()
+    opt = choose_optimizer(_groups(model, "fp32"), rung="bf16", free_memory="1GiB")
+    ref_model = _model()
+    ref = choose_optimizer(list(ref_model.proj.parameters()), rung="bf16", free_memory="1GiB")
+    for s in range(3):
+        _set_grads(_params(model), s)
+        _set_grads(_params(ref_model), s)
+        opt.step()
+        ref.step()
+    # the pinned embedding followed torch's fused AdamW (fp32 moments) bit for bit
+    assert torch.equal(model.emb.weight, _torch_adamw_emb(3))
+    assert opt.state[model.emb.weight]["exp_avg"].dtype == torch.float32
+    assert type(opt.pinned_engines["fp32"]) is torch.optim.AdamW
+    # the rest ran the bf16 rung exactly as an optimizer over those params alone
+    assert isinstance(opt.engine, LadderAdamW)
+    for p, r in zip(model.proj.parameters(), ref_model.proj.parameters()):
+        assert torch.equal(p, r)
+        assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
+    assert [g["rung"] for g in opt.param_groups] == ["fp32", "bf16"]
+    assert [g["rung_origin"] for g in opt.param_groups] == ["group", "pinned"]
+    assert opt.param_groups[0]["lr"] == 2e-3
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scheduler.step()  # reaches the pinned engine's group: the dicts are shared
+    assert opt.pinned_engines["fp32"].param_groups[0]["lr"] == 1e-3
+    assert opt.engine.param_groups[0]["lr"] == 5e-4
+    assert "pinned fp32: AdamW (1 groups)" in repr(opt)
+    assert "in groups that pin their rung" in opt.decision.summary()
+
+
+def test_an_oom_escalates_only_the_groups_that_follow_the_decision() -> None:
+    model = _model()
+    opt = choose_optimizer(_groups(model, "fp32"), free_memory="1GiB")
+    assert opt.rung == "fp32" and opt.decision.origin == "policy"
+    _set_grads(_params(model), 0)
+    with FailNthAllocation(1):  # the first state tensor of the step
+        opt.step()
+    assert [(e.from_rung, e.to_rung) for e in opt.escalations] == [("fp32", "bf16")]
+    assert torch.equal(model.emb.weight, _torch_adamw_emb(1))  # one step, fp32 moments
+    assert opt.state[model.emb.weight]["exp_avg"].dtype == torch.float32
+    assert opt.state[model.proj.weight]["exp_avg"].dtype == torch.bfloat16
+    assert [(g["rung"], g["rung_origin"]) for g in opt.param_groups] == [
+        ("fp32", "group"),
+        ("bf16", "escalated"),
+    ]
+    opt.escalate("test")
+    assert opt.rung == "8bit" and "state1" in opt.state[model.proj.weight]
+    assert opt.state[model.emb.weight]["exp_avg"].dtype == torch.float32
+    for s in (1, 2):
+        _set_grads(_params(model), s)
+        opt.step()
+    assert torch.equal(model.emb.weight, _torch_adamw_emb(3))
+    with pytest.raises(OptimizerOutOfMemoryError, match="8bit is the last rung"):
+        opt.escalate("again")  # the pinned fp32 group is not a rung to move to
+
+
+def _pinned_everywhere(model: torch.nn.ModuleDict):  # type: ignore[no-untyped-def]
+    # the rest pinned run-wide too, so an OOM is re-raised instead of escalated
+    return choose_optimizer(_groups(model, "8bit"), rung="bf16", free_memory="1GiB")
+
+
+@pytest.mark.parametrize("steps_before", [0, 1])
+def test_an_oom_at_any_allocation_of_any_engine_changes_nothing(steps_before: int) -> None:
+    """Fail the k-th allocation of a step over two engines (bf16 first, then the pinned
+    8bit one) for every k; a clean step afterwards equals an unfailed run bit for bit."""
+    clean_model = _model()
+    clean = _pinned_everywhere(clean_model)
+    for s in range(steps_before):
+        _set_grads(_params(clean_model), s)
+        clean.step()
+    _set_grads(_params(clean_model), steps_before)
+    with FailNthAllocation() as counter:
+        clean.step()
+    expected = _snapshot(clean)
+    if steps_before:
+        assert counter.count == 0  # nothing left to allocate once state exists
+        return
+    assert counter.count >= 6  # moments of 3 params in 2 engines, absmax, step tensors
+    for k in range(1, counter.count + 1):
+        model = _model()
+        opt = _pinned_everywhere(model)
+        _set_grads(_params(model), 0)
+        before = _snapshot(opt)
+        with pytest.raises(OptimizerOutOfMemoryError, match="pinned"), FailNthAllocation(k):
+            opt.step()
+        _assert_same(_snapshot(opt), before)
+        opt.step()
+        _assert_same(_snapshot(opt), expected)
+
+
+def test_checkpoint_keeps_pins_and_moves_the_rest_to_the_escalated_rung() -> None:
+    model = _model()
+    opt = choose_optimizer(_groups(model, "fp32"), free_memory="1GiB")
+    opt.escalate("test")
+    for s in range(2):
+        _set_grads(_params(model), s)
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    assert [g["params"] for g in saved["param_groups"]] == [[0], [1, 2]]  # the user's order
+    assert [(g["rung"], g["rung_origin"]) for g in saved["param_groups"]] == [
+        ("fp32", "group"),
+        ("bf16", "escalated"),
+    ]
+    resumed_model = _model()
+    resumed_model.load_state_dict(model.state_dict())
+    resumed = choose_optimizer(_groups(resumed_model, "fp32"), free_memory="1GiB")
+    assert resumed.rung == "fp32"
+    resumed.load_state_dict(saved)
+    assert resumed.rung == "bf16" and resumed.decision.origin == "checkpoint"
+    assert resumed.pinned_engines.keys() == {"fp32"}
+    resumed_params, resumed_sd = _snapshot(resumed)
+    for g in resumed_sd["param_groups"][1:]:  # how the rung was reached differs, only
+        g.update(rung_origin="escalated", rung_reason="test: moved to bf16")
+    _assert_same((resumed_params, resumed_sd), _snapshot(opt))
+    for s in (2, 3):
+        _set_grads(_params(model), s)
+        _set_grads(_params(resumed_model), s)
+        opt.step()
+        resumed.step()
+    for p, q in zip(_params(model), _params(resumed_model)):
+        assert torch.equal(p, q)
+
+
+def test_a_plain_torch_checkpoint_loads_into_pinned_groups() -> None:
+    ref_model = _model()
+    ref_groups = [{k: v for k, v in g.items() if k != "rung"} for g in _groups(ref_model)]
+    ref = torch.optim.AdamW(ref_groups, weight_decay=1e-2, fused=True)
+    for s in range(2):
+        _set_grads(_params(ref_model), s)
+        ref.step()
+    model = _model()
+    model.load_state_dict(ref_model.state_dict())
+    opt = choose_optimizer(_groups(model, "8bit"), rung="fp32", free_memory="1GiB")
+    opt.load_state_dict(ref.state_dict())
+    # the follow-the-decision group on fp32 takes the moments as they were
+    for p, r in zip(model.proj.parameters(), ref_model.proj.parameters()):
+        assert torch.equal(opt.state[p]["exp_avg"], ref.state[r]["exp_avg"])
+        assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[r]["exp_avg_sq"])
+    # the pinned embedding keeps its 8bit rung: its moments are quantized into it
+    st = opt.state[model.emb.weight]
+    assert st["state1"].dtype == torch.uint8 and st["absmax1"].numel() == 25
+    assert opt.param_groups[0]["rung"] == "8bit" and opt.param_groups[0]["lr"] == 2e-3
+
+
+def test_add_param_group_with_a_pin_builds_or_joins_that_rungs_engine() -> None:
+    model = _model()
+    extra = torch.nn.Parameter(torch.randn(64, 80))  # 5,120 elements: quantized on 8bit
+    opt = choose_optimizer(list(model.proj.parameters()), free_memory="1GiB")
+    assert opt.rung == "fp32" and not opt.pinned_engines
+    before = dict(opt.decision.state_bytes)
+    opt.add_param_group({"params": [model.emb.weight], "rung": "8bit", "lr": 5e-4})
+    assert opt.decision.state_bytes == {r: before[r] + PINNED["8bit"] for r in before}
+    assert opt.decision.footprint.pinned_params == EMB
+    opt.add_param_group({"params": [extra], "rung": "8bit"})
+    grown = 2 * 5_120 + 2 * 4 * 20  # the same engine: no second pair of code books
+    assert opt.decision.state_bytes["fp32"] == before["fp32"] + PINNED["8bit"] + grown
+    assert len(opt.pinned_engines["8bit"].param_groups) == 2
+    assert [g["rung_origin"] for g in opt.param_groups] == ["policy", "group", "group"]
+    params = [*model.proj.parameters(), model.emb.weight, extra]
+    _set_grads(params, 0)
+    opt.step()
+    assert measure_state_bytes(opt) == opt.decision.state_bytes["fp32"]
+    opt.escalate("test")
+    assert opt.rung == "bf16" and "state1" in opt.state[extra]
+    _set_grads(params, 1)
+    opt.step()
+    assert measure_state_bytes(opt) == opt.decision.state_bytes["bf16"]
+
+
+def test_grad_scaler_unscales_the_pinned_groups_too() -> None:
+    model, ref_model = _model(), _model()
+    opt = choose_optimizer(_groups(model, "fp32"), rung="bf16", free_memory="1GiB")
+    ref = choose_optimizer(_groups(ref_model, "fp32"), rung="bf16", free_memory="1GiB")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    assert scaler.scale(torch.ones(())).item() == 2.0**10
+    _set_grads(_params(model), 0, scale=2.0**10)  # as scaler.scale(loss).backward() would
+    _set_grads(_params(ref_model), 0)
+    scaler.step(opt)
+    scaler.update()
+    ref.step()
+    assert not opt.last_step_skipped
+    for p, q in zip(_params(model), _params(ref_model)):
+        assert torch.equal(p, q)  # unscaling by a power of two is exact
+    before = _snapshot(opt)
+    _set_grads(_params(model), 1)
+    model.emb.weight.grad[0, 0] = float("inf")  # an overflow in the pinned group
+    scaler.scale(torch.ones(()))
+    scaler.step(opt)
+    assert opt.last_step_skipped
+    _assert_same(_snapshot(opt), before)
+
+
+def test_unfused_pinned_rung_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    model = _model()
+    with caplog.at_level(logging.WARNING, logger="optladder"):
+        opt = choose_optimizer(_groups(model, "8bit"), rung="fp32", free_memory="1GiB")
+        for s in range(3):
+            _set_grads(_params(model), s)
+            opt.step()
+    lines = [
+        r.getMessage() for r in caplog.records if "8bit rung not on the fused" in r.getMessage()
+    ]
+    assert len(lines) == 1, lines
+
+
+@pytest.mark.parametrize(
+    ("groups", "kwargs", "match"),
+    [
+        (
+            lambda m: [{"params": [m.emb.weight], "rung": "fp16"}, {"params": [m.proj.weight]}],
+            {},
+            r"param group 0\['rung'\]='fp16' is not a rung; accepted values: fp32, bf16, 8bit",
+        ),
+        (
+            lambda m: [{"params": [m.emb.weight], "rung": "fp32"}],
+            {},
+            "every param group pins its rung",
+        ),
+        (
+            lambda m: _groups(m, "8bit"),
+            {"environ": {"OPTLADDER_8BIT_ADAM": "0"}},
+            "param group 0 pins the 8bit rung, which cannot be used: 8bit is disabled by "
+            "OPTLADDER_8BIT_ADAM=0",
+        ),
+        (
+            lambda m: [
+                {
+                    "params": [torch.nn.Parameter(torch.randn(8, dtype=torch.complex64))],
+                    "rung": "bf16",
+                },
+                {"params": [m.proj.weight]},
+            ],
+            {},
+            "complex",
+        ),
+    ],
+)
+def test_bad_pins_are_refused(groups, kwargs, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=match):
+        choose_optimizer(groups(_model()), free_memory="1GiB", **kwargs)
+
+
+def test_add_param_group_refuses_a_disabled_pin_and_changes_nothing() -> None:
+    model = _model()
+    env = {"OPTLADDER_8BIT_ADAM": "0"}
+    opt = choose_optimizer(list(model.proj.parameters()), free_memory="1GiB", environ=env)
+    decision = opt.decision
+    with pytest.raises(ValueError, match="param group 1 pins the 8bit rung"):
+        opt.add_param_group({"params": [model.emb.weight], "rung": "8bit"})
+    with pytest.raises(ValueError, match=r"param group 1\['rung'\]=3 is not a rung"):
+        opt.add_param_group({"params": [model.emb.weight], "rung": 3})
+    assert len(opt.param_groups) == 1 and not opt.pinned_engines
+    assert opt.decision is decision
+
+
+def test_complex_params_in_a_pinned_fp32_group_leave_the_rest_free_to_move() -> None:
+    model = _model()
+    z = torch.nn.Parameter(torch.randn(16, dtype=torch.complex64))
+    groups = [{"params": [z], "rung": "fp32"}, {"params": list(model.proj.parameters())}]
+    opt = choose_optimizer(groups, rung="8bit", free_memory="1GiB")
+    assert not opt.decision.footprint.has_complex  # the params that follow are real
+    pinned = opt.pinned_engines["fp32"]
+    assert not pinned.defaults["fused"]  # torch's fused AdamW has no complex kernel
+    ref_z = torch.nn.Parameter(z.detach().clone())
+    ref = torch.optim.AdamW([ref_z], weight_decay=1e-2, foreach=True)
+    for s in range(2):
+        _set_grads(list(model.proj.parameters()), s)
+        z.grad = torch.full_like(z, 0.5 - 1j * s)
+        ref_z.grad = z.grad.clone()
+        opt.step()
+        ref.step()
+    assert torch.equal(z, ref_z)
+    assert "state1" in opt.state[model.proj.weight]
