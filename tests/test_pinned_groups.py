@@ -133,6 +133,7 @@ def test_a_pinned_group_runs_its_rung_and_the_rest_runs_the_decision() -> None:
     assert [g["rung_origin"] for g in opt.param_groups] == ["group", "pinned"]
     assert opt.param_groups[0]["lr"] == 2e-3
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.step()
     scheduler.step()  # reaches the pinned engine's group: the dicts are shared
     assert opt.pinned_engines["fp32"].param_groups[0]["lr"] == 1e-3
     assert opt.engine.param_groups[0]["lr"] == 5e-4
