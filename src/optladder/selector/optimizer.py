@@ -209,7 +209,7 @@ class LadderOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ plumbing
     def _engines(self, engine: torch.optim.Optimizer | None = None) -> list[torch.optim.Optimizer]:
         """The engine of the groups that follow the decision, then the pinned engines."""
-        return [engine or self.engine, *self._pinned.values()]
+        return [self.engine if engine is None else engine, *self._pinned.values()]
 
     def _share_state(self, engine: torch.optim.Optimizer) -> None:
         """Move ``engine``'s state into this optimizer's ``state`` dict and make that its
