@@ -58,13 +58,13 @@ def _oom_in_optimizer_step(monkeypatch: pytest.MonkeyPatch, at_call: int) -> lis
     real = ladder_optimizer.prepare_step
     calls: list[int] = []
 
-    def prepare(engine: torch.optim.Optimizer) -> list[torch.Tensor]:
+    def prepare(engine: torch.optim.Optimizer, *args: Any) -> list[torch.Tensor]:
         calls.append(1)
         if len(calls) == at_call:
             with FailNthAllocation(1):
-                real(engine)
+                real(engine, *args)
             raise torch.OutOfMemoryError(f"injected: optimizer step, prepare call {at_call}")
-        return real(engine)
+        return real(engine, *args)
 
     monkeypatch.setattr(ladder_optimizer, "prepare_step", prepare)
     return calls

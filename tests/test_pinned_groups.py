@@ -330,7 +330,37 @@ def test_unfused_pinned_rung_warns_once(caplog: pytest.LogCaptureFixture) -> Non
         (
             lambda m: [{"params": [m.emb.weight], "rung": "fp32"}],
             {},
-            "every param group pins its rung",
+            "every trainable param is in a param group that pins its rung",
+        ),
+        (  # the unpinned group holds no trainable param: nothing follows the decision
+            lambda m: [
+                {"params": [m.emb.weight], "rung": "fp32"},
+                {"params": [torch.nn.Parameter(torch.ones(3), requires_grad=False)]},
+            ],
+            {},
+            "every trainable param is in a param group that pins its rung",
+        ),
+        (
+            lambda m: [
+                {"params": [m.proj.weight]},
+                {"params": [m.emb.weight], "rung": "8bit", "rung_origin": "user"},
+            ],
+            {},
+            r"param group 1\['rung_origin'\]='user' is not an origin; accepted values: policy, "
+            "forced, pinned, escalated, checkpoint, group",
+        ),
+        (  # named by the group's place in the user's list, not in its engine
+            lambda m: [
+                {"params": [m.proj.weight]},
+                {"params": [m.emb.weight], "rung": "8bit"},
+                {
+                    "params": [torch.nn.Parameter(torch.ones(3, dtype=torch.float64))],
+                    "rung": "8bit",
+                },
+            ],
+            {},
+            r"param group 2 pins 8bit: param 0 of group 2 has dtype torch.float64; the 8bit rung "
+            "takes float32, bfloat16 or float16",
         ),
         (
             lambda m: _groups(m, "8bit"),
@@ -387,3 +417,122 @@ def test_complex_params_in_a_pinned_fp32_group_leave_the_rest_free_to_move() -> 
         ref.step()
     assert torch.equal(z, ref_z)
     assert "state1" in opt.state[model.proj.weight]
+
+
+def test_resuming_moves_to_the_escalated_rung_whatever_the_groups_pin() -> None:
+    model = _model()
+    opt = choose_optimizer(_groups(model, "fp32"), free_memory="1GiB")
+    opt.escalate("test")
+    opt.escalate("test")
+    saved = opt.state_dict()
+    # the same params, no pin: the checkpoint's decided groups had reached 8bit
+    plain = choose_optimizer(
+        [{"params": _groups(_model())[0]["params"]}, _groups(_model())[1]],
+        free_memory="1GiB",
+    )
+    plain.load_state_dict(saved)
+    assert plain.rung == "8bit" and plain.decision.origin == "checkpoint"
+    # pins swapped: the checkpoint's group 1 is pinned, its group 0 had reached bf16
+    other = _model()
+    swapped = choose_optimizer(
+        [{"params": [other.emb.weight]}, {"params": list(other.proj.parameters()), "rung": "fp32"}],
+        free_memory="1GiB",
+    )
+    swapped.escalate("test")
+    live = choose_optimizer(_groups(_model(), "fp32"), free_memory="1GiB")
+    live.load_state_dict(swapped.state_dict())
+    assert live.rung == "bf16"
+
+
+def test_each_engine_is_fused_for_its_own_params() -> None:
+    model = _model()
+    low = torch.nn.Parameter(torch.randn(5_000).to(torch.bfloat16))
+    # a bfloat16 param pinned to 8bit leaves the float32 params on torch's fused AdamW
+    opt = choose_optimizer(
+        [{"params": [low], "rung": "8bit"}, {"params": list(model.proj.parameters())}],
+        rung="fp32",
+        free_memory="1GiB",
+    )
+    assert opt.decision.fused and opt.engine.defaults["fused"]
+    assert opt.decision.footprint.dtypes == ("float32",)
+    # bfloat16 params that follow the decision leave a pinned float32 group fused
+    mixed = choose_optimizer(
+        [{"params": [model.emb.weight], "rung": "fp32"}, {"params": [low]}],
+        rung="fp32",
+        free_memory="1GiB",
+    )
+    assert not mixed.decision.fused  # bf16 params: optladder's eager AdamW, fp32 moments
+    assert mixed.pinned_engines["fp32"].defaults["fused"]
+    for s in range(3):
+        _set_grads([model.emb.weight], s)
+        low.grad = torch.ones_like(low)
+        mixed.step()
+    assert torch.equal(model.emb.weight, _torch_adamw_emb(3, lr=1e-3))
+
+
+def test_add_param_group_takes_what_choose_optimizer_takes() -> None:
+    model = _model()
+    z = torch.nn.Parameter(torch.randn(16, dtype=torch.complex64))
+    opt = choose_optimizer(list(model.proj.parameters()), free_memory="1GiB")
+    opt.add_param_group({"params": [z], "rung": "fp32"})  # its own engine: foreach, not fused
+    assert not opt.pinned_engines["fp32"].defaults["fused"]
+    z.grad = torch.ones_like(z)
+    _set_grads(list(model.proj.parameters()), 0)
+    opt.step()
+    assert opt.state[z]["exp_avg"].dtype == torch.complex64
+
+
+def test_step_errors_name_the_users_group_and_change_nothing() -> None:
+    model = _model()
+    opt = choose_optimizer(_groups(model, "8bit"), rung="bf16", free_memory="1GiB")
+    _set_grads(_params(model), 0)
+    opt.step()
+    before = _snapshot(opt)
+    _set_grads(_params(model), 1)
+    model.emb.weight.grad = model.emb.weight.grad.to_sparse()
+    with pytest.raises(ValueError, match="param 0 of group 0 has a sparse grad"):
+        opt.step()
+    _set_grads(_params(model), 1)
+    model.proj.bias.grad_dtype = None  # torch >= 2.9 refuses such a grad otherwise
+    model.proj.bias.grad = model.proj.bias.grad.double()
+    with pytest.raises(ValueError, match=r"param 1 of group 1 has a torch.float64 grad"):
+        opt.step()
+    _assert_same(_snapshot(opt), before)
+
+
+def test_the_optimizer_refuses_to_be_copied() -> None:
+    opt = choose_optimizer(_groups(_model()), free_memory="1GiB")
+    with pytest.raises(TypeError, match=r"cannot be pickled or deep-copied; save opt.state_dict"):
+        copy.deepcopy(opt)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda sd: sd["state"][1].update(step=float("inf")), r"param 1: 'step' must be a finite"),
+        (lambda sd: sd["state"][1].update(step=torch.tensor(float("nan"))), "param 1: 'step'"),
+        (
+            lambda sd: sd["state"][1].update(exp_avg=torch.zeros(64, 64, device="meta")),
+            "param 1: exp_avg is on the meta device",
+        ),
+        (
+            lambda sd: sd.update(state={str(k): v for k, v in sd["state"].items()}),
+            r"entries for no param of its param groups: \[\"'0'\", \"'1'\", \"'2'\"\]",
+        ),
+        (
+            lambda sd: sd["param_groups"][0].update(rung="zzz"),
+            r"param group 0 of the state_dict: its\['rung'\]='zzz' is not a rung",
+        ),
+    ],
+)
+def test_malformed_checkpoints_are_refused_and_change_nothing(edit, match: str) -> None:  # type: ignore[no-untyped-def]
+    model = _model()
+    opt = choose_optimizer(_groups(model, "8bit"), rung="bf16", free_memory="1GiB")
+    _set_grads(_params(model), 0)
+    opt.step()
+    before = _snapshot(opt)
+    saved = copy.deepcopy(opt.state_dict())
+    edit(saved)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(saved)
+    _assert_same(_snapshot(opt), before)

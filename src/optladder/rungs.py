@@ -7,7 +7,7 @@ neither.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -88,6 +88,12 @@ GROUP_PIN_ORIGIN = "group"
 """``ORIGIN_KEY`` of a group that pins its own rung."""
 
 
+Origin = Literal["policy", "forced", "pinned", "escalated", "checkpoint"]
+"""How a decision's rung was reached (``Decision.origin``)."""
+GROUP_ORIGINS: tuple[str, ...] = (*get_args(Origin), GROUP_PIN_ORIGIN)
+"""The values ``ORIGIN_KEY`` may hold in a param group."""
+
+
 def group_pin(group: Mapping[str, Any], where: str) -> Rung | None:
     """The rung a param group pins, or None when it follows the decision.
 
@@ -103,8 +109,16 @@ def group_pin(group: Mapping[str, Any], where: str) -> Rung | None:
         where: names the group in messages, e.g. ``"param group 2"``.
 
     Raises:
-        ValueError: if the pinned value is not a rung (case-insensitive).
+        ValueError: if ``"rung"`` is not a rung (case-insensitive) or ``"rung_origin"``
+            is not one of :data:`GROUP_ORIGINS` (None counts as absent).
     """
-    if RUNG_KEY not in group or group.get(ORIGIN_KEY, GROUP_PIN_ORIGIN) != GROUP_PIN_ORIGIN:
+    origin = group.get(ORIGIN_KEY)
+    if origin is not None and origin not in GROUP_ORIGINS:
+        raise ValueError(
+            f"{where}['{ORIGIN_KEY}']={origin!r} is not an origin; accepted values: "
+            f"{', '.join(GROUP_ORIGINS)} (leave it out to pin the group's '{RUNG_KEY}')"
+        )
+    if RUNG_KEY not in group:
         return None
-    return parse_rung(group[RUNG_KEY], f"{where}['{RUNG_KEY}']")
+    rung = parse_rung(group[RUNG_KEY], f"{where}['{RUNG_KEY}']")
+    return rung if origin in (None, GROUP_PIN_ORIGIN) else None

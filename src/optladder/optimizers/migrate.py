@@ -24,6 +24,7 @@ is quantized follows the param's global element count. No conversion communicate
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -347,13 +348,20 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
         raise ValueError(
             f"{where}: the state holds max_exp_avg_sq (amsgrad), which no optladder rung keeps"
         )
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor) and t.device.type == "meta":
+            raise ValueError(f"{where}: {name} is on the meta device, so it holds no values")
     step = state.get("step")
+    value: float | None = None
     if isinstance(step, torch.Tensor):
-        ok_step = step.numel() == 1 and not step.is_complex()
-    else:
-        ok_step = isinstance(step, int | float) and not isinstance(step, bool)
-    if not ok_step or read_step(state) < 0:
-        raise ValueError(f"{where}: 'step' must be a number >= 0 (or a 0-d tensor), got {step!r}")
+        if step.numel() == 1 and not step.is_complex():
+            value = float(step.item())
+    elif isinstance(step, int | float) and not isinstance(step, bool):
+        value = float(step)
+    if value is None or not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"{where}: 'step' must be a finite number >= 0 (or a 0-d tensor), got {step!r}"
+        )
     bnb = "state1" in state
     names = ("state1", "state2") if bnb else ("exp_avg", "exp_avg_sq")
     for name in names:

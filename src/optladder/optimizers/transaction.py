@@ -17,6 +17,7 @@ each engine allocates nothing that the dispatcher sees:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -43,32 +44,42 @@ def _torch_adam_init(group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     return state
 
 
-def check_step_inputs(engine: torch.optim.Optimizer) -> None:
+def check_step_inputs(
+    engine: torch.optim.Optimizer, group_names: Mapping[int, str] | None = None
+) -> None:
     """Refuse, before anything is allocated or written, what would fail half-way:
-    out-of-range group hyperparameters, sparse grads, grads of another shape or device,
-    and (for torch's fused AdamW) grads laid out unlike their param, which its CPU kernel
-    silently mis-updates.
+    out-of-range group hyperparameters, sparse grads, grads of another shape, dtype or
+    device, and (for torch's fused AdamW) grads laid out unlike their param, which its
+    CPU kernel silently mis-updates.
+
+    Args:
+        engine: the rung's optimizer.
+        group_names: ``id(group) -> name`` for messages, e.g. ``"group 3"`` (the group's
+            place among all of an optladder optimizer's groups); default ``"group {i}"``
+            with ``i`` its place in ``engine.param_groups``.
 
     Raises:
         ValueError: naming the group or param, what was found and what is allowed.
     """
     fused = not isinstance(engine, LadderAdamW) and not is_bnb_engine(engine)
+    names = group_names or {}
     for gi, group in enumerate(engine.param_groups):
+        name = names.get(id(group), f"group {gi}")
         try:
             validate_group_hyperparams(group)
         except ValueError as exc:
-            raise ValueError(f"param group {gi}: {exc}") from None
+            raise ValueError(f"param {name}: {exc}") from None
         for pi, p in enumerate(group["params"]):
             g = p.grad
             if g is None:
                 continue
-            where = f"param {pi} of group {gi}"
+            where = f"param {pi} of {name}"
             if g.is_sparse:
                 raise ValueError(f"{where} has a sparse grad; optladder's rungs need dense grads")
-            if g.shape != p.shape or g.device != p.device:
+            if g.shape != p.shape or g.device != p.device or g.dtype != p.dtype:
                 raise ValueError(
-                    f"{where} has a grad of shape {tuple(g.shape)} on {g.device}; the param has "
-                    f"shape {tuple(p.shape)} on {p.device}"
+                    f"{where} has a {g.dtype} grad of shape {tuple(g.shape)} on {g.device}; "
+                    f"the param is {p.dtype} of shape {tuple(p.shape)} on {p.device}"
                 )
             if fused and group.get("fused") and g.stride() != p.stride():
                 raise ValueError(
@@ -78,11 +89,14 @@ def check_step_inputs(engine: torch.optim.Optimizer) -> None:
                 )
 
 
-def prepare_step(engine: torch.optim.Optimizer) -> list[torch.Tensor]:
+def prepare_step(
+    engine: torch.optim.Optimizer, group_names: Mapping[int, str] | None = None
+) -> list[torch.Tensor]:
     """Allocate the state the engine's next step needs, before anything is written.
 
     Args:
         engine: the rung's optimizer.
+        group_names: names of its groups in messages (see :func:`check_step_inputs`).
 
     Returns:
         The params whose state this call created (for :func:`rollback_step`).
@@ -92,7 +106,7 @@ def prepare_step(engine: torch.optim.Optimizer) -> list[torch.Tensor]:
         Whatever the allocation raised (an OOM); the state created so far is dropped
         first, so the engine is as it was.
     """
-    check_step_inputs(engine)
+    check_step_inputs(engine, group_names)
     created: list[torch.Tensor] = []
     try:
         if isinstance(engine, LadderAdamW):

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, ConfigDict
 
 from optladder.policies.footprint import Footprint
 from optladder.policies.overrides import Overrides
 from optladder.policies.policy import Policy
-from optladder.rungs import RUNGS, Capabilities, Rung
+from optladder.rungs import RUNGS, Capabilities, Origin, Rung
 from optladder.units import format_bytes
 
 
@@ -36,7 +34,7 @@ class Decision(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     rung: Rung
-    origin: Literal["policy", "forced", "pinned", "escalated", "checkpoint"]
+    origin: Origin
     fits: bool
     reasons: tuple[str, ...]
     state_bytes: dict[Rung, int]

@@ -36,7 +36,9 @@ class Footprint(BaseModel):
         frozen_params: elements of params skipped for ``requires_grad=False``.
         largest_param: elements of the largest trainable param.
         devices: sorted device strings of the trainable params, e.g. ``("cuda:0",)``.
-        dtypes: sorted dtype names, e.g. ``("bfloat16", "float32")``.
+        dtypes: sorted dtype names of the trainable params that follow the decision (in
+            groups that do not pin their rung), e.g. ``("bfloat16", "float32")``; they
+            decide which rungs are fused for them.
         has_complex: whether any trainable param that follows the decision (in a group
             that does not pin its rung) is complex (only the fp32 rung takes complex
             params).
@@ -290,7 +292,7 @@ def measure_footprint(model_or_params: object) -> Footprint:
         frozen_params=frozen,
         largest_param=max(p.numel() for p in params),
         devices=tuple(sorted({str(p.device) for p in params})),
-        dtypes=tuple(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
+        dtypes=tuple(sorted({str(p.dtype).removeprefix("torch.") for p in following})),
         has_complex=any(p.is_complex() for p in following),
         state_bytes={rung: _state_bytes(following, rung) + pinned for rung in RUNGS},
         sharded=any(is_dtensor(p) for p in params),

@@ -90,8 +90,8 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
 
 def check_pins(groups: list[dict[str, Any]], decision: Decision) -> None:
     """Refuse group pins the run cannot honour: a pinned rung the user disabled (``=0``)
-    or the device cannot run, and groups that all pin (then nothing follows the
-    decision; pin the whole optimizer with ``rung=`` instead).
+    or the device cannot run, and pins that leave no trainable param to follow the
+    decision (pin the whole optimizer with ``rung=`` instead).
 
     Args:
         groups: all param groups.
@@ -109,32 +109,53 @@ def check_pins(groups: list[dict[str, Any]], decision: Decision) -> None:
             raise ValueError(
                 f"param group {gi} pins the {pin} rung, which cannot be used: {excluded[pin]}"
             )
-    if pins and all(pin is not None for pin in pins):
+    following = (p for g, pin in zip(groups, pins) if pin is None for p in g["params"])
+    if not any(p.requires_grad for p in following):
         raise ValueError(
-            "every param group pins its rung (param_group['rung']), so none follows the "
-            "decision; leave at least one group unpinned, or pin the whole optimizer with "
-            "rung= / OPTLADDER_RUNG"
+            "every trainable param is in a param group that pins its rung "
+            "(param_group['rung']), so none follows the decision; leave at least one group "
+            "of trainable params unpinned, or pin the whole optimizer with rung= / "
+            "OPTLADDER_RUNG"
         )
 
 
 def check_params_for_rung(
-    params: list[torch.Tensor], rung: Rung, engine: torch.optim.Optimizer
+    params: list[torch.Tensor],
+    rung: Rung,
+    engine: torch.optim.Optimizer | None,
+    group: str = "the new group",
 ) -> None:
-    """Refuse params the current rung's engine cannot step correctly.
+    """Refuse params ``rung``'s engine cannot step correctly.
 
     Complex params run on the fp32 rung only; the 8-bit rung takes float32, bfloat16 and
     float16; torch's AdamW (the fp32 rung of float32 params) would keep bfloat16/float16
-    params' moments in their own dtype and has no fused kernel for complex params.
+    params' moments in their own dtype and has no fused kernel for complex params, and
+    optladder's AdamW (the fp32 rung of bfloat16/float16 params) takes real params only.
+
+    Args:
+        params: the params of one group.
+        rung: the rung they would join.
+        engine: the engine they would join, or None for one to be built for them (the
+            rules that depend on the engine are skipped).
+        group: names the group in messages, e.g. ``"group 2"``.
 
     Raises:
         ValueError: naming the param, its dtype and what is allowed.
     """
     for pi, p in enumerate(params):
-        where = f"param {pi} of the new group ({p.dtype})"
+        where = f"param {pi} of {group} ({p.dtype})"
         if rung == "8bit":
-            check_8bit_param(p, f"param {pi} of the new group")
+            check_8bit_param(p, f"param {pi} of {group}")
         if p.is_complex() and rung != "fp32":
             raise ValueError(f"{where}: the {rung} rung takes real params only")
+        if engine is None:
+            continue
+        if p.is_complex() and isinstance(engine, LadderAdamW):
+            raise ValueError(
+                f"{where}: this fp32 rung runs optladder's AdamW (float32 moments for "
+                "bfloat16/float16 params), which takes real params only; create the optimizer "
+                "with the complex params among its params instead"
+            )
         torch_engine = rung == "fp32" and not isinstance(engine, LadderAdamW)
         if torch_engine and p.dtype in (torch.bfloat16, torch.float16):
             raise ValueError(

@@ -24,7 +24,12 @@ from optladder.policies import (
     trainable_params,
 )
 from optladder.rungs import RUNGS, Rung, group_pin
-from optladder.selector.checks import check_groups, check_max_retries, check_pins
+from optladder.selector.checks import (
+    check_groups,
+    check_max_retries,
+    check_params_for_rung,
+    check_pins,
+)
 from optladder.selector.optimizer import Escalation, LadderOptimizer
 from optladder.units import format_bytes, parse_bytes
 
@@ -168,10 +173,8 @@ def choose_optimizer(
         free, source = parse_bytes(free_memory, "free_memory"), "given as free_memory"
     free, source = _min_over_ranks(free, source, target)
     footprint = _largest_over_ranks(footprint, target)
-    # Over every param, pinned ones too: a complex param anywhere keeps torch's fp32 AdamW
-    # off its fused kernel (footprint.has_complex counts the params that follow only).
-    has_complex = any(p.is_complex() for p in trainable_params(groups))
-    capabilities = probe_capabilities(target, footprint.dtypes, has_complex)
+    # Of the params that follow the decision: each pinned engine probes its own.
+    capabilities = probe_capabilities(target, footprint.dtypes, footprint.has_complex)
     if footprint.sharded:
         capabilities = without_dtensor_unsupported(capabilities)
     decision = _same_on_all_ranks(
@@ -200,20 +203,21 @@ def choose_optimizer(
         "decoupled_weight_decay": decoupled_weight_decay,
     }
 
-    def rebuild(rung: Rung, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        return build_engine(rung, param_groups, fused=capabilities.fused[rung], **hyper)
+    def rebuild(
+        rung: Rung, param_groups: list[dict[str, Any]], fused: bool
+    ) -> torch.optim.Optimizer:
+        return build_engine(rung, param_groups, fused=fused, **hyper)
 
-    pins = [group_pin(g, f"param group {gi}") for gi, g in enumerate(groups)]
-    engine = rebuild(decision.rung, [g for g, pin in zip(groups, pins) if pin is None])
-    pinned = {
-        r: rebuild(r, [g for g, pin in zip(groups, pins) if pin == r]) for r in RUNGS if r in pins
-    }
+    following = [g for gi, g in enumerate(groups) if group_pin(g, f"param group {gi}") is None]
+    for gi, g in enumerate(groups):
+        if any(g is f for f in following):
+            check_params_for_rung(g["params"], decision.rung, None, f"group {gi}")
+    engine = rebuild(decision.rung, following, capabilities.fused[decision.rung])
     logger.info("optladder decision: %s", decision.summary())
     return LadderOptimizer(
         engine,
         decision,
         rebuild,
-        pinned=pinned,
         param_groups=groups,
         max_retries=max_retries,
         on_escalate=on_escalate,

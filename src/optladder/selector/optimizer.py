@@ -11,7 +11,7 @@ commits, so ranks never differ in rung or step count.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 
 from optladder.optimizers.adamw import unscale_grads_, validate_group_hyperparams
 from optladder.optimizers.build import ENGINE_KEYS
+from optladder.optimizers.capabilities import probe_capabilities
 from optladder.optimizers.migrate import (
     check_param_state,
     convert_param_state,
@@ -62,8 +63,9 @@ __all__ = [
 _PIN_REASON = "pinned by its param group"
 _LADDER_KEYS = (RUNG_KEY, ORIGIN_KEY, REASON_KEY)
 
-EngineBuilder = Callable[[Rung, list[dict[str, Any]]], torch.optim.Optimizer]
-"""Builds the engine of a rung over the given param groups."""
+EngineBuilder = Callable[[Rung, list[dict[str, Any]], bool], torch.optim.Optimizer]
+"""``(rung, param_groups, fused)``: builds the engine of a rung over the param groups,
+on the fused kernel when ``fused`` (see :func:`optladder.optimizers.build_engine`)."""
 
 
 class OptimizerOutOfMemoryError(torch.OutOfMemoryError):
@@ -139,17 +141,21 @@ class LadderOptimizer(torch.optim.Optimizer):
         engine: the optimizer of the groups that follow the decision (built by
             :func:`optladder.optimizers.build_engine`).
         decision: the :class:`optladder.Decision` that chose its rung.
-        rebuild: builds another rung's engine over given groups (needed to escalate).
-        pinned: per pinned rung, the engine of the groups that pin it.
-        param_groups: every group dict of the engines, in the user's order (the order of
-            ``param_groups`` and of ``state_dict()``); default ``engine``'s groups, then
-            the pinned engines'.
+        rebuild: builds a rung's engine over given groups (needed to escalate and for
+            pinned groups).
+        param_groups: every param group in the user's order (the order of
+            ``param_groups`` and of ``state_dict()``): ``engine``'s group dicts, and
+            groups that pin their rung, for which engines are built here (fused when
+            :func:`optladder.optimizers.probe_capabilities` finds that rung fused for
+            their params); default ``engine``'s groups.
         max_retries: escalations allowed within one ``step()`` call, ``>= 0``.
         on_escalate: called with each :class:`Escalation`, after the move and before the
             retry.
 
     Raises:
-        ValueError: if ``param_groups`` is not the engines' group dicts, each once.
+        ValueError: if ``param_groups`` lacks a group of ``engine``, or holds a group
+            that neither ``engine`` holds nor pins a rung; a pinned group the rung's
+            engine cannot take (naming the group by its place in ``param_groups``).
 
     Attributes:
         decision: the decision behind the current rung.
@@ -172,14 +178,14 @@ class LadderOptimizer(torch.optim.Optimizer):
         decision: Decision,
         rebuild: EngineBuilder | None = None,
         *,
-        pinned: Mapping[Rung, torch.optim.Optimizer] | None = None,
         param_groups: Sequence[dict[str, Any]] | None = None,
         max_retries: int = 2,
         on_escalate: Callable[[Escalation], None] | None = None,
     ) -> None:
         check_max_retries(max_retries)
         self._engine: torch.optim.Optimizer | None = None
-        self._pinned: dict[Rung, torch.optim.Optimizer] = dict(pinned or {})
+        self._pinned: dict[Rung, torch.optim.Optimizer] = {}
+        self._pinned_misses: dict[Rung, str] = {}  # why a pinned engine is not fused
         self._decision = decision
         self._rebuild = rebuild
         self.max_retries = max_retries
@@ -188,25 +194,61 @@ class LadderOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
         self._steps = 0
         self._warned: set[tuple[Rung, str]] = set()
+        order = list(engine.param_groups if param_groups is None else param_groups)
+        held = {id(g) for g in engine.param_groups}
+        if not held <= {id(g) for g in order}:
+            raise ValueError("param_groups must hold every group dict of the engine")
+        pinned: list[tuple[Rung, int]] = []
+        for gi, group in enumerate(order):
+            if id(group) not in held:
+                pin = group_pin(group, f"param group {gi}")
+                if pin is None:
+                    raise ValueError(
+                        f"param group {gi} is not one of the engine's groups and pins no rung"
+                    )
+                pinned.append((pin, gi))
         self._mark_groups(engine.param_groups, decision)
-        for rung, pinned_engine in self._pinned.items():
-            _mark_pinned(pinned_engine.param_groups, rung)
         super().__init__(engine.param_groups, engine.defaults)
-        owned = [g for e in self._engines(engine) for g in e.param_groups]
-        order = list(owned if param_groups is None else param_groups)
-        if sorted(map(id, order)) != sorted(map(id, owned)):
-            raise ValueError(
-                "param_groups must list each group dict of the engines once (the dicts the "
-                "engines hold, not copies)"
-            )
         self.param_groups = order
         self.state = engine.state
-        for pinned_engine in self._pinned.values():
-            self._share_state(pinned_engine)
         self._attach(engine)
+        for pin, gi in pinned:
+            order[gi] = self._add_pinned(pin, order[gi], gi)
         self._warn_unfused()
 
     # ------------------------------------------------------------------ plumbing
+    def _add_pinned(self, rung: Rung, group: dict[str, Any], gi: int) -> dict[str, Any]:
+        """Put ``group`` (param group ``gi``) on ``rung``'s pinned engine, building the
+        engine when it is the first group to pin ``rung``; returns the engine's dict.
+
+        Raises:
+            ValueError: ``"param group {gi} pins {rung}: ..."`` when the engine cannot
+                take the group's params; nothing is changed then.
+        """
+        engine = self._pinned.get(rung)
+        params = group["params"]
+        try:
+            check_params_for_rung(params, rung, engine, f"group {gi}")
+            _mark_pinned([group], rung)
+            if engine is not None:
+                engine.add_param_group(group)
+                return engine.param_groups[-1]
+            if self._rebuild is None:
+                raise ValueError("this optimizer was built without a rebuild function")
+            caps = probe_capabilities(
+                self.device,
+                {str(p.dtype).removeprefix("torch.") for p in params},
+                any(p.is_complex() for p in params),
+            )
+            engine = self._rebuild(rung, [group], caps.fused[rung])  # allocates no state
+        except ValueError as exc:
+            raise ValueError(f"param group {gi} pins {rung}: {exc}") from None
+        if not caps.fused[rung]:  # set: the engine was built above
+            self._pinned_misses[rung] = caps.unfused_reasons.get(rung, "no fused kernel here")
+        self._pinned[rung] = engine
+        self._share_state(engine)
+        return engine.param_groups[-1]
+
     def _engines(self, engine: torch.optim.Optimizer | None = None) -> list[torch.optim.Optimizer]:
         """The engine of the groups that follow the decision, then the pinned engines."""
         return [self.engine if engine is None else engine, *self._pinned.values()]
@@ -281,31 +323,16 @@ class LadderOptimizer(torch.optim.Optimizer):
         group["params"] = params
         decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
         check_groups([*self.param_groups, group], decoupled)
-        pin = group_pin(group, f"param group {len(self.param_groups)}")
+        gi = len(self.param_groups)
+        pin = group_pin(group, f"param group {gi}")
         if pin is None:
-            engine: torch.optim.Optimizer | None = self._engine
             check_params_for_rung(params, self.rung, self._engine)
             self._mark_groups([group], self._decision)
+            self._engine.add_param_group(group)
+            self.param_groups.append(self._engine.param_groups[-1])
         else:
             check_pins([*self.param_groups, group], self._decision)
-            engine = self._pinned.get(pin)
-            if engine is not None:
-                check_params_for_rung(params, pin, engine)
-            elif self._rebuild is None:
-                raise ValueError(
-                    f"the new group pins the {pin} rung, and this optimizer was built without "
-                    "a rebuild function to build that rung's engine"
-                )
-            _mark_pinned([group], pin)
-        if engine is None:
-            assert pin is not None and self._rebuild is not None
-            engine = self._rebuild(pin, [group])  # allocates no state
-            check_params_for_rung(params, pin, engine)
-            self._pinned[pin] = engine
-            self._share_state(engine)
-        else:
-            engine.add_param_group(group)
-        self.param_groups.append(engine.param_groups[-1])
+            self.param_groups.append(self._add_pinned(pin, group, gi))
         footprint = measure_footprint(self.param_groups)
         self._decision = self._decision.model_copy(
             update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
@@ -355,11 +382,12 @@ class LadderOptimizer(torch.optim.Optimizer):
 
     def _two_phase_step(self, retries: int, grad_scale: torch.Tensor | None = None) -> str | None:
         engines = self._engines()
+        names = {id(g): f"group {gi}" for gi, g in enumerate(self.param_groups)}
         prepared: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
         error: BaseException | None = None
         try:
             for engine in engines:
-                prepared.append((engine, prepare_step(engine)))
+                prepared.append((engine, prepare_step(engine, names)))
         except BaseException as exc:
             for engine, created in prepared:  # the failing engine rolled itself back
                 rollback_step(engine, created)
@@ -413,13 +441,12 @@ class LadderOptimizer(torch.optim.Optimizer):
         """Log each distinct reason for leaving the fused path once per optimizer and
         rung: the decision's, a pinned rung's, and those of params an engine stepped
         eagerly."""
-        caps = self._decision.capabilities
         reasons: list[tuple[Rung, str]] = []
         if not self._decision.fused:
             reasons.append((self.rung, self._decision.unfused_reason or ""))
         for rung, engine in [(self.rung, self.engine), *self._pinned.items()]:
-            if engine is not self.engine and not caps.fused.get(rung, False):
-                reasons.append((rung, caps.unfused_reasons.get(rung, "no fused kernel here")))
+            if engine is not self.engine and rung in self._pinned_misses:
+                reasons.append((rung, self._pinned_misses[rung]))
             eager = getattr(engine, "eager_reasons", {}).values()
             reasons += [(rung, reason) for reason in sorted(set(eager))]
         for rung, reason in reasons:
@@ -488,7 +515,8 @@ class LadderOptimizer(torch.optim.Optimizer):
         old = self.engine
         saved_groups = [dict(g) for g in old.param_groups]
         try:
-            new = self._rebuild(rung, old.param_groups)
+            fused = self._decision.capabilities.fused[rung]
+            new = self._rebuild(rung, old.param_groups, fused)
             migrate_engine(old, new)
         except BaseException:
             _restore_groups(old.param_groups, saved_groups)
@@ -565,6 +593,12 @@ class LadderOptimizer(torch.optim.Optimizer):
                     f"this optimizer's has {len(live['params'])}"
                 )
             pairs += zip(saved["params"], live["params"])
+        unknown = saved_state.keys() - {key for key, _ in pairs}
+        if unknown:
+            raise ValueError(
+                f"the state_dict's state has entries for no param of its param groups: "
+                f"{sorted(map(repr, unknown))[:5]}"
+            )
         for pi, (key, p) in enumerate(pairs):
             st = saved_state.get(key)
             if st:
@@ -577,11 +611,12 @@ class LadderOptimizer(torch.optim.Optimizer):
             try:
                 validate_group_hyperparams(saved)
                 check_group_options(saved)
+                group_pin(saved, "its")
             except ValueError as exc:
                 raise ValueError(f"param group {gi} of the state_dict: {exc}") from None
-        following = {id(g) for g in self.engine.param_groups}
+        # The checkpoint's rung: that of its first group that followed its decision.
         first: dict[str, Any] = next(
-            (g for g, live in zip(groups, live_groups) if id(live) in following), {}
+            (g for g in groups if g.get(ORIGIN_KEY) != GROUP_PIN_ORIGIN), {}
         )
         saved_rung = next((r for r in RUNGS if first.get(RUNG_KEY) == r), None)
         saved_origin = first.get(ORIGIN_KEY)
@@ -600,7 +635,8 @@ class LadderOptimizer(torch.optim.Optimizer):
         try:
             if move_to is not None:  # the live state is replaced below: nothing to migrate
                 assert self._rebuild is not None
-                engine = self._rebuild(move_to, engine.param_groups)
+                fused = self._decision.capabilities.fused[move_to]
+                engine = self._rebuild(move_to, engine.param_groups, fused)
             owner = {id(g): e for e in self._engines(engine) for g in e.param_groups}
             new_state: dict[torch.Tensor, dict[str, Any]] = {}
             group_of_param = [g for g in live_groups for _ in g["params"]]
@@ -622,6 +658,18 @@ class LadderOptimizer(torch.optim.Optimizer):
         if move_to is not None:
             reason = f"the checkpoint had escalated to {move_to}"
             self._switch(engine, move_to, reason, "checkpoint")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Refused: the optimizer holds its engines and a build function, which a copy
+        could not share. Save ``state_dict()`` and load it into a new optimizer.
+
+        Raises:
+            TypeError: always (``pickle``, ``copy.deepcopy``).
+        """
+        raise TypeError(
+            "a LadderOptimizer cannot be pickled or deep-copied; save opt.state_dict() and "
+            "load it into a new one from choose_optimizer (load_state_dict)"
+        )
 
     def __repr__(self) -> str:
         fused = "fused" if self.decision.fused else "not fused"
