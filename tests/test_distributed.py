@@ -51,6 +51,7 @@ from torch import nn
 
 from memtools import FailNthAllocation
 from optladder import (
+    LadderOptimizer,
     OptimizerOutOfMemoryError,
     choose_optimizer,
     decide,
@@ -59,6 +60,7 @@ from optladder import (
 )
 from optladder.optimizers import build_engine
 from optladder.optimizers.migrate import read_step
+from optladder.optimizers.transaction import prepare_step
 
 WORLD = 2
 COLLECTIVE_TIMEOUT_S = 60
@@ -134,6 +136,12 @@ def test_oom_in_one_ranks_step_escalates_every_rank_without_committing(
 
 def test_oom_on_a_pinned_rung_raises_on_every_rank(outcomes: list[dict[str, str]]) -> None:
     _check(outcomes, "pinned")
+
+
+def test_oom_in_one_ranks_pinned_group_escalates_the_others_on_every_rank(
+    outcomes: list[dict[str, str]],
+) -> None:
+    _check(outcomes, "pinned_group")
 
 
 def test_fsdp2_footprint_and_8bit_rung_on_local_shards(outcomes: list[dict[str, str]]) -> None:
@@ -271,6 +279,36 @@ def _case_pinned(rank: int) -> None:
     opt.step()
     assert _steps(opt) == [1, 1]
     for p in params:
+        assert _all_equal(p)
+
+
+def _case_pinned_group(rank: int) -> None:
+    sizes = (5_000, 300, 6_000)
+
+    def make(rung: str | None) -> tuple[list[nn.Parameter], LadderOptimizer]:
+        params = _params(sizes)
+        groups = [{"params": params[:2]}, {"params": params[2:], "rung": "8bit"}]
+        return params, choose_optimizer(groups, rung=rung, free_memory="1GiB")
+
+    params, opt = make(None)
+    assert opt.rung == "fp32" and opt.pinned_engines.keys() == {"8bit"}
+    ref_params, ref = make("bf16")  # the decided groups on bf16 from the start
+    _, counter_opt = make(None)
+    with FailNthAllocation() as counter:  # allocations of the decided groups' prepare
+        prepare_step(counter_opt.engine)
+    grads = _averaged_grads(params, 0, rank)
+    _set_grads(params, grads)
+    _set_grads(ref_params, grads)
+    # rank 1 runs out of memory in the pinned 8bit engine's prepare, after the fp32 one's
+    fail = FailNthAllocation(counter.count + 1) if rank == 1 else contextlib.nullcontext()
+    with fail:
+        opt.step()
+    ref.step()
+    assert [(e.from_rung, e.to_rung) for e in opt.escalations] == [("fp32", "bf16")]
+    assert [g["rung"] for g in opt.param_groups] == ["bf16", "8bit"]
+    assert _steps(opt) == [1, 1, 1]
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)  # one step, nothing of the failed attempt committed
         assert _all_equal(p)
 
 
@@ -412,6 +450,7 @@ CASES: dict[str, Callable[[int], None]] = {
     "decision": _case_decision,
     "oom_step": _case_oom_step,
     "pinned": _case_pinned,
+    "pinned_group": _case_pinned_group,
     "fsdp": _case_fsdp,
 }
 
