@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the bf16 rung: the kernel tests compiled on CUDA (no interpreter), then the
-# step-time benchmark with bandwidth against the card's HBM peak. Runs offline: the Python
+# step-time benchmark with bandwidth against the card's HBM peak, then the pinned-group
+# step (bench/pinned_step.py) if time is left. Runs offline: the Python
 # packages torch does not bring are installed from ./wheels (fill it with
 # bench/fetch_wheels.sh on a machine with network; wheels/ is git-ignored).
 #
@@ -69,6 +70,13 @@ bench_rc=0
 timeout $((left > 30 ? left : 30)) "$PY" bench/step_time.py --device cuda --sizes "$SIZES" \
     --reps 7 --peak-gbps "$PEAK_GBPS" --json "$OUT/step_time_cuda.json" \
     --png "$OUT/step_time_cuda.png" || bench_rc=$?
+
+echo "== a pinned fp32 embedding beside a bf16 body (if time is left)"
+left=$((235 - ($(date +%s) - start)))
+if ((left > 20)); then
+    timeout "$left" "$PY" bench/pinned_step.py --device cuda --emb 64M --body 192M --reps 10 \
+        || echo "pinned_step.py rc=$? (not counted)"
+fi
 
 echo "== done in $(($(date +%s) - start)) s: tests rc=$tests_rc, benchmark rc=$bench_rc"
 exit $((tests_rc != 0 || bench_rc != 0))

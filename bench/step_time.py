@@ -115,7 +115,8 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     return total
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device (CUDA) to finish the queued work; a no-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -129,7 +130,7 @@ def warm_process(device: torch.device, seconds: float = 1.0) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         opt.step()
-        _sync(device)
+        sync(device)
 
 
 def measure_size(
@@ -150,7 +151,7 @@ def measure_size(
             opt = factory([p])
             for _ in range(warmup):
                 opt.step()
-            _sync(device)
+            sync(device)
         except Exception as exc:  # a baseline that cannot run here is reported, not fatal
             print(f"{name:<24}{n:>10}  failed: {type(exc).__name__}: {str(exc)[:120]}")
             continue
@@ -160,7 +161,7 @@ def measure_size(
         for name, (opt, _) in live.items():
             t0 = time.perf_counter()
             opt.step()
-            _sync(device)
+            sync(device)
             times[name].append(time.perf_counter() - t0)
     results = [
         Result(name, n, statistics.median(times[name]), state_bytes(opt) / n)
