@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
+    if args.reps < 1 or args.warmup < 1:
+        ap.error(f"--reps and --warmup must be >= 1, got {args.reps} and {args.warmup}")
     device = torch.device(args.device)
     warm_process(device)
     live: dict[str, object] = {}
