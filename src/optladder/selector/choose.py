@@ -150,7 +150,8 @@ def choose_optimizer(
             ``seed``, ``rounding`` or ``max_retries``; per-group amsgrad/maximize; a param
             listed twice, two params over the same memory, an expanded view; no
             trainable params; a rung that cannot take the params; a group pinning a
-            disabled or unavailable rung, or every group pinning one.
+            disabled or unavailable rung, or pins that leave no trainable param to follow
+            the decision.
         TypeError: ``policy``, ``environ``, ``on_escalate`` or ``decoupled_weight_decay``
             of the wrong type.
         optladder.OverrideError: an unknown or contradictory override variable.
@@ -208,10 +209,11 @@ def choose_optimizer(
     ) -> torch.optim.Optimizer:
         return build_engine(rung, param_groups, fused=fused, **hyper)
 
-    following = [g for gi, g in enumerate(groups) if group_pin(g, f"param group {gi}") is None]
+    following = []  # the groups that follow the decision; LadderOptimizer builds the pinned
     for gi, g in enumerate(groups):
-        if any(g is f for f in following):
+        if group_pin(g, f"param group {gi}") is None:
             check_params_for_rung(g["params"], decision.rung, None, f"group {gi}")
+            following.append(g)
     engine = rebuild(decision.rung, following, capabilities.fused[decision.rung])
     logger.info("optladder decision: %s", decision.summary())
     return LadderOptimizer(
