@@ -11,6 +11,7 @@ import torch
 from optladder import (
     InsufficientMemoryError,
     LadderOptimizer,
+    OptimizerOutOfMemoryError,
     OptladderWarning,
     OverrideError,
     choose_optimizer,
@@ -214,3 +215,29 @@ def test_add_param_group_reaches_the_engine() -> None:
     assert opt.param_groups[1]["rung"] == "bf16"
     _train_step(model, opt, 0)
     assert opt.state[model[2].weight]["exp_avg"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("param", "match"),
+    [
+        (torch.randn(4, requires_grad=True) * 2, "param 0 of group 0 is not a leaf tensor"),
+        (torch.zeros(4, dtype=torch.int64), "param 0 of group 0 has dtype torch.int64; the rungs"),
+    ],
+)
+def test_params_no_optimizer_can_step_are_refused(param: torch.Tensor, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        choose_optimizer([param], free_memory="1GiB")
+
+
+def test_float64_params_skip_the_8bit_rung() -> None:
+    params = [torch.nn.Parameter(torch.randn(64, 80, dtype=torch.float64))]
+    # 40,960 bytes of fp32 state, 20,480 of bf16: a gate of 25% of 40 KiB passes neither
+    with pytest.warns(OptladderWarning, match="bf16 state"):
+        opt = choose_optimizer(params, free_memory="40KiB", strict=False)
+    assert opt.rung == "bf16" and not opt.decision.fits
+    assert any(
+        "8bit takes float32, bfloat16, float16 params and the model has float64" in r
+        for r in opt.decision.reasons
+    )
+    with pytest.raises(OptimizerOutOfMemoryError, match="bf16 is the last usable rung"):
+        opt.escalate("test")

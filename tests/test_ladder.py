@@ -228,6 +228,32 @@ def test_migration_peak_memory_is_one_params_new_state(src: str, dst: str) -> No
     assert live.balance < 0
 
 
+@pytest.mark.parametrize(("src", "dst"), [("8bit", "fp32"), ("8bit", "bf16"), ("bf16", "fp32")])
+def test_a_move_up_that_fails_anywhere_restores_the_state_exactly(src: str, dst: str) -> None:
+    """Fail the k-th allocation of migrate_to for every k of a move to a wider format: the
+    old state is kept until the move is done, so the optimizer is exactly as before."""
+
+    def trained():  # type: ignore[no-untyped-def]
+        params = _params()
+        opt = _opt(params, rung=src)
+        for s in range(2):
+            _set_grads(params, s)
+            opt.step()
+        return opt
+
+    opt = trained()
+    with FailNthAllocation() as counter:
+        opt.migrate_to(dst, "test", force=True)
+    assert counter.count >= 6  # at least the moments of the three params
+    for k in range(1, counter.count + 1):
+        opt = trained()
+        before = _snapshot(opt)
+        with pytest.raises(torch.OutOfMemoryError), FailNthAllocation(k):
+            opt.migrate_to(dst, "test", force=True)
+        assert opt.rung == src
+        _assert_same(_snapshot(opt), before)
+
+
 # ---------------------------------------------------------------------------- two-phase
 def _count_allocations(rung: str, steps_before: int, dtype: torch.dtype) -> int:
     params = _params(dtype=dtype)

@@ -536,3 +536,50 @@ def test_malformed_checkpoints_are_refused_and_change_nothing(edit, match: str) 
     with pytest.raises(ValueError, match=match):
         opt.load_state_dict(saved)
     _assert_same(_snapshot(opt), before)
+
+
+def test_groups_pinning_one_rung_share_one_engine_built_for_all_their_params() -> None:
+    model = _model()
+    low = torch.nn.Parameter(torch.randn(300).to(torch.bfloat16))
+    groups = [
+        {"params": [model.emb.weight], "rung": "fp32"},  # float32 first...
+        {"params": [low], "rung": "fp32"},  # ...then bfloat16: fp32 moments for both
+        {"params": list(model.proj.parameters())},
+    ]
+    opt = choose_optimizer(groups, rung="bf16", free_memory="1GiB")
+    engine = opt.pinned_engines["fp32"]
+    assert isinstance(engine, LadderAdamW) and len(engine.param_groups) == 2
+    _set_grads(_params(model), 0)
+    low.grad = torch.ones_like(low)
+    opt.step()
+    assert opt.state[low]["exp_avg"].dtype == torch.float32
+    assert opt.state[model.emb.weight]["exp_avg"].dtype == torch.float32
+
+
+def test_a_forced_move_names_the_users_group() -> None:
+    model = _model()
+    wide = torch.nn.Parameter(torch.randn(64, 80, dtype=torch.float64))
+    opt = choose_optimizer([*_groups(model, "fp32")[:1], {"params": [wide]}], free_memory="1GiB")
+    with pytest.raises(ValueError, match=r"param 0 of group 1 has dtype torch.float64; the 8bit"):
+        opt.migrate_to("8bit", "test", force=True)
+    assert opt.rung == "fp32"
+
+
+@pytest.mark.parametrize("pin", [None, "fp32"])
+def test_state_dict_hooks_run_as_torch_runs_them(pin: str | None) -> None:
+    model = _model()
+    groups = _groups(model, "fp32") if pin else [{"params": _params(model)}]
+    opt = choose_optimizer(groups, free_memory="1GiB")
+    calls: list[str] = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(
+        lambda o, sd: {k: v for k, v in sd.items() if k != "extra"}
+    )
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    _set_grads(_params(model), 0)
+    opt.step()
+    saved = opt.state_dict()
+    assert saved["extra"] == 1 and calls == ["save pre"]
+    opt.load_state_dict(saved)  # the pre-hook drops "extra"
+    assert calls == ["save pre", "load post"]

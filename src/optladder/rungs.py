@@ -26,6 +26,9 @@ BNB_BLOCKSIZE = 256
 """Elements per block of bitsandbytes' block-wise optimizer state; one float32 absmax per
 block and moment (``Optimizer2State.init_state``, bitsandbytes >= 0.45)."""
 
+BNB_DTYPES = ("float32", "bfloat16", "float16")
+"""Param dtypes bitsandbytes' 8-bit optimizers step (``Optimizer2State.update_step``)."""
+
 BNB_QMAP_BYTES = 2 * 256 * 4
 """bitsandbytes' two 256-entry float32 code books (``dynamic`` for ``exp_avg``,
 ``udynamic`` for ``exp_avg_sq``), shared by all 8-bit tensors of one device."""

@@ -23,10 +23,10 @@ from typing import Any, cast
 
 import torch
 
-from optladder.rungs import BNB_MIN_8BIT_SIZE
+from optladder.rungs import BNB_DTYPES, BNB_MIN_8BIT_SIZE
 from optladder.sharding import is_dtensor, local_tensor
 
-_BNB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_BNB_DTYPES = tuple(getattr(torch, name) for name in BNB_DTYPES)
 _NOISY_LOGGER = "bitsandbytes.backends.cpu.ops"
 
 

@@ -285,6 +285,8 @@ def migrate_engine(
     source: torch.optim.Optimizer,
     target: torch.optim.Optimizer,
     global_numel: Mapping[int, int] | None = None,
+    *,
+    keep_source: bool = False,
 ) -> None:
     """Move every param's state from ``source`` into ``target``, one param at a time.
 
@@ -294,9 +296,11 @@ def migrate_engine(
     the new state of the largest param: every later conversion fits in what the earlier
     ones freed. ``source`` ends with no state.
 
-    If a conversion fails (an OOM), the params converted so far are converted back and
-    the error is re-raised: the source keeps every param's state, exactly for the Adam
-    layouts of equal or wider dtype, and up to the target's rounding otherwise.
+    If a conversion fails (an OOM), the error is re-raised after the source gets every
+    param's state back: with ``keep_source`` the old state itself (exact); otherwise the
+    params converted so far are converted back, which is exact only when the target's
+    format holds the source's values exactly (a move to a wider format), and rounds them
+    to the target's format otherwise (fp32 moments re-rounded through bf16 or 8 bits).
 
     Args:
         source: the engine holding the state.
@@ -304,6 +308,10 @@ def migrate_engine(
         global_numel: ``id(param) -> elements of the whole param`` for params sharded
             by hand (bitsandbytes' size rule); default each param's own ``numel()``,
             which for a DTensor is already the global count.
+        keep_source: keep each param's old state until every param is converted, so a
+            failure restores it exactly; the extra memory then peaks at the old state
+            plus the new. For moves to a wider format (the new state is the larger one,
+            so the bound above does not hold anyway).
     """
     sizes = global_numel or {}
     target_groups = _group_of(target)
@@ -311,16 +319,24 @@ def migrate_engine(
     todo = [p for g in source.param_groups for p in g["params"] if source.state.get(p)]
     todo.sort(key=local_numel, reverse=True)  # the bytes this rank converts
     done: list[torch.Tensor] = []
+    kept: dict[torch.Tensor, Any] = {}
     try:
         for p in todo:
             spec = state_target(target, target_groups[id(p)], p, sizes.get(id(p)))
             target.state[p] = convert_param_state(source.state[p], p, spec)
-            del source.state[p]
+            old = source.state.pop(p)
+            if keep_source:
+                kept[p] = old
+            del old
             done.append(p)
     except BaseException:
         for p in done:
-            spec = state_target(source, source_groups[id(p)], p, sizes.get(id(p)))
-            source.state[p] = convert_param_state(target.state.pop(p), p, spec)
+            if p in kept:
+                target.state.pop(p)
+                source.state[p] = kept.pop(p)
+            else:
+                spec = state_target(source, source_groups[id(p)], p, sizes.get(id(p)))
+                source.state[p] = convert_param_state(target.state.pop(p), p, spec)
         raise
 
 

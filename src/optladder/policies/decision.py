@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict
 from optladder.policies.footprint import Footprint
 from optladder.policies.overrides import Overrides
 from optladder.policies.policy import Policy
-from optladder.rungs import RUNGS, Capabilities, Origin, Rung
+from optladder.rungs import BNB_DTYPES, RUNGS, Capabilities, Origin, Rung
 from optladder.units import format_bytes
 
 
@@ -81,6 +81,11 @@ def allowed_rungs(
             why[rung] = capabilities.unavailable_reasons.get(rung, f"{rung} is unavailable")
         elif rung != "fp32" and footprint.has_complex:
             why[rung] = f"{rung} takes real params only and the model has complex params"
+        elif rung == "8bit" and set(footprint.dtypes) - set(BNB_DTYPES):
+            other = ", ".join(sorted(set(footprint.dtypes) - set(BNB_DTYPES)))
+            why[rung] = (
+                f"8bit takes {', '.join(BNB_DTYPES)} params and the model has {other} params"
+            )
     return {r: r not in why for r in RUNGS}, why
 
 
@@ -104,7 +109,8 @@ def decide(
        is fused on the device (a memory saving that leaves the fast path is a trap).
     3. From there it walks to cheaper allowed rungs until one's state is at most
        ``policy.memory_fraction * free_memory`` bytes. Disabled (``=0``), unavailable
-       (bitsandbytes missing) and, for complex params, non-fp32 rungs are skipped.
+       (bitsandbytes missing) and rungs that cannot take the params (non-fp32 for complex
+       params, 8bit for float64) are skipped.
     4. When none passes, the cheapest allowed rung is returned with ``fits=False``.
 
     Args:
@@ -120,7 +126,7 @@ def decide(
 
     Raises:
         ValueError: if ``free_memory`` is negative, or a pinned/forced rung cannot be
-            built (disabled is impossible here; unavailable, or complex params).
+            built (disabled is impossible here; unavailable, or params it cannot take).
     """
     policy = policy or Policy()
     overrides = overrides or Overrides()
@@ -218,7 +224,7 @@ def escalation_target(decision: Decision) -> tuple[Rung | None, str]:
     """The next cheaper rung the ladder may move to from ``decision.rung``, and why.
 
     Pure, like :func:`decide`: a pinned rung never moves; rungs disabled by the user,
-    unavailable on the device, or unable to take the params (complex) are skipped.
+    unavailable on the device, or unable to take the params (complex, float64) are skipped.
 
     Returns:
         ``(rung, "")``, or ``(None, reason)`` when there is nowhere to go.

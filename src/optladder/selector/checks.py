@@ -44,7 +44,8 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
     """Refuse what the rungs would silently get wrong: per-group options no rung keeps,
     out-of-range per-group hyperparameters, a pinned ``"rung"`` that is not a rung, a
     param listed twice or two params over the same memory (each would be stepped twice),
-    and expanded views (stride 0).
+    expanded views (stride 0), non-leaf tensors and params that are not floating point
+    or complex.
 
     Args:
         groups: all param groups (for ``add_param_group``: the live ones plus the new).
@@ -73,6 +74,16 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
             if id(p) in seen:
                 raise ValueError(f"{where} is the same tensor as {seen[id(p)]}; list it once")
             seen[id(p)] = where
+            if not (p.is_leaf or p.retains_grad):  # torch.optim's own rule
+                raise ValueError(
+                    f"{where} is not a leaf tensor (it is computed from others); optimize leaf "
+                    "params such as nn.Parameter"
+                )
+            if not (p.is_floating_point() or p.is_complex()):
+                raise ValueError(
+                    f"{where} has dtype {p.dtype}; the rungs step floating-point params "
+                    "(complex ones on fp32)"
+                )
             if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
                 raise ValueError(
                     f"{where} is an expanded view (a stride of 0): its elements share memory. "
@@ -100,8 +111,8 @@ def check_pins(groups: list[dict[str, Any]], decision: Decision) -> None:
     Raises:
         ValueError: naming the group, its rung and why it cannot be used.
     """
-    # Complex params in a pinned group are refused by the rung's engine, naming the param.
-    real = decision.footprint.model_copy(update={"has_complex": False})
+    # A pinned group's own params are checked against its rung where its engine is built.
+    real = decision.footprint.model_copy(update={"has_complex": False, "dtypes": ()})
     allowed, excluded = allowed_rungs(real, decision.capabilities, decision.overrides)
     pins = [group_pin(group, f"param group {gi}") for gi, group in enumerate(groups)]
     for gi, pin in enumerate(pins):

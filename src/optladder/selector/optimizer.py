@@ -198,7 +198,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         held = {id(g) for g in engine.param_groups}
         if not held <= {id(g) for g in order}:
             raise ValueError("param_groups must hold every group dict of the engine")
-        pinned: list[tuple[Rung, int]] = []
+        pinned: dict[Rung, list[tuple[int, dict[str, Any]]]] = {}
         for gi, group in enumerate(order):
             if id(group) not in held:
                 pin = group_pin(group, f"param group {gi}")
@@ -206,48 +206,64 @@ class LadderOptimizer(torch.optim.Optimizer):
                     raise ValueError(
                         f"param group {gi} is not one of the engine's groups and pins no rung"
                     )
-                pinned.append((pin, gi))
+                pinned.setdefault(pin, []).append((gi, group))
         self._mark_groups(engine.param_groups, decision)
         super().__init__(engine.param_groups, engine.defaults)
         self.param_groups = order
         self.state = engine.state
         self._attach(engine)
-        for pin, gi in pinned:
-            order[gi] = self._add_pinned(pin, order[gi], gi)
+        for pin, indexed in pinned.items():  # one engine per rung, over all its groups
+            for (gi, _), held_group in zip(indexed, self._add_pinned(pin, indexed)):
+                order[gi] = held_group
         self._warn_unfused()
 
     # ------------------------------------------------------------------ plumbing
-    def _add_pinned(self, rung: Rung, group: dict[str, Any], gi: int) -> dict[str, Any]:
-        """Put ``group`` (param group ``gi``) on ``rung``'s pinned engine, building the
-        engine when it is the first group to pin ``rung``; returns the engine's dict.
+    def _add_pinned(
+        self, rung: Rung, indexed: list[tuple[int, dict[str, Any]]]
+    ) -> list[dict[str, Any]]:
+        """Put groups that pin ``rung`` (each with its place among all groups) on that
+        rung's engine, building it over all of them (fused when that rung is fused for
+        their params) when none exists yet; returns the engine's dicts of those groups.
 
         Raises:
             ValueError: ``"param group {gi} pins {rung}: ..."`` when the engine cannot
-                take the group's params; nothing is changed then.
+                take a group's params; nothing is changed then.
         """
         engine = self._pinned.get(rung)
-        params = group["params"]
+        groups = [group for _, group in indexed]
+        for gi, group in indexed:
+            try:
+                check_params_for_rung(group["params"], rung, engine, f"group {gi}")
+            except ValueError as exc:
+                raise ValueError(f"param group {gi} pins {rung}: {exc}") from None
+        places = ", ".join(str(gi) for gi, _ in indexed)
+        label = (
+            f"param group {places} pins {rung}"
+            if len(indexed) == 1
+            else (f"param groups {places} pin {rung}")
+        )
         try:
-            check_params_for_rung(params, rung, engine, f"group {gi}")
-            _mark_pinned([group], rung)
+            _mark_pinned(groups, rung)
             if engine is not None:
-                engine.add_param_group(group)
-                return engine.param_groups[-1]
+                for group in groups:
+                    engine.add_param_group(group)
+                return engine.param_groups[-len(groups) :]
             if self._rebuild is None:
                 raise ValueError("this optimizer was built without a rebuild function")
+            params = [p for group in groups for p in group["params"]]
             caps = probe_capabilities(
                 self.device,
                 {str(p.dtype).removeprefix("torch.") for p in params},
                 any(p.is_complex() for p in params),
             )
-            engine = self._rebuild(rung, [group], caps.fused[rung])  # allocates no state
+            engine = self._rebuild(rung, groups, caps.fused[rung])  # allocates no state
         except ValueError as exc:
-            raise ValueError(f"param group {gi} pins {rung}: {exc}") from None
+            raise ValueError(f"{label}: {exc}") from None
         if not caps.fused[rung]:  # set: the engine was built above
             self._pinned_misses[rung] = caps.unfused_reasons.get(rung, "no fused kernel here")
         self._pinned[rung] = engine
         self._share_state(engine)
-        return engine.param_groups[-1]
+        return list(engine.param_groups)
 
     def _engines(self, engine: torch.optim.Optimizer | None = None) -> list[torch.optim.Optimizer]:
         """The engine of the groups that follow the decision, then the pinned engines."""
@@ -332,7 +348,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             self.param_groups.append(self._engine.param_groups[-1])
         else:
             check_pins([*self.param_groups, group], self._decision)
-            self.param_groups.append(self._add_pinned(pin, group, gi))
+            self.param_groups += self._add_pinned(pin, [(gi, group)])
         footprint = measure_footprint(self.param_groups)
         self._decision = self._decision.model_copy(
             update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
@@ -485,9 +501,13 @@ class LadderOptimizer(torch.optim.Optimizer):
         the param-group dicts (per-group hyperparameters, a tensor lr included), param
         order and per-param step counts. Groups that pin their rung stay where they are.
 
-        On failure (an OOM while converting) the groups are put back and the converted
-        params converted back (exact when the source is the wider format; see
-        :func:`optladder.optimizers.migrate.migrate_engine`), and the error is re-raised.
+        On failure (an OOM while converting) the groups are put back and every param gets
+        its state back, and the error is re-raised. Moving up (to a wider format) keeps
+        the old state until the move is done, so that is exact; moving down (escalating)
+        frees each param's old state as soon as its new one exists, to need at most one
+        param's new state in extra memory, so the params converted before the failure
+        are converted back and keep the narrower format's rounding (see
+        :func:`optladder.optimizers.migrate.migrate_engine`).
 
         Args:
             rung: the target rung.
@@ -513,11 +533,15 @@ class LadderOptimizer(torch.optim.Optimizer):
             if why is not None:
                 raise ValueError(f"cannot move to {rung}: {why} (pass force=True to move anyway)")
         old = self.engine
+        following = {id(g) for g in old.param_groups}
+        for gi, group in enumerate(self.param_groups):
+            if id(group) in following:  # named by its place among all groups
+                check_params_for_rung(group["params"], rung, None, f"group {gi}")
         saved_groups = [dict(g) for g in old.param_groups]
         try:
             fused = self._decision.capabilities.fused[rung]
             new = self._rebuild(rung, old.param_groups, fused)
-            migrate_engine(old, new)
+            migrate_engine(old, new, keep_source=RUNGS.index(rung) < RUNGS.index(self.rung))
         except BaseException:
             _restore_groups(old.param_groups, saved_groups)
             raise
@@ -545,10 +569,19 @@ class LadderOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The engine's ``state_dict`` (torch's layout over all groups when some pin
-        their rung); each param group records its rung, how it was reached and why."""
-        if not self._pinned:
-            return self.engine.state_dict()  # bitsandbytes wraps its state for FSDP
-        return super().state_dict()
+        their rung); each param group records its rung, how it was reached and why.
+        Hooks registered with ``register_state_dict_pre_hook``/``_post_hook`` run as
+        torch runs them."""
+        if self._pinned:
+            return super().state_dict()  # runs the hooks
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state_dict = self.engine.state_dict()  # bitsandbytes wraps its state for FSDP
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict`` saved from any rung into this optimizer.
@@ -564,12 +597,26 @@ class LadderOptimizer(torch.optim.Optimizer):
         Hyperparameters (lr, betas, eps, weight_decay, a scheduler's ``initial_lr``, the
         bf16 seed) come from the checkpoint.
 
+        Hooks registered with ``register_load_state_dict_pre_hook``/``_post_hook`` run as
+        torch runs them (a pre-hook may return a replacement ``state_dict``).
+
         Raises:
             ValueError: if the checkpoint does not fit the params (group count, param
                 count, element count or shape), its state is malformed (missing keys,
                 wrong dtypes, absmax of the wrong length, amsgrad state), or its
                 hyperparameters are out of range; the optimizer is left unchanged.
         """
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # shallow, as torch does before its hooks
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._load(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict):
             raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         groups = state_dict.get("param_groups")
