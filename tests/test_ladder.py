@@ -546,6 +546,83 @@ def test_distributed_checkpoint_round_trip(tmp_path) -> None:  # type: ignore[no
     _assert_same(([], copy.deepcopy(live.state_dict())), ([], copy.deepcopy(opt.state_dict())))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("pin", [None, "fp32"])
+@pytest.mark.parametrize("escalations", [1, 2])
+def test_an_escalated_distributed_checkpoint_resumes_on_its_rung(
+    tmp_path, pin: str | None, escalations: int
+) -> None:  # type: ignore[no-untyped-def]
+    """The README's recipe: a restarted job reads the checkpoint's param groups (a partial
+    load), follows its rung, then loads model and optimizer with torch's DCP helpers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def setup():  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Linear(80, 8))
+        first = {"params": list(model[0].parameters())} | ({"rung": pin} if pin else {})
+        groups = [first, {"params": list(model[1].parameters())}]
+        return model, choose_optimizer(groups, free_memory="1GiB")
+
+    def train(model, opt, step: int) -> None:  # type: ignore[no-untyped-def]
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    model, opt = setup()
+    for _ in range(escalations):
+        opt.escalate("test")
+    train(model, opt, 0)
+    path = str(tmp_path / "dcp")
+    dcp.save(
+        {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+        checkpoint_id=path,
+    )
+
+    live_model, live = setup()
+    assert live.rung == "fp32"
+    probe = {"optim": {"param_groups": live.state_dict()["param_groups"]}}
+    dcp.load(probe, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert live.follow_checkpoint(probe["optim"]["param_groups"]) == opt.rung
+    state = {"model": live_model.state_dict(), "optim": get_optimizer_state_dict(live_model, live)}
+    dcp.load(state, checkpoint_id=path)
+    live_model.load_state_dict(state["model"])
+    set_optimizer_state_dict(live_model, live, state["optim"])
+    assert [g["rung"] for g in live.param_groups] == [g["rung"] for g in opt.param_groups]
+    loaded, saved = copy.deepcopy(live.state_dict()), copy.deepcopy(opt.state_dict())
+    # How the rung was reached differs, and a direct fp32 -> 8bit move never had the
+    # bf16 rung's seed/rounding keys; every other key and all the state are equal.
+    for a, b in zip(loaded["param_groups"], saved["param_groups"]):
+        for g, other in ((a, b), (b, a)):
+            for key in [*g]:
+                if key in ("rung_origin", "rung_reason") or key not in other:
+                    del g[key]
+    _assert_same(([], loaded), ([], saved))
+    for step in (1, 2):
+        train(model, opt, step)
+        train(live_model, live, step)
+    for p, q in zip(model.parameters(), live_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_follow_checkpoint_moves_only_where_load_state_dict_would() -> None:
+    opt = _opt(_params(), rung=None)  # a policy choice: fp32
+    live = _opt(_params(), rung=None)
+    assert live.follow_checkpoint(opt.state_dict()["param_groups"]) is None  # not escalated
+    opt.escalate("test")
+    assert live.follow_checkpoint(opt.state_dict()["param_groups"]) == "bf16"
+    assert live.rung == "bf16" and live.decision.origin == "checkpoint"
+    pinned = _opt(_params(), rung="fp32")  # the user's word beats the checkpoint's
+    assert pinned.follow_checkpoint(opt.state_dict()["param_groups"]) is None
+    with pytest.raises(ValueError, match="param_groups must be a list of dicts"):
+        live.follow_checkpoint("bf16")  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------------------- real OOM
 def test_a_real_cpu_oom_under_rlimit_as_escalates_and_finishes() -> None:
     from optladder.oom_demo import run_oom_demo

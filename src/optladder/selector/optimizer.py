@@ -209,6 +209,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 pinned.setdefault(pin, []).append((gi, group))
         self._mark_groups(engine.param_groups, decision)
         super().__init__(engine.param_groups, engine.defaults)
+        self.register_state_dict_post_hook(_tensor_steps, prepend=True)
         self.param_groups = order
         self.state = engine.state
         self._attach(engine)
@@ -570,10 +571,12 @@ class LadderOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The engine's ``state_dict`` (torch's layout over all groups when some pin
         their rung); each param group records its rung, how it was reached and why.
-        Hooks registered with ``register_state_dict_pre_hook``/``_post_hook`` run as
-        torch runs them."""
+        A ``step`` kept as a Python number (bitsandbytes) is saved as a 0-d float32
+        tensor, as torch saves it, so that ``torch.distributed.checkpoint`` loads it back
+        (it mislays non-tensor values of the per-param state). Hooks registered with
+        ``register_state_dict_pre_hook``/``_post_hook`` run as torch runs them."""
         if self._pinned:
-            return super().state_dict()  # runs the hooks
+            return super().state_dict()  # runs the hooks, _tensor_steps first
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self.engine.state_dict()  # bitsandbytes wraps its state for FSDP
@@ -661,22 +664,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 group_pin(saved, "its")
             except ValueError as exc:
                 raise ValueError(f"param group {gi} of the state_dict: {exc}") from None
-        # The checkpoint's rung: that of its first group that followed its decision.
-        first: dict[str, Any] = next(
-            (g for g in groups if g.get(ORIGIN_KEY) != GROUP_PIN_ORIGIN), {}
-        )
-        saved_rung = next((r for r in RUNGS if first.get(RUNG_KEY) == r), None)
-        saved_origin = first.get(ORIGIN_KEY)
-        move_to: Rung | None = (
-            saved_rung
-            if saved_rung != self.rung
-            and saved_origin in ("escalated", "checkpoint")
-            and self._decision.origin in ("policy", "escalated", "checkpoint")
-            and self._rebuild is not None
-            and saved_rung is not None
-            and _move_refused(self._decision, saved_rung) is None  # not onto a disabled rung
-            else None
-        )
+        move_to = self._checkpoint_rung(groups)
         engine = self.engine
         saved_groups = [dict(g) for g in live_groups]
         try:
@@ -705,6 +693,56 @@ class LadderOptimizer(torch.optim.Optimizer):
         if move_to is not None:
             reason = f"the checkpoint had escalated to {move_to}"
             self._switch(engine, move_to, reason, "checkpoint")
+
+    def _checkpoint_rung(self, groups: list[dict[str, Any]]) -> Rung | None:
+        """The rung to move to before loading a checkpoint with these param groups: the
+        rung its decided groups (the first that does not pin its rung) had reached, when
+        they had escalated (or followed a checkpoint), this optimizer's rung was not
+        pinned or forced, and the user allows that rung; otherwise None."""
+        first = next((g for g in groups if g.get(ORIGIN_KEY) != GROUP_PIN_ORIGIN), {})
+        saved = next((r for r in RUNGS if first.get(RUNG_KEY) == r), None)
+        if (
+            saved is None
+            or saved == self.rung
+            or first.get(ORIGIN_KEY) not in ("escalated", "checkpoint")
+            or self._decision.origin not in ("policy", "escalated", "checkpoint")
+            or self._rebuild is None
+        ):
+            return None
+        return saved if _move_refused(self._decision, saved) is None else None
+
+    def follow_checkpoint(self, param_groups: Sequence[dict[str, Any]]) -> Rung | None:
+        """Before a checkpoint's state is loaded, move to the rung it had escalated to, by
+        the rule of :meth:`load_state_dict` (which does this itself).
+
+        ``torch.distributed.checkpoint.load`` fills the live optimizer's own
+        ``state_dict()``, so that must already have the checkpoint's keys: the state of
+        a checkpoint that escalated to 8bit holds ``state1``/``absmax1``, not
+        ``exp_avg``. Read the checkpoint's param groups first (a partial load; see the
+        README) and pass them here.
+
+        Args:
+            param_groups: the checkpoint's ``state_dict()["param_groups"]`` (only their
+                ``"rung"`` and ``"rung_origin"`` entries are read).
+
+        Returns:
+            The rung moved to, or None when the optimizer stays.
+
+        Raises:
+            ValueError: if ``param_groups`` is not a list of dicts.
+        """
+        if not isinstance(param_groups, Sequence) or not all(
+            isinstance(g, dict) for g in param_groups
+        ):
+            raise ValueError(
+                f"param_groups must be a list of dicts (a state_dict's 'param_groups'), got "
+                f"{type(param_groups).__name__}"
+            )
+        target = self._checkpoint_rung(list(param_groups))
+        if target is not None:
+            reason = f"the checkpoint had escalated to {target}"
+            self.migrate_to(target, reason, origin="checkpoint")
+        return target
 
     def __getstate__(self) -> dict[str, Any]:
         """Refused: the optimizer holds its engines and a build function, which a copy
@@ -735,6 +773,21 @@ def _move_refused(decision: Decision, rung: Rung) -> str | None:
         return f"the {decision.rung} rung is pinned by {source}"
     allowed, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
     return None if allowed[rung] else excluded[rung]
+
+
+def _tensor_steps(_: object, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each Python-number ``step`` replaced by a 0-d float32 tensor
+    (new per-param dicts; the optimizer's own state is not touched)."""
+    state = state_dict.get("state")
+    if not isinstance(state, dict):
+        return state_dict
+    fixed = {
+        key: {**st, "step": torch.tensor(float(st["step"]))}
+        if isinstance(st, dict) and isinstance(st.get("step"), int | float)
+        else st
+        for key, st in state.items()
+    }
+    return {**state_dict, "state": fixed}
 
 
 def _mark_pinned(groups: list[dict[str, Any]], rung: Rung) -> None:
