@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
 import math
+import warnings
 import weakref
 
 import pytest
@@ -621,6 +623,49 @@ def test_follow_checkpoint_moves_only_where_load_state_dict_would() -> None:
     assert pinned.follow_checkpoint(opt.state_dict()["param_groups"]) is None
     with pytest.raises(ValueError, match="param_groups must be a list of dicts"):
         live.follow_checkpoint("bf16")  # type: ignore[arg-type]
+
+
+def test_dcp_of_a_raw_8bit_state_dict_is_refused_with_the_fix(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed.checkpoint as dcp
+
+    _, opt = _trained("8bit")
+    path = str(tmp_path / "dcp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"optim": opt.state_dict()}, checkpoint_id=path)
+        target = {"optim": opt.state_dict()}
+        dcp.load(target, checkpoint_id=path)
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=r"save get_optimizer_state_dict\(model, opt\)"):
+        opt.load_state_dict(target["optim"])  # bitsandbytes' int steps landed under "0", "1"
+    _assert_same(_snapshot(opt), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_8bit_checkpoint_continues_in_plain_bitsandbytes(dtype: torch.dtype) -> None:
+    """Moving off optladder: its 8bit checkpoint loads into bitsandbytes' own AdamW8bit,
+    which then continues exactly as optladder's 8bit rung does."""
+    import bitsandbytes as bnb
+
+    params = _params(dtype=dtype)
+    opt = _opt(params, rung="8bit")
+    for s in range(3):
+        _set_grads(params, s)
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    plain_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    plain = bnb.optim.AdamW8bit([{"params": plain_params[:1]}, {"params": plain_params[1:]}])
+    plain.load_state_dict(torch.load(buf, weights_only=True))
+    for s in range(3, 6):
+        _set_grads(params, s)
+        _set_grads(plain_params, s)
+        opt.step()
+        plain.step()
+    for p, q in zip(params, plain_params):
+        assert torch.equal(p, q)
+        assert plain.state[q]["step"] == 6
 
 
 # ---------------------------------------------------------------------------- real OOM

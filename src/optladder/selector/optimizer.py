@@ -209,7 +209,6 @@ class LadderOptimizer(torch.optim.Optimizer):
                 pinned.setdefault(pin, []).append((gi, group))
         self._mark_groups(engine.param_groups, decision)
         super().__init__(engine.param_groups, engine.defaults)
-        self.register_state_dict_post_hook(_tensor_steps, prepend=True)
         self.param_groups = order
         self.state = engine.state
         self._attach(engine)
@@ -571,12 +570,10 @@ class LadderOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The engine's ``state_dict`` (torch's layout over all groups when some pin
         their rung); each param group records its rung, how it was reached and why.
-        A ``step`` kept as a Python number (bitsandbytes) is saved as a 0-d float32
-        tensor, as torch saves it, so that ``torch.distributed.checkpoint`` loads it back
-        (it mislays non-tensor values of the per-param state). Hooks registered with
-        ``register_state_dict_pre_hook``/``_post_hook`` run as torch runs them."""
+        Hooks registered with ``register_state_dict_pre_hook``/``_post_hook`` run as
+        torch runs them."""
         if self._pinned:
-            return super().state_dict()  # runs the hooks, _tensor_steps first
+            return super().state_dict()  # runs the hooks
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state_dict = self.engine.state_dict()  # bitsandbytes wraps its state for FSDP
@@ -645,9 +642,16 @@ class LadderOptimizer(torch.optim.Optimizer):
             pairs += zip(saved["params"], live["params"])
         unknown = saved_state.keys() - {key for key, _ in pairs}
         if unknown:
+            hint = (
+                " (torch.distributed.checkpoint puts the non-tensor values of an int-keyed "
+                "state, such as bitsandbytes' step, under string keys: save "
+                "get_optimizer_state_dict(model, opt) instead of opt.state_dict())"
+                if all(isinstance(k, str) and k.isdigit() for k in unknown)
+                else ""
+            )
             raise ValueError(
                 f"the state_dict's state has entries for no param of its param groups: "
-                f"{sorted(map(repr, unknown))[:5]}"
+                f"{sorted(map(repr, unknown))[:5]}{hint}"
             )
         for pi, (key, p) in enumerate(pairs):
             st = saved_state.get(key)
@@ -773,21 +777,6 @@ def _move_refused(decision: Decision, rung: Rung) -> str | None:
         return f"the {decision.rung} rung is pinned by {source}"
     allowed, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
     return None if allowed[rung] else excluded[rung]
-
-
-def _tensor_steps(_: object, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` with each Python-number ``step`` replaced by a 0-d float32 tensor
-    (new per-param dicts; the optimizer's own state is not touched)."""
-    state = state_dict.get("state")
-    if not isinstance(state, dict):
-        return state_dict
-    fixed = {
-        key: {**st, "step": torch.tensor(float(st["step"]))}
-        if isinstance(st, dict) and isinstance(st.get("step"), int | float)
-        else st
-        for key, st in state.items()
-    }
-    return {**state_dict, "state": fixed}
 
 
 def _mark_pinned(groups: list[dict[str, Any]], rung: Rung) -> None:
