@@ -623,6 +623,10 @@ def test_follow_checkpoint_moves_only_where_load_state_dict_would() -> None:
     assert pinned.follow_checkpoint(opt.state_dict()["param_groups"]) is None
     with pytest.raises(ValueError, match="param_groups must be a list of dicts"):
         live.follow_checkpoint("bf16")  # type: ignore[arg-type]
+    fresh = _opt(_params(), rung=None)
+    with pytest.raises(ValueError, match="the checkpoint has 3 param groups; this optimizer has 2"):
+        fresh.follow_checkpoint([*opt.state_dict()["param_groups"], {}])
+    assert fresh.rung == "fp32"
 
 
 def test_dcp_of_a_raw_8bit_state_dict_is_refused_with_the_fix(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -733,7 +733,8 @@ class LadderOptimizer(torch.optim.Optimizer):
             The rung moved to, or None when the optimizer stays.
 
         Raises:
-            ValueError: if ``param_groups`` is not a list of dicts.
+            ValueError: if ``param_groups`` is not a list of dicts, one per group of this
+                optimizer; nothing moves then.
         """
         if not isinstance(param_groups, Sequence) or not all(
             isinstance(g, dict) for g in param_groups
@@ -741,6 +742,11 @@ class LadderOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"param_groups must be a list of dicts (a state_dict's 'param_groups'), got "
                 f"{type(param_groups).__name__}"
+            )
+        if len(param_groups) != len(self.param_groups):
+            raise ValueError(
+                f"the checkpoint has {len(param_groups)} param groups; this optimizer has "
+                f"{len(self.param_groups)}"
             )
         target = self._checkpoint_rung(list(param_groups))
         if target is not None:
