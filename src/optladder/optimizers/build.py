@@ -51,7 +51,7 @@ def _refuse_dtensors(rung: Rung, param_groups: list[dict[str, Any]], fused: bool
     LadderAdamW keeps plain moments of the global shape and mixes them with DTensor
     params ("got mixed torch.Tensor and DTensor"); its C kernel reads raw pointers.
     """
-    eager_fp32 = rung == "fp32" and spec.fp32_engine(fused, _dtype_names(param_groups)) == "eager"
+    eager_fp32 = rung == "fp32" and spec.fp32_engine(fused, dtype_names(param_groups)) == "eager"
     if rung not in DTENSOR_UNSUPPORTED and not eager_fp32:
         return
     for gi, group in enumerate(param_groups):
@@ -91,7 +91,9 @@ def clear_engine_keys(param_groups: list[dict[str, Any]]) -> None:
             group.pop(key, None)
 
 
-def _dtype_names(param_groups: list[dict[str, Any]]) -> set[str]:
+def dtype_names(param_groups: list[dict[str, Any]]) -> set[str]:
+    """Names of the groups' param dtypes, e.g. ``{"float32", "bfloat16"}`` (the form
+    :func:`optladder.optimizers.probe_capabilities` and :mod:`.spec` take)."""
     return {str(p.dtype).removeprefix("torch.") for g in param_groups for p in g["params"]}
 
 
@@ -147,7 +149,7 @@ def build_engine(
     _refuse_dtensors(rung, param_groups, fused)
     clear_engine_keys(param_groups)
     if rung == "fp32":
-        engine = spec.fp32_engine(fused, _dtype_names(param_groups))
+        engine = spec.fp32_engine(fused, dtype_names(param_groups))
         return build_fp32(param_groups, engine=engine, **hyper)
     if rung == "bf16":
         return LadderAdamW(

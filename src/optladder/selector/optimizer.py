@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from optladder.optimizers.adamw import unscale_grads_, validate_group_hyperparams
-from optladder.optimizers.build import ENGINE_KEYS
+from optladder.optimizers.build import ENGINE_KEYS, dtype_names
 from optladder.optimizers.capabilities import probe_capabilities
 from optladder.optimizers.migrate import (
     check_param_state,
@@ -250,11 +250,10 @@ class LadderOptimizer(torch.optim.Optimizer):
                 return engine.param_groups[-len(groups) :]
             if self._rebuild is None:
                 raise ValueError("this optimizer was built without a rebuild function")
-            params = [p for group in groups for p in group["params"]]
             caps = probe_capabilities(
                 self.device,
-                {str(p.dtype).removeprefix("torch.") for p in params},
-                any(p.is_complex() for p in params),
+                dtype_names(groups),
+                any(p.is_complex() for group in groups for p in group["params"]),
             )
             engine = self._rebuild(rung, groups, caps.fused[rung])  # allocates no state
         except ValueError as exc:
