@@ -24,15 +24,13 @@ Not a test: numbers depend on the machine.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
 from optladder import choose_optimizer
 from optladder.optimizers.adamw import LadderAdamW
-from step_time import parse_size, state_bytes, sync, warm_process
+from step_time import median_step_seconds, parse_size, state_bytes, warm_process, warmed_up
 
 Params = tuple[torch.nn.Parameter, torch.nn.Parameter]
 Stepper = Callable[[], None]
@@ -86,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ap.error(f"--reps and --warmup must be >= 1, got {args.reps} and {args.warmup}")
     device = torch.device(args.device)
     warm_process(device)
-    live: dict[str, object] = {}
+    live: dict[str, torch.optim.Optimizer] = {}
     for name, make in IMPLS.items():
         gen = torch.Generator(device=device).manual_seed(0)
         ps = tuple(
@@ -95,30 +93,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
         for p in ps:
             p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3
-        try:
-            opt = make(ps)  # type: ignore[arg-type]
-            for _ in range(args.warmup):
-                opt.step()  # type: ignore[attr-defined]
-            sync(device)
-        except Exception as exc:  # a rung that cannot run here is reported, not fatal
-            print(f"{name:<36} failed: {type(exc).__name__}: {str(exc)[:100]}")
-            continue
-        live[name] = opt
-    times: dict[str, list[float]] = {name: [] for name in live}
-    for _ in range(args.reps):
-        for name, opt in live.items():
-            t0 = time.perf_counter()
-            opt.step()  # type: ignore[attr-defined]
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    medians = {name: statistics.median(t) for name, t in times.items()}
+        opt = warmed_up(lambda: make(ps), device, args.warmup, f"{name:<36}")  # noqa: B023
+        if opt is not None:
+            live[name] = opt
+    medians = median_step_seconds(live, device, args.reps)
     base = medians.get("torch-fused-fp32 (both)")
     n = args.emb + args.body
     print(f"{args.emb:,} + {args.body:,} params on {device}, median of {args.reps} steps")
     print(f"{'implementation':<36}{'ms':>9}{'vs fused':>10}{'B/param':>9}")
     for name, t in medians.items():
         ratio = f"{base / t:.2f}" if base else "-"
-        per = state_bytes(live[name]) / n  # type: ignore[arg-type]
+        per = state_bytes(live[name]) / n
         print(f"{name:<36}{t * 1e3:>9.2f}{ratio:>10}{per:>9.3f}")
     return medians
 

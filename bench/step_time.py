@@ -133,40 +133,55 @@ def warm_process(device: torch.device, seconds: float = 1.0) -> None:
         sync(device)
 
 
-def measure_size(
-    impls: dict[str, Factory], n: int, device: torch.device, reps: int, warmup: int
-) -> list[Result]:
-    """Median step time of every implementation on one float32 param of ``n`` elements.
+def warmed_up(
+    make: Callable[[], torch.optim.Optimizer], device: torch.device, warmup: int, label: str
+) -> torch.optim.Optimizer | None:
+    """The optimizer ``make()`` builds, after ``warmup`` untimed steps (its state then
+    exists); None, with ``label`` and the error printed, if building or stepping fails
+    (a baseline that cannot run here is reported, not fatal)."""
+    try:
+        opt = make()
+        for _ in range(warmup):
+            opt.step()
+        sync(device)
+    except Exception as exc:
+        print(f"{label}  failed: {type(exc).__name__}: {str(exc)[:120]}")
+        return None
+    return opt
 
-    The implementations are timed in turns (rep 1 of each, then rep 2 of each, ...), so
-    that slow drifts of the machine hit all of them alike. One that fails is reported
-    and left out.
-    """
-    live: dict[str, tuple[torch.optim.Optimizer, torch.nn.Parameter]] = {}
-    for name, factory in impls.items():
-        gen = torch.Generator(device=device).manual_seed(0)
-        p = torch.nn.Parameter(torch.randn(n, device=device, generator=gen))
-        p.grad = torch.randn(n, device=device, generator=gen) * 1e-3
-        try:
-            opt = factory([p])
-            for _ in range(warmup):
-                opt.step()
-            sync(device)
-        except Exception as exc:  # a baseline that cannot run here is reported, not fatal
-            print(f"{name:<24}{n:>10}  failed: {type(exc).__name__}: {str(exc)[:120]}")
-            continue
-        live[name] = (opt, p)
-    times: dict[str, list[float]] = {name: [] for name in live}
+
+def median_step_seconds(
+    optimizers: dict[str, torch.optim.Optimizer], device: torch.device, reps: int
+) -> dict[str, float]:
+    """Median seconds of one ``step()`` of each optimizer over ``reps`` steps, timed in
+    turns (rep 1 of each, then rep 2 of each, ...) so that slow drifts of the machine hit
+    all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in optimizers}
     for _ in range(reps):
-        for name, (opt, _) in live.items():
+        for name, opt in optimizers.items():
             t0 = time.perf_counter()
             opt.step()
             sync(device)
             times[name].append(time.perf_counter() - t0)
-    results = [
-        Result(name, n, statistics.median(times[name]), state_bytes(opt) / n)
-        for name, (opt, _) in live.items()
-    ]
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def measure_size(
+    impls: dict[str, Factory], n: int, device: torch.device, reps: int, warmup: int
+) -> list[Result]:
+    """Median step time of every implementation on one float32 param of ``n`` elements
+    (:func:`median_step_seconds`). One that fails is reported and left out.
+    """
+    live: dict[str, torch.optim.Optimizer] = {}
+    for name, factory in impls.items():
+        gen = torch.Generator(device=device).manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(n, device=device, generator=gen))
+        p.grad = torch.randn(n, device=device, generator=gen) * 1e-3
+        opt = warmed_up(lambda: factory([p]), device, warmup, f"{name:<24}{n:>10}")  # noqa: B023
+        if opt is not None:
+            live[name] = opt
+    medians = median_step_seconds(live, device, reps)
+    results = [Result(name, n, medians[name], state_bytes(opt) / n) for name, opt in live.items()]
     live.clear()
     gc.collect()
     if device.type == "cuda":

@@ -22,6 +22,7 @@ from optladder import (
     measure_footprint,
 )
 from optladder.policies.footprint import rung_state_bytes
+from snapshots import assert_same, snapshot
 
 RUNGS = ("fp32", "bf16", "8bit")
 
@@ -80,40 +81,6 @@ def _opt(params, rung: str | None = "fp32", **kwargs):  # type: ignore[no-untype
     ]
     kwargs.setdefault("free_memory", "1GiB")
     return choose_optimizer(groups, rung=rung, **kwargs)
-
-
-def _snapshot(opt) -> tuple[list[torch.Tensor], dict]:  # type: ignore[no-untyped-def]
-    params = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
-    return params, copy.deepcopy(opt.state_dict())
-
-
-def _assert_same(a, b) -> None:  # type: ignore[no-untyped-def]
-    params_a, sd_a = a
-    params_b, sd_b = b
-    for x, y in zip(params_a, params_b):
-        assert torch.equal(x, y)
-    assert sd_a["param_groups"] == sd_b["param_groups"]
-    assert sd_a["state"].keys() == sd_b["state"].keys()
-    for k in sd_a["state"]:
-        flat_a = _flat(sd_a["state"][k])
-        flat_b = _flat(sd_b["state"][k])
-        assert flat_a.keys() == flat_b.keys()
-        for name in flat_a:
-            va, vb = flat_a[name], flat_b[name]
-            if isinstance(va, torch.Tensor):
-                assert va.dtype == vb.dtype and torch.equal(va, vb), name
-            else:
-                assert va == vb, name
-
-
-def _flat(state: dict) -> dict:
-    out = {}
-    for k, v in state.items():
-        if isinstance(v, dict):
-            out.update(v)
-        else:
-            out[k] = v
-    return out
 
 
 def _moments_fp32(opt, p) -> tuple[torch.Tensor, torch.Tensor, int]:  # type: ignore[no-untyped-def]
@@ -249,11 +216,11 @@ def test_a_move_up_that_fails_anywhere_restores_the_state_exactly(src: str, dst:
     assert counter.count >= 6  # at least the moments of the three params
     for k in range(1, counter.count + 1):
         opt = trained()
-        before = _snapshot(opt)
+        before = snapshot(opt)
         with pytest.raises(torch.OutOfMemoryError), FailNthAllocation(k):
             opt.migrate_to(dst, "test", force=True)
         assert opt.rung == src
-        _assert_same(_snapshot(opt), before)
+        assert_same(snapshot(opt), before)
 
 
 # ---------------------------------------------------------------------------- two-phase
@@ -300,7 +267,7 @@ def test_an_oom_at_any_allocation_changes_nothing(
     for s in range(steps_before + 1):
         _set_grads(clean_params, s)
         clean.step()
-    expected = _snapshot(clean)
+    expected = snapshot(clean)
     for k in range(1, n + 1):
         params = _params(dtype=dtype)
         opt = _opt(params, rung=rung)  # pinned: the OOM is re-raised, not escalated
@@ -308,12 +275,12 @@ def test_an_oom_at_any_allocation_changes_nothing(
             _set_grads(params, s)
             opt.step()
         _set_grads(params, steps_before)
-        before = _snapshot(opt)
+        before = snapshot(opt)
         with pytest.raises(OptimizerOutOfMemoryError, match="pinned"), FailNthAllocation(k):
             opt.step()
-        _assert_same(_snapshot(opt), before)
+        assert_same(snapshot(opt), before)
         opt.step()
-        _assert_same(_snapshot(opt), expected)
+        assert_same(snapshot(opt), expected)
 
 
 @pytest.mark.parametrize(("rung", "next_rung"), [("fp32", "bf16"), ("bf16", "8bit")])
@@ -545,7 +512,7 @@ def test_distributed_checkpoint_round_trip(tmp_path) -> None:  # type: ignore[no
     target = {"optim": live.state_dict()}
     dcp.load(target, checkpoint_id=str(tmp_path / "dcp"))
     live.load_state_dict(target["optim"])
-    _assert_same(([], copy.deepcopy(live.state_dict())), ([], copy.deepcopy(opt.state_dict())))
+    assert_same(([], copy.deepcopy(live.state_dict())), ([], copy.deepcopy(opt.state_dict())))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -604,7 +571,7 @@ def test_an_escalated_distributed_checkpoint_resumes_on_its_rung(
             for key in [*g]:
                 if key in ("rung_origin", "rung_reason") or key not in other:
                     del g[key]
-    _assert_same(([], loaded), ([], saved))
+    assert_same(([], loaded), ([], saved))
     for step in (1, 2):
         train(model, opt, step)
         train(live_model, live, step)
@@ -639,10 +606,10 @@ def test_dcp_of_a_raw_8bit_state_dict_is_refused_with_the_fix(tmp_path) -> None:
         dcp.save({"optim": opt.state_dict()}, checkpoint_id=path)
         target = {"optim": opt.state_dict()}
         dcp.load(target, checkpoint_id=path)
-    before = _snapshot(opt)
+    before = snapshot(opt)
     with pytest.raises(ValueError, match=r"save get_optimizer_state_dict\(model, opt\)"):
         opt.load_state_dict(target["optim"])  # bitsandbytes' int steps landed under "0", "1"
-    _assert_same(_snapshot(opt), before)
+    assert_same(snapshot(opt), before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

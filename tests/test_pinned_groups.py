@@ -15,6 +15,7 @@ from optladder import OptimizerOutOfMemoryError, choose_optimizer, measure_footp
 from optladder.optimizers import LadderAdamW
 from optladder.optimizers.state import measure_state_bytes
 from optladder.rungs import group_pin
+from snapshots import assert_same, snapshot
 
 # emb: 100 x 64 = 6,400 elements; proj: 64 x 64 weight (4,096) + 64 bias.
 EMB, W, B = 6_400, 4_096, 64
@@ -57,23 +58,6 @@ def _torch_adamw_emb(steps: int, lr: float = 2e-3) -> torch.Tensor:
         _set_grads(_params(model), s)
         ref.step()
     return model.emb.weight.detach()
-
-
-def _snapshot(opt) -> tuple[list[torch.Tensor], dict]:  # type: ignore[no-untyped-def]
-    params = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
-    return params, copy.deepcopy(opt.state_dict())
-
-
-def _assert_same(a, b) -> None:  # type: ignore[no-untyped-def]
-    for x, y in zip(a[0], b[0]):
-        assert torch.equal(x, y)
-    assert a[1]["param_groups"] == b[1]["param_groups"]
-    assert a[1]["state"].keys() == b[1]["state"].keys()
-    for k, st in a[1]["state"].items():
-        assert st.keys() == b[1]["state"][k].keys()
-        for name, v in st.items():
-            w = b[1]["state"][k][name]
-            assert (torch.equal(v, w) and v.dtype == w.dtype) if torch.is_tensor(v) else v == w
 
 
 def test_group_pin_reads_user_pins_and_ignores_the_ladders_marks() -> None:
@@ -184,7 +168,7 @@ def test_an_oom_at_any_allocation_of_any_engine_changes_nothing(steps_before: in
     _set_grads(_params(clean_model), steps_before)
     with FailNthAllocation() as counter:
         clean.step()
-    expected = _snapshot(clean)
+    expected = snapshot(clean)
     if steps_before:
         assert counter.count == 0  # nothing left to allocate once state exists
         return
@@ -193,12 +177,12 @@ def test_an_oom_at_any_allocation_of_any_engine_changes_nothing(steps_before: in
         model = _model()
         opt = _pinned_everywhere(model)
         _set_grads(_params(model), 0)
-        before = _snapshot(opt)
+        before = snapshot(opt)
         with pytest.raises(OptimizerOutOfMemoryError, match="pinned"), FailNthAllocation(k):
             opt.step()
-        _assert_same(_snapshot(opt), before)
+        assert_same(snapshot(opt), before)
         opt.step()
-        _assert_same(_snapshot(opt), expected)
+        assert_same(snapshot(opt), expected)
 
 
 def test_checkpoint_keeps_pins_and_moves_the_rest_to_the_escalated_rung() -> None:
@@ -224,10 +208,10 @@ def test_checkpoint_keeps_pins_and_moves_the_rest_to_the_escalated_rung() -> Non
     resumed.load_state_dict(saved)
     assert resumed.rung == "bf16" and resumed.decision.origin == "checkpoint"
     assert resumed.pinned_engines.keys() == {"fp32"}
-    resumed_params, resumed_sd = _snapshot(resumed)
+    resumed_params, resumed_sd = snapshot(resumed)
     for g in resumed_sd["param_groups"][1:]:  # how the rung was reached differs, only
         g.update(rung_origin="escalated", rung_reason="test: moved to bf16")
-    _assert_same((resumed_params, resumed_sd), _snapshot(opt))
+    assert_same((resumed_params, resumed_sd), snapshot(opt))
     for s in (2, 3):
         _set_grads(_params(model), s)
         _set_grads(_params(resumed_model), s)
@@ -297,13 +281,13 @@ def test_grad_scaler_unscales_the_pinned_groups_too() -> None:
     assert not opt.last_step_skipped
     for p, q in zip(_params(model), _params(ref_model)):
         assert torch.equal(p, q)  # unscaling by a power of two is exact
-    before = _snapshot(opt)
+    before = snapshot(opt)
     _set_grads(_params(model), 1)
     model.emb.weight.grad[0, 0] = float("inf")  # an overflow in the pinned group
     scaler.scale(torch.ones(()))
     scaler.step(opt)
     assert opt.last_step_skipped
-    _assert_same(_snapshot(opt), before)
+    assert_same(snapshot(opt), before)
 
 
 def test_unfused_pinned_rung_warns_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -487,7 +471,7 @@ def test_step_errors_name_the_users_group_and_change_nothing() -> None:
     opt = choose_optimizer(_groups(model, "8bit"), rung="bf16", free_memory="1GiB")
     _set_grads(_params(model), 0)
     opt.step()
-    before = _snapshot(opt)
+    before = snapshot(opt)
     _set_grads(_params(model), 1)
     model.emb.weight.grad = model.emb.weight.grad.to_sparse()
     with pytest.raises(ValueError, match="param 0 of group 0 has a sparse grad"):
@@ -497,7 +481,7 @@ def test_step_errors_name_the_users_group_and_change_nothing() -> None:
     model.proj.bias.grad = model.proj.bias.grad.double()
     with pytest.raises(ValueError, match=r"param 1 of group 1 has a torch.float64 grad"):
         opt.step()
-    _assert_same(_snapshot(opt), before)
+    assert_same(snapshot(opt), before)
 
 
 def test_the_optimizer_refuses_to_be_copied() -> None:
@@ -530,12 +514,12 @@ def test_malformed_checkpoints_are_refused_and_change_nothing(edit, match: str) 
     opt = choose_optimizer(_groups(model, "8bit"), rung="bf16", free_memory="1GiB")
     _set_grads(_params(model), 0)
     opt.step()
-    before = _snapshot(opt)
+    before = snapshot(opt)
     saved = copy.deepcopy(opt.state_dict())
     edit(saved)
     with pytest.raises(ValueError, match=match):
         opt.load_state_dict(saved)
-    _assert_same(_snapshot(opt), before)
+    assert_same(snapshot(opt), before)
 
 
 def test_groups_pinning_one_rung_share_one_engine_built_for_all_their_params() -> None:

@@ -1,0 +1,49 @@
+"""Test tools that snapshot an optimizer and compare snapshots bit for bit."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+
+def snapshot(opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """Copies of the optimizer's params (in group order) and of its ``state_dict()``."""
+    params = [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    return params, copy.deepcopy(opt.state_dict())
+
+
+def assert_same(
+    a: tuple[list[torch.Tensor], dict[str, Any]], b: tuple[list[torch.Tensor], dict[str, Any]]
+) -> None:
+    """Assert two :func:`snapshot` results equal: params bitwise, param groups equal,
+    every state value equal (tensors bitwise and of the same dtype; bitsandbytes' wrapped
+    per-param state compared entry by entry)."""
+    params_a, sd_a = a
+    params_b, sd_b = b
+    for x, y in zip(params_a, params_b, strict=True):
+        assert torch.equal(x, y)
+    assert sd_a["param_groups"] == sd_b["param_groups"]
+    assert sd_a["state"].keys() == sd_b["state"].keys()
+    for k in sd_a["state"]:
+        flat_a = _flat(sd_a["state"][k])
+        flat_b = _flat(sd_b["state"][k])
+        assert flat_a.keys() == flat_b.keys()
+        for name in flat_a:
+            va, vb = flat_a[name], flat_b[name]
+            if isinstance(va, torch.Tensor):
+                assert va.dtype == vb.dtype and torch.equal(va, vb), name
+            else:
+                assert va == vb, name
+
+
+def _flat(state: dict[str, Any]) -> dict[str, Any]:
+    """One param's state with nested dicts (bitsandbytes' wrapped state) merged in."""
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, dict):
+            out.update(v)
+        else:
+            out[k] = v
+    return out
