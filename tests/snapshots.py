@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 
@@ -47,3 +49,25 @@ def _flat(state: dict[str, Any]) -> dict[str, Any]:
         else:
             out[k] = v
     return out
+
+
+def assert_failed_steps_change_nothing(
+    prepared: Callable[[], torch.optim.Optimizer],
+    allocations: int,
+    expected: tuple[list[torch.Tensor], dict[str, Any]],
+) -> None:
+    """For every ``k`` in ``1..allocations``: an optimizer from ``prepared()`` (grads set,
+    one step to go, its rung pinned so an OOM is re-raised) whose step fails at the
+    ``k``-th allocation raises ``OptimizerOutOfMemoryError`` and changes nothing, and its
+    next step gives ``expected`` (a :func:`snapshot` of an optimizer that never failed)."""
+    from memtools import FailNthAllocation
+    from optladder import OptimizerOutOfMemoryError
+
+    for k in range(1, allocations + 1):
+        opt = prepared()
+        before = snapshot(opt)
+        with pytest.raises(OptimizerOutOfMemoryError, match="pinned"), FailNthAllocation(k):
+            opt.step()
+        assert_same(snapshot(opt), before)
+        opt.step()
+        assert_same(snapshot(opt), expected)
