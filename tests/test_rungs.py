@@ -180,7 +180,7 @@ def test_fp32_eager_for_bf16_params_keeps_float32_moments() -> None:
 )
 def test_build_engine_kinds(rung: str, fused: bool, engine: str, flag: str | None) -> None:
     opt = _build(rung, fused)([torch.nn.Parameter(torch.zeros(4))])
-    assert type(opt).__name__ == engine
+    assert engine in [cls.__name__ for cls in type(opt).__mro__]  # 8bit: a subclass
     if flag is not None:
         assert opt.defaults[flag] is True
 

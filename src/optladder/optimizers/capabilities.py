@@ -73,7 +73,7 @@ def probe_capabilities(
     available: dict[Rung, bool] = {"fp32": True, "bf16": True, "8bit": bnb_ok}
     unavailable = {} if bnb_ok else {"8bit": f"the 8bit rung is unavailable: {bnb_why}"}
     slow: dict[Rung, str] = {}
-    if dev.type == "cpu":
+    if dev.type == "cpu" and not fused["8bit"]:
         slow["8bit"] = (
             "bitsandbytes' CPU optimizer path is tens of times slower than torch's fused "
             "fp32 AdamW (see bench/step_time.py)"

@@ -1,12 +1,16 @@
-"""The 8-bit rung: bitsandbytes' ``AdamW8bit`` (block-wise quantized moments).
+"""The 8-bit rung: bitsandbytes' ``AdamW8bit`` state (block-wise quantized moments).
 
 Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022). bitsandbytes
 is imported only when this rung is built.
 
-Sharded params (DTensor, e.g. FSDP2's ``fully_shard``) and Adam's coupled weight decay
-get a subclass of ``AdamW8bit`` (:func:`ladder_adamw8bit_class`): it runs bitsandbytes'
-update on each rank's local shard, while the size rule (``min_8bit_size``) follows the
-param's global element count, the same on every rank; and in Adam mode it adds
+The engine is a subclass of ``AdamW8bit`` (:func:`ladder_adamw8bit_class`), so its state
+and checkpoints are bitsandbytes' own. It steps every CPU param it can with one call of
+optladder's 8-bit CPU kernel (:mod:`optladder.optimizers.kernels.cpu8bit`: same state
+format, no float32 copies), CUDA params with bitsandbytes' kernel, and the rest (no C
+compiler, DTensor shards, ``max_unorm``) with bitsandbytes' per-tensor update, recording
+why in ``eager_reasons``. Sharded params (DTensor, e.g. FSDP2's ``fully_shard``) step on
+each rank's local shard, while the size rule (``min_8bit_size``) follows the param's
+global element count, the same on every rank. In Adam mode (coupled weight decay) it adds
 ``weight_decay * param`` to the grad and runs bitsandbytes with weight decay 0, because
 bitsandbytes applies weight decay the AdamW (decoupled) way.
 """
@@ -18,6 +22,7 @@ import functools
 import importlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
 
@@ -52,8 +57,21 @@ def import_bitsandbytes() -> ModuleType:
 
 @functools.cache
 def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
-    """bitsandbytes' ``AdamW8bit``, taught to step DTensor params on their local shards
-    and, with ``coupled_weight_decay=True``, to decay the Adam way.
+    """bitsandbytes' ``AdamW8bit``, taught to step CPU params on optladder's 8-bit CPU
+    kernel, DTensor params on their local shards and, with ``coupled_weight_decay=True``,
+    to decay the Adam way.
+
+    CPU kernel: :meth:`step` steps every CPU param whose state is ``AdamW8bit``'s (8-bit
+    codes, or float32 under ``min_8bit_size``) with one call of
+    :mod:`optladder.optimizers.kernels.cpu8bit`, which writes the same state format
+    (nearest code, bitsandbytes' reference rule) without float32 copies of any tensor,
+    then bumps their ``step``. ``prepare_kernel_step`` writes its tables ahead (the
+    prepare phase of :mod:`optladder.optimizers.transaction`); the commit allocates
+    nothing. ``cpu_kernel=False``, a missing C compiler, a non-contiguous param, DTensor
+    params or ``max_unorm``/``skip_zeros`` send a param to bitsandbytes' per-tensor
+    update instead, with the reason in ``eager_reasons`` (param index over all groups).
+    In Adam mode the kernel adds ``weight_decay * param`` to the grad in float32 without
+    writing the grad tensor.
 
     Adam mode: bitsandbytes decays decoupled (``param *= 1 - lr * wd``, its CPU fallback
     and CUDA kernel alike), so the decay is folded into the grad instead
@@ -83,15 +101,77 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
         ImportError: if bitsandbytes does not import.
     """
     bnb = import_bitsandbytes()
+    sync_gpu = importlib.import_module("bitsandbytes.utils").sync_gpu
 
     class LadderAdamW8bit(bnb.optim.AdamW8bit):  # type: ignore[name-defined]
         """``AdamW8bit`` stepping DTensor params on their local shards, and decaying
         the Adam way when ``coupled_weight_decay``; see
         :func:`optladder.optimizers.eightbit.ladder_adamw8bit_class`."""
 
-        def __init__(self, *args: Any, coupled_weight_decay: bool = False, **kwargs: Any) -> None:
+        def __init__(
+            self,
+            *args: Any,
+            coupled_weight_decay: bool = False,
+            cpu_kernel: bool = True,
+            **kwargs: Any,
+        ) -> None:
             self.coupled_weight_decay = coupled_weight_decay
+            self.cpu_kernel = cpu_kernel
+            self.eager_reasons: dict[int, str] = {}
+            self._kernel_error: str | None = None
+            self._prepared: _PreparedStep | None = None
+            self._bounds: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
             super().__init__(*args, **kwargs)
+
+        def prepare_kernel_step(self) -> None:
+            """Prepare the CPU kernel's tables for the next :meth:`step` (the prepare
+            phase of a two-phase step; the state of stepping params must exist, as
+            bitsandbytes' ``init_state`` makes it). The next ``step`` uses them if the
+            params' grads and state are still the same tensors, else prepares again.
+
+            Raises:
+                ValueError: from :func:`optladder.optimizers.kernels.cpu8bit.prepare_table`
+                    (state of the wrong layout); nothing changes.
+            """
+            self._prepared = None
+            self._prepared = _prepare_step(self)
+
+        def drop_kernel_step(self) -> None:
+            """Forget the tables :meth:`prepare_kernel_step` made (a rolled-back step)."""
+            self._prepared = None
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            """One step, as bitsandbytes' ``Optimizer8bit.step``, with every CPU param the
+            8-bit CPU kernel can take stepped by one kernel call (see
+            :func:`ladder_adamw8bit_class`); the rest through bitsandbytes' ``update_step``.
+            """
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            if not self.initialized:
+                self.check_overrides()
+                self.to_gpu()
+                self.initialized = True
+            prepared, self._prepared = self._prepared, None
+            if prepared is None or not prepared.still_valid(self):
+                for gindex, group in enumerate(self.param_groups):
+                    for pindex, p in enumerate(group["params"]):
+                        if p.grad is not None and len(self.state[p]) == 0:
+                            self.init_state(group, p, gindex, pindex)
+                prepared = _prepare_step(self)
+            for group, p, gindex, pindex in prepared.others:
+                self.prefetch_state(p)
+                self.update_step(group, p, gindex, pindex)
+                sync_gpu(p)
+            if prepared.table is not None:
+                from optladder.optimizers.kernels import cpu8bit
+
+                cpu8bit.run_table(prepared.table, prepared.library)
+                for st in prepared.states:
+                    st["step"] += 1
+            return loss
 
         def get_config(self, gindex: int, pindex: int, group: dict[str, Any]) -> dict[str, Any]:
             config: dict[str, Any] = super().get_config(gindex, pindex, group)
@@ -164,6 +244,158 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
     return LadderAdamW8bit
 
 
+@dataclass
+class _PreparedStep:
+    """What :func:`_prepare_step` decided for one step of a ``LadderAdamW8bit``.
+
+    Attributes:
+        table: the CPU kernel's tables, or None when no param takes the kernel.
+        library: the loaded kernel library (None with ``table``).
+        states: the state dicts of the kernel's params (their ``step`` is bumped after
+            the kernel ran), in table order.
+        checks: ``(param, grad, state, step, state1)`` per kernel param, to see at
+            commit that the tables still point at the right tensors.
+        others: ``(group, param, gindex, pindex)`` stepped by bitsandbytes.
+        n_groups: the number of param groups when prepared.
+    """
+
+    table: Any
+    library: Any
+    states: list[dict[str, Any]]
+    checks: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], int, torch.Tensor]]
+    others: list[tuple[dict[str, Any], torch.Tensor, int, int]]
+    n_groups: int
+
+    def still_valid(self, engine: torch.optim.Optimizer) -> bool:
+        """Whether the grads and state the tables point at are still the params' own."""
+        if len(engine.param_groups) != self.n_groups:
+            return False
+        state = engine.state
+        return all(
+            p.grad is grad and state.get(p) is st and st["step"] == step and st["state1"] is s1
+            for p, grad, st, step, s1 in self.checks
+        )
+
+
+def _code_bounds(engine: Any, qmap: torch.Tensor) -> torch.Tensor:
+    """:func:`~optladder.optimizers.kernels.cpu8bit.code_bounds` of ``qmap``, cached on
+    the engine by tensor identity and version (code books are shared by all params)."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    cache: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = engine._bounds
+    hit = cache.get(id(qmap))
+    if hit is not None and hit[0] is qmap and hit[1] == qmap._version:
+        return hit[2]
+    bounds = cpu8bit.code_bounds(qmap)
+    cache[id(qmap)] = (qmap, qmap._version, bounds)
+    return bounds
+
+
+def _kernel_miss(
+    engine: Any, p: torch.Tensor, config: dict[str, Any], state: dict[str, Any]
+) -> str | None:
+    """Why the 8-bit CPU kernel does not step CPU param ``p``, or None if it does."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    if not engine.cpu_kernel:
+        return "cpu_kernel=False: bitsandbytes' per-tensor CPU path was asked for"
+    if is_dtensor(p):
+        return "DTensor params step through bitsandbytes on their local shard"
+    if engine._kernel_error is None:
+        why = cpu8bit.unavailable_reason()
+        if why is None:
+            try:
+                cpu8bit.load_library()
+            except cpu8bit.cpu.KernelBuildError as exc:
+                why = f"the 8-bit CPU kernel could not be built: {exc}"
+        engine._kernel_error = why or ""
+    if engine._kernel_error:
+        return f"{engine._kernel_error}; bitsandbytes' per-tensor CPU path steps it"
+    why = cpu8bit.param_unsupported_reason(p, cast(torch.Tensor, p.grad))
+    if why is not None:
+        return why
+    if config.get("max_unorm", 0.0) > 0.0 or config.get("skip_zeros", False):
+        return "max_unorm or skip_zeros is set: bitsandbytes' per-tensor CPU path steps it"
+    s1 = state.get("state1")
+    if s1 is None or s1.dtype not in (torch.uint8, torch.float32) or "state2" not in state:
+        return "its state is not AdamW8bit's (state1/state2 of uint8 or float32)"
+    return None
+
+
+def _prepare_step(engine: Any) -> _PreparedStep:
+    """Route each param with a grad of a ``LadderAdamW8bit`` to the 8-bit CPU kernel or
+    to bitsandbytes, and prepare the kernel's tables; record why each CPU param that
+    is not on the kernel is not, in ``engine.eager_reasons`` (param index over all
+    groups -> reason)."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    jobs: list[cpu8bit.Job] = []
+    states: list[dict[str, Any]] = []
+    checks: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], int, torch.Tensor]] = []
+    others: list[tuple[dict[str, Any], torch.Tensor, int, int]] = []
+    reasons: dict[int, str] = {}
+    index = -1
+    for gindex, group in enumerate(engine.param_groups):
+        for pindex, p in enumerate(group["params"]):
+            index += 1
+            grad = p.grad
+            if grad is None:
+                continue
+            state = engine.state[p]
+            if p.device.type != "cpu" or len(state) == 0:
+                others.append((group, p, gindex, pindex))  # bitsandbytes' own kernel
+                continue
+            config = engine.get_config(gindex, pindex, group)
+            why = _kernel_miss(engine, p, config, state)
+            quantized = why is None and state["state1"].dtype == torch.uint8
+            bounds: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+            if quantized:
+                try:
+                    bounds = (
+                        _code_bounds(engine, state["qmap1"]),
+                        _code_bounds(engine, state["qmap2"]),
+                    )
+                except ValueError as exc:
+                    why = f"its code books do not fit the kernel: {exc}"
+            if why is not None:
+                reasons[index] = why
+                others.append((group, p, gindex, pindex))
+                continue
+            coupled = bool(engine.coupled_weight_decay)
+            jobs.append(
+                cpu8bit.Job(
+                    param=p.detach(),
+                    grad=grad.detach(),
+                    state1=state["state1"],
+                    state2=state["state2"],
+                    absmax1=state.get("absmax1") if quantized else None,
+                    absmax2=state.get("absmax2") if quantized else None,
+                    bounds1=bounds[0],
+                    bounds2=bounds[1],
+                    qmap1=state.get("qmap1") if quantized else None,
+                    qmap2=state.get("qmap2") if quantized else None,
+                    step=int(state["step"]) + 1,
+                    lr=float(config["lr"]),
+                    betas=(float(config["betas"][0]), float(config["betas"][1])),
+                    eps=float(config["eps"]),
+                    weight_decay=float(group["weight_decay"] if coupled else config["weight_decay"]),
+                    coupled_weight_decay=coupled,
+                )
+            )
+            states.append(state)
+            checks.append((p, grad, state, state["step"], state["state1"]))
+    table = cpu8bit.prepare_table(jobs) if jobs else None
+    engine.eager_reasons = reasons
+    return _PreparedStep(
+        table=table,
+        library=cpu8bit.load_library() if jobs else None,
+        states=states,
+        checks=checks,
+        others=others,
+        n_groups=len(engine.param_groups),
+    )
+
+
 def check_8bit_param(p: torch.Tensor, where: str) -> None:
     """Raise unless the 8-bit rung can take ``p``: real float32, bfloat16 or float16.
 
@@ -193,13 +425,15 @@ def build_8bit(
     weight_decay: float,
     decoupled_weight_decay: bool = True,
 ) -> torch.optim.Optimizer:
-    """Build ``bitsandbytes.optim.AdamW8bit`` over ``param_groups``.
+    """Build :func:`ladder_adamw8bit_class` (a ``bitsandbytes.optim.AdamW8bit``) over
+    ``param_groups``.
 
     Tensors under bitsandbytes' ``min_8bit_size`` (4096 elements) keep float32 moments;
-    larger ones keep uint8 codes with one float32 absmax per 256-element block. When any
-    param is a DTensor (FSDP2), the optimizer is :func:`ladder_adamw8bit_class`: each
-    rank steps its local shard, and the 4,096-element rule follows the global count.
-    ``decoupled_weight_decay=False`` (Adam) uses it too, to decay the Adam way.
+    larger ones keep uint8 codes with one float32 absmax per 256-element block. CPU params
+    step on optladder's 8-bit CPU kernel (one call for all of them), CUDA params on
+    bitsandbytes' kernel; DTensor params (FSDP2) step on their local shard, and the
+    4,096-element rule follows the global count. ``decoupled_weight_decay=False`` (Adam)
+    decays the Adam way.
 
     Raises:
         ImportError: if bitsandbytes does not import (install ``optladder[8bit]``).
@@ -211,23 +445,18 @@ def build_8bit(
             sharded = sharded or is_dtensor(p)
             check_8bit_param(p, f"param {pi} of group {gi}")
     try:
-        bnb = import_bitsandbytes()
+        import_bitsandbytes()
     except ImportError as exc:
         raise ImportError(
             f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
             "pip install 'optladder[8bit]'"
         ) from exc
-    kwargs: dict[str, Any] = {}
-    engine: Any = bnb.optim.AdamW8bit
-    if sharded or not decoupled_weight_decay:
-        engine = ladder_adamw8bit_class()
-        kwargs["coupled_weight_decay"] = not decoupled_weight_decay
-    return engine(
+    return ladder_adamw8bit_class()(
         param_groups,
         lr=lr,
         betas=betas,
         eps=eps,
         weight_decay=weight_decay,
         min_8bit_size=BNB_MIN_8BIT_SIZE,
-        **kwargs,
+        coupled_weight_decay=not decoupled_weight_decay,
     )

@@ -141,8 +141,21 @@ def _dequantize(
 
 
 def _quantize(values: torch.Tensor, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``values`` as bitsandbytes' block-wise 8-bit state: on the CPU with the 8-bit
+    CPU kernel's rule (nearest code, so an exact 0 stays 0) where that kernel builds,
+    elsewhere with bitsandbytes' ``quantize_blockwise``."""
     if values.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         values = values.float()
+    if values.device.type == "cpu" and code.device.type == "cpu":
+        from optladder.optimizers.kernels import cpu, cpu8bit
+
+        if cpu8bit.unavailable_reason() is None:
+            try:
+                codes, absmax = cpu8bit.quantize_blockwise(values, code)
+            except (cpu.KernelBuildError, ValueError):
+                pass  # a kernel that cannot load, or an unsorted code book: bitsandbytes'
+            else:
+                return codes, absmax
     codes, absmax = torch.ops.bitsandbytes.quantize_blockwise(
         values.contiguous(), code, BNB_BLOCKSIZE
     )

@@ -107,11 +107,20 @@ def bf16_fused_miss(device_type: str, dtypes: Iterable[str] = ("float32",)) -> s
 def eightbit_fused_miss(device_type: str) -> str | None:
     """Why the 8-bit rung is not on a fused kernel on ``device_type``, or None.
 
-    bitsandbytes runs one block-wise 8-bit kernel per tensor on CUDA; elsewhere it runs a
-    per-tensor fallback, tens of times slower than torch's fused fp32 AdamW on the CPU.
+    On CUDA bitsandbytes runs its block-wise 8-bit kernel; on the CPU optladder's C kernel
+    (:mod:`optladder.optimizers.kernels.cpu8bit`, bitsandbytes' state format) steps all
+    params in one call where a C compiler is found, else bitsandbytes' per-tensor CPU
+    fallback runs, tens of times slower than torch's fused fp32 AdamW.
     """
+    from optladder.optimizers import kernels
+
     if device_type == "cuda":
         return None
+    if device_type == "cpu":
+        why = kernels.cpu_unavailable_reason()
+        if why is None:
+            return None
+        return f"{why}; the 8bit rung runs bitsandbytes' per-tensor CPU fallback"
     return f"bitsandbytes has no fused 8-bit optimizer kernel on {device_type}"
 
 

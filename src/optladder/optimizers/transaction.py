@@ -9,8 +9,10 @@ each engine allocates nothing that the dispatcher sees:
 - :class:`LadderAdamW`: state and its scratch buffers are allocated in prepare
   (:meth:`LadderAdamW.prepare_step`); its kernels and its eager loop write in place.
 - bitsandbytes ``AdamW8bit``: state is created in prepare with bitsandbytes' own
-  ``init_state``; its CUDA kernel updates in place. Its CPU fallback allocates inside
-  the update op, so on the CPU a real OOM there can still leave one param half-written.
+  ``init_state``; its CUDA kernel updates in place, and so does optladder's 8-bit CPU
+  kernel, whose tables are written in prepare (``prepare_kernel_step``). bitsandbytes'
+  CPU fallback (no C compiler) allocates inside the update op, so there a real OOM can
+  still leave one param half-written.
 - ``torch.optim.AdamW(foreach=True)`` (complex params): the foreach ops allocate
   between in-place writes; no two-phase guarantee.
 """
@@ -122,6 +124,9 @@ def prepare_step(
                         engine.init_state(group, p, gi, pi)  # type: ignore[attr-defined]
                     else:
                         engine.state[p].update(_torch_adam_init(group, p))
+            prepare_kernel = getattr(engine, "prepare_kernel_step", None)
+            if prepare_kernel is not None:
+                prepare_kernel()  # the 8-bit CPU kernel's tables
     except BaseException:
         rollback_step(engine, created)
         raise
@@ -134,6 +139,9 @@ def rollback_step(engine: torch.optim.Optimizer, created: list[torch.Tensor]) ->
         engine.state.pop(p, None)
     if isinstance(engine, LadderAdamW):
         engine.release_scratch()
+    drop_kernel = getattr(engine, "drop_kernel_step", None)
+    if drop_kernel is not None:
+        drop_kernel()
 
 
 def commit_step(engine: torch.optim.Optimizer) -> None:

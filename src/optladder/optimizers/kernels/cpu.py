@@ -31,7 +31,12 @@ from pathlib import Path
 
 import torch
 
-from optladder.optimizers.kernels._cpu_source import SOURCE
+from optladder.optimizers.kernels._cpu8bit_source import SOURCE as _EIGHTBIT_SOURCE
+from optladder.optimizers.kernels._cpu_source import SOURCE as _BF16_SOURCE
+
+SOURCE = _BF16_SOURCE + _EIGHTBIT_SOURCE
+"""The C source of the CPU kernels' library: the bf16 rung's kernel, then the 8bit rung's
+(:mod:`.cpu8bit`), compiled into one shared object."""
 
 GRAD_DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 0,

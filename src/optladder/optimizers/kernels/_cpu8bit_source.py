@@ -1,0 +1,282 @@
+"""C source of the CPU kernel of the 8bit rung (compiled with the bf16 kernel by :mod:`.cpu`).
+
+The kernel steps AdamW on params whose moments are kept in bitsandbytes' block-wise 8-bit
+format (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022), so
+its state is the state of ``bitsandbytes.optim.AdamW8bit``: ``state1`` / ``state2`` uint8
+codes into the code books ``qmap1`` (signed dynamic map, for ``exp_avg``) and ``qmap2``
+(unsigned dynamic map, for ``exp_avg_sq``), and one float32 ``absmax1`` / ``absmax2`` per
+256-element block. Params under bitsandbytes' ``min_8bit_size`` keep float32 ``state1`` /
+``state2``; the kernel steps those too, with bitsandbytes' 32-bit update.
+
+Per 256-element block, in one pass over memory: decode each code with the block's old
+absmax (``qmap[code] * absmax``), update ``exp_avg``, ``exp_avg_sq`` and the param in
+float32 as bitsandbytes' CPU fallback (``backends/cpu/ops.py``) writes it, keep the block's
+new moments in a 1 KiB stack buffer each, take the new absmax (``max |.|``), and encode
+each value as the nearest code of the book. "Nearest" is bitsandbytes' reference rule
+(its torch backend's ``quantize_blockwise``: ``x * (1 / max(absmax, 1e-38))`` clamped to
+[-1, 1], then the number of midpoints between adjacent codes that lie below it, so a tie
+goes to the lower code); the midpoints (``bounds``, 255 values and a +inf) are computed in
+Python when the step is prepared. Zero is a code of both books, so a moment that is
+exactly 0 stays exactly 0 (bitsandbytes' native CPU quantizer, an approximate table
+search, maps it to a small non-zero code).
+
+Nothing is allocated: work items (runs of whole blocks of one param) are listed by the
+caller, and handed out to ``n_threads`` threads of torch's OpenMP pool (or pthreads).
+Symbols carry the ``ol8_`` prefix: this source is compiled in one file after the bf16
+kernel's.
+"""
+
+SOURCE = r"""
+#include <stdint.h>
+#include <stddef.h>
+#include <math.h>
+#include <pthread.h>
+
+#define OL8_F32 0
+#define OL8_BF16 1
+#define OL8_F16 2
+#define OL8_BLOCK 256
+
+/* One param with its state and the scalars of its own step (see cpu8bit.py). */
+typedef struct {
+    void *param;
+    const void *grad;
+    void *state1;            /* uint8 codes, or float32 exp_avg when not quantized */
+    void *state2;            /* uint8 codes, or float32 exp_avg_sq */
+    float *absmax1;          /* one per 256-element block; unused when not quantized */
+    float *absmax2;
+    const float *qmap1;      /* 256 codes, ascending */
+    const float *qmap2;
+    const float *bounds1;    /* 255 midpoints of adjacent codes, then +inf */
+    const float *bounds2;
+    int64_t numel;
+    int32_t param_dtype;     /* OL8_* */
+    int32_t grad_dtype;      /* OL8_* */
+    int32_t quantized;       /* 1: 8-bit state, 0: float32 state */
+    int32_t coupled;         /* 1: grad += weight_decay * param (Adam) */
+    int32_t decoupled;       /* 1: param *= decay (AdamW) */
+    float beta1;
+    float one_minus_beta1;
+    float beta2;
+    float one_minus_beta2;
+    float eps;               /* 8-bit: eps; float32 state: eps * bc2_sqrt */
+    float step_size;         /* 8-bit: -lr / bc1; float32 state: -lr * bc2_sqrt / bc1 */
+    float bc2_sqrt;          /* sqrt(1 - beta2**step) */
+    float decay;             /* 1 - lr * weight_decay */
+    float weight_decay;      /* the coupled decay coefficient */
+} ol8_param_t;
+
+/* A run of whole 256-element blocks of one param. */
+typedef struct {
+    int64_t param;
+    int64_t first_block;
+    int64_t n_blocks;
+} ol8_item_t;
+
+static inline float ol8_u2f(uint32_t u) { union { float f; uint32_t u; } c; c.u = u; return c.f; }
+static inline uint32_t ol8_f2u(float f) { union { float f; uint32_t u; } c; c.f = f; return c.u; }
+
+static inline __attribute__((always_inline)) float ol8_load(const void *p, int dtype, int64_t i) {
+    if (dtype == OL8_F32) return ((const float *)p)[i];
+    if (dtype == OL8_BF16) return ol8_u2f((uint32_t)((const uint16_t *)p)[i] << 16);
+    return (float)((const _Float16 *)p)[i];
+}
+
+/* Round to nearest even, as torch's copy_ from float32 rounds. */
+static inline __attribute__((always_inline)) void ol8_store(void *p, int dtype, int64_t i, float x) {
+    if (dtype == OL8_F32) {
+        ((float *)p)[i] = x;
+    } else if (dtype == OL8_BF16) {
+        uint32_t u = ol8_f2u(x);
+        uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        if ((u & 0x7FFFFFFFu) > 0x7F800000u) r = (u >> 16) | 0x40u;  /* NaN stays NaN */
+        ((uint16_t *)p)[i] = (uint16_t)r;
+    } else {
+        ((_Float16 *)p)[i] = (_Float16)x;
+    }
+}
+
+/* The number of bounds below x: the index of the nearest code, ties to the lower one. */
+static inline __attribute__((always_inline)) uint8_t ol8_encode(const float *bounds, float x) {
+    int k = 0;
+    k += bounds[k + 127] < x ? 128 : 0;
+    k += bounds[k + 63] < x ? 64 : 0;
+    k += bounds[k + 31] < x ? 32 : 0;
+    k += bounds[k + 15] < x ? 16 : 0;
+    k += bounds[k + 7] < x ? 8 : 0;
+    k += bounds[k + 3] < x ? 4 : 0;
+    k += bounds[k + 1] < x ? 2 : 0;
+    k += bounds[k] < x ? 1 : 0;
+    return (uint8_t)k;
+}
+
+/* One block of an 8-bit param: elements [lo, lo + n) of block b. */
+static inline __attribute__((always_inline)) void ol8_block_q(
+        const ol8_param_t *P, int64_t b, int pd, int gd) {
+    const int64_t lo = b * OL8_BLOCK;
+    const int64_t n = P->numel - lo < OL8_BLOCK ? P->numel - lo : OL8_BLOCK;
+    uint8_t *c1 = (uint8_t *)P->state1 + lo;
+    uint8_t *c2 = (uint8_t *)P->state2 + lo;
+    const float a1 = P->absmax1[b], a2 = P->absmax2[b];
+    const float *q1 = P->qmap1, *q2 = P->qmap2;
+    const float b1 = P->beta1, omb1 = P->one_minus_beta1;
+    const float b2 = P->beta2, omb2 = P->one_minus_beta2;
+    const float eps = P->eps, step_size = P->step_size, bc2 = P->bc2_sqrt;
+    const float decay = P->decay, wd = P->weight_decay;
+    const int coupled = P->coupled, decoupled = P->decoupled;
+    float m[OL8_BLOCK], v[OL8_BLOCK];
+    float am1 = 0.0f, am2 = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float g = ol8_load(P->grad, gd, lo + i);
+        float p = ol8_load(P->param, pd, lo + i);
+        if (coupled) g = fmaf(p, wd, g);
+        float mi = q1[c1[i]] * a1;
+        float vi = q2[c2[i]] * a2;
+        mi = fmaf(g, omb1, mi * b1);            /* mul_(beta1).add_(g, alpha=1-beta1) */
+        vi = fmaf(omb2 * g, g, vi * b2);        /* mul_(beta2).addcmul_(g, g, 1-beta2) */
+        float denom = sqrtf(vi) / bc2 + eps;
+        if (decoupled) p = p * decay;
+        p = p + (step_size * mi) / denom;       /* addcdiv_(m, denom, -lr/bc1) */
+        ol8_store(P->param, pd, lo + i, p);
+        m[i] = mi;
+        v[i] = vi;
+        am1 = fmaxf(am1, fabsf(mi));
+        am2 = fmaxf(am2, fabsf(vi));
+    }
+    P->absmax1[b] = am1;
+    P->absmax2[b] = am2;
+    const float r1 = 1.0f / fmaxf(am1, 1e-38f), r2 = 1.0f / fmaxf(am2, 1e-38f);
+    const float *B1 = P->bounds1, *B2 = P->bounds2;
+    for (int64_t i = 0; i < n; i++) {
+        c1[i] = ol8_encode(B1, fminf(fmaxf(m[i] * r1, -1.0f), 1.0f));
+        c2[i] = ol8_encode(B2, fminf(fmaxf(v[i] * r2, -1.0f), 1.0f));
+    }
+}
+
+/* Elements [lo, hi) of a param with float32 state: bitsandbytes' 32-bit Adam update. */
+static inline __attribute__((always_inline)) void ol8_range_f32(
+        const ol8_param_t *P, int64_t lo, int64_t hi, int pd, int gd) {
+    float *s1 = (float *)P->state1, *s2 = (float *)P->state2;
+    const float b1 = P->beta1, omb1 = P->one_minus_beta1;
+    const float b2 = P->beta2, omb2 = P->one_minus_beta2;
+    const float eps = P->eps, step_size = P->step_size;
+    const float decay = P->decay, wd = P->weight_decay;
+    const int coupled = P->coupled, decoupled = P->decoupled;
+    for (int64_t i = lo; i < hi; i++) {
+        float g = ol8_load(P->grad, gd, i);
+        float p = ol8_load(P->param, pd, i);
+        if (coupled) g = fmaf(p, wd, g);
+        float mi = fmaf(g, omb1, s1[i] * b1);
+        float vi = fmaf(omb2 * g, g, s2[i] * b2);
+        if (decoupled) p = p * decay;
+        float update = mi / (sqrtf(vi) + eps);  /* eps holds eps * bc2_sqrt here */
+        p = fmaf(update, step_size, p);         /* add_(update, alpha=step_size) */
+        ol8_store(P->param, pd, i, p);
+        s1[i] = mi;
+        s2[i] = vi;
+    }
+}
+
+#define OL8_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+
+static inline __attribute__((always_inline)) void ol8_item_typed(
+        const ol8_param_t *P, const ol8_item_t *it, int pd, int gd) {
+    if (P->quantized) {
+        for (int64_t b = it->first_block; b < it->first_block + it->n_blocks; b++)
+            ol8_block_q(P, b, pd, gd);
+    } else {
+        int64_t lo = it->first_block * OL8_BLOCK;
+        int64_t hi = (it->first_block + it->n_blocks) * OL8_BLOCK;
+        if (hi > P->numel) hi = P->numel;
+        ol8_range_f32(P, lo, hi, pd, gd);
+    }
+}
+
+OL8_CLONES
+static void ol8_item(const ol8_param_t *params, const ol8_item_t *it) {
+    const ol8_param_t *P = &params[it->param];
+    const int pd = P->param_dtype, gd = P->grad_dtype;
+    /* grads of the param's own dtype are the common case: specialize those */
+    if (pd == OL8_F32 && gd == OL8_F32) ol8_item_typed(P, it, OL8_F32, OL8_F32);
+    else if (pd == OL8_BF16 && gd == OL8_BF16) ol8_item_typed(P, it, OL8_BF16, OL8_BF16);
+    else if (pd == OL8_F16 && gd == OL8_F16) ol8_item_typed(P, it, OL8_F16, OL8_F16);
+    else ol8_item_typed(P, it, pd, gd);
+}
+
+#define OL8_MAX_THREADS 256
+
+typedef struct {
+    const ol8_param_t *params;
+    const ol8_item_t *items;
+    int64_t n_items;
+    int64_t first, stride;
+} ol8_job_t;
+
+static void *ol8_run(void *arg) {
+    const ol8_job_t *job = (const ol8_job_t *)arg;
+    for (int64_t t = job->first; t < job->n_items; t += job->stride)
+        ol8_item(job->params, &job->items[t]);
+    return NULL;
+}
+
+/* Step every listed item. Returns 0, or -1 if a worker thread could not start (then
+   the items ran on fewer threads: the result is the same). Allocates nothing. */
+int ol_adamw8bit_step(const ol8_param_t *params, const ol8_item_t *items, int64_t n_items,
+                      int32_t n_threads) {
+    if (n_items <= 0) return 0;
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > OL8_MAX_THREADS) n_threads = OL8_MAX_THREADS;
+    if (n_threads > n_items) n_threads = (int32_t)n_items;
+    int rc = 0;
+    if (n_threads == 1) {
+        ol8_job_t job = {params, items, n_items, 0, 1};
+        ol8_run(&job);
+        return 0;
+    }
+#ifdef _OPENMP
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+    for (int64_t t = 0; t < n_items; t++) ol8_item(params, &items[t]);
+#else
+    ol8_job_t jobs[OL8_MAX_THREADS];
+    pthread_t tids[OL8_MAX_THREADS];
+    int started[OL8_MAX_THREADS];
+    for (int t = 0; t < n_threads; t++) {
+        ol8_job_t job = {params, items, n_items, t, n_threads};
+        jobs[t] = job;
+        started[t] = 0;
+    }
+    for (int t = 1; t < n_threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, ol8_run, &jobs[t]) == 0;
+    ol8_run(&jobs[0]);
+    for (int t = 1; t < n_threads; t++) {
+        if (started[t]) pthread_join(tids[t], NULL);
+        else { ol8_run(&jobs[t]); rc = -1; }
+    }
+#endif
+    return rc;
+}
+
+/* Encode n values (float32, bfloat16 or float16) as codes of the book whose bounds are
+   given, one absmax per 256-element block: the kernel's own rule, for state conversions.
+   Allocates nothing. */
+int ol_quantize_blockwise(const void *src, int32_t dtype, int64_t n, const float *bounds,
+                          uint8_t *out, float *absmax, int32_t n_threads) {
+    const int64_t blocks = (n + OL8_BLOCK - 1) / OL8_BLOCK;
+    if (n_threads < 1) n_threads = 1;
+    #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t lo = b * OL8_BLOCK;
+        const int64_t len = n - lo < OL8_BLOCK ? n - lo : OL8_BLOCK;
+        float am = 0.0f;
+        for (int64_t i = 0; i < len; i++) am = fmaxf(am, fabsf(ol8_load(src, dtype, lo + i)));
+        absmax[b] = am;
+        const float r = 1.0f / fmaxf(am, 1e-38f);
+        for (int64_t i = 0; i < len; i++)
+            out[lo + i] = ol8_encode(bounds, fminf(fmaxf(ol8_load(src, dtype, lo + i) * r, -1.0f), 1.0f));
+    }
+    return 0;
+}
+
+int64_t ol_adamw8bit_param_size(void) { return (int64_t)sizeof(ol8_param_t); }
+int64_t ol_adamw8bit_item_size(void) { return (int64_t)sizeof(ol8_item_t); }
+"""

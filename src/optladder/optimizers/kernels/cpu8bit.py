@@ -1,0 +1,443 @@
+"""The CPU kernel of the 8bit rung: AdamW on bitsandbytes' block-wise 8-bit state.
+
+The C loop (:mod:`._cpu8bit_source`) is compiled into the same shared object as the bf16
+kernel, by :func:`optladder.optimizers.kernels.cpu.load_library` (same compiler, flags,
+cache and loader). A step is two calls:
+
+- :func:`prepare_table` (the prepare phase): checks every param's state, and writes the
+  ctypes tables the C loop reads (one row per param: pointers and the scalars of its
+  step; one row per work item of up to 512 blocks). Everything a step allocates is
+  allocated here.
+- :func:`run_table` (the commit phase): one C call over all params, writing params and
+  state in place; it allocates nothing.
+
+State layout (bitsandbytes' ``AdamW8bit``, which these tables point into): a param of at
+least ``min_8bit_size`` elements has ``state1`` / ``state2`` uint8 codes of its shape,
+``qmap1`` / ``qmap2`` the 256-value code books (signed and unsigned dynamic maps) and
+``absmax1`` / ``absmax2`` one float32 per started 256-element block; a smaller one has
+float32 ``state1`` / ``state2``. Per element a step reads and writes 2 code bytes plus
+the param and grad (10 bytes with float32 params and grads, against 28 for torch's fused
+float32 AdamW), and at most 2 KiB of stack per thread; no float32 copy of any tensor.
+
+Update rule: bitsandbytes' CPU fallback for ``"adam"`` (``backends/cpu/ops.py``:
+``_optimizer_update_8bit_blockwise_cpu`` for 8-bit state, ``_optimizer_update_32bit_cpu``
+for float32 state), with its scalars rounded to float32 as torch rounds them. Encoding:
+nearest code, ties to the lower one, as bitsandbytes' torch backend's
+``quantize_blockwise`` (see :func:`code_bounds`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from optladder.optimizers.kernels import cpu
+
+BLOCK_SIZE = 256
+"""Elements per quantization block (bitsandbytes' optimizer block size)."""
+
+PARAM_DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.bfloat16: 1,
+    torch.float16: 2,
+}
+"""Param and grad dtypes the kernel reads and writes, and their codes in the C struct."""
+
+_BLOCKS_PER_ITEM = 512
+"""Blocks per work item: 128Ki elements, 512 KiB of float32 params."""
+
+_MIN_ELEMENTS_PER_THREAD = 1 << 16
+"""Below this many elements per thread, starting threads costs more than it saves."""
+
+
+class _Param(ctypes.Structure):
+    _fields_ = (
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("state1", ctypes.c_void_p),
+        ("state2", ctypes.c_void_p),
+        ("absmax1", ctypes.c_void_p),
+        ("absmax2", ctypes.c_void_p),
+        ("qmap1", ctypes.c_void_p),
+        ("qmap2", ctypes.c_void_p),
+        ("bounds1", ctypes.c_void_p),
+        ("bounds2", ctypes.c_void_p),
+        ("numel", ctypes.c_int64),
+        ("param_dtype", ctypes.c_int32),
+        ("grad_dtype", ctypes.c_int32),
+        ("quantized", ctypes.c_int32),
+        ("coupled", ctypes.c_int32),
+        ("decoupled", ctypes.c_int32),
+        ("beta1", ctypes.c_float),
+        ("one_minus_beta1", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("one_minus_beta2", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("step_size", ctypes.c_float),
+        ("bc2_sqrt", ctypes.c_float),
+        ("decay", ctypes.c_float),
+        ("weight_decay", ctypes.c_float),
+    )
+
+
+class _Item(ctypes.Structure):
+    _fields_ = (
+        ("param", ctypes.c_int64),
+        ("first_block", ctypes.c_int64),
+        ("n_blocks", ctypes.c_int64),
+    )
+
+
+def unavailable_reason() -> str | None:
+    """Why the 8-bit CPU kernel cannot run here, or None (it may still need building).
+
+    The same as the bf16 CPU kernel's (:func:`optladder.optimizers.kernels.cpu.
+    unavailable_reason`): both are compiled into one shared object.
+    """
+    return cpu.unavailable_reason()
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """Build (first use only) and load the CPU kernels' library, declaring the 8-bit
+    kernel's C signature.
+
+    Raises:
+        KernelBuildError: if the library cannot be built or loaded, or its 8-bit kernel's
+            tables have another layout than this module's (a stale build).
+    """
+    lib = cpu.load_library()
+    try:
+        step = lib.ol_adamw8bit_step
+        sizes = (lib.ol_adamw8bit_param_size(), lib.ol_adamw8bit_item_size())
+    except AttributeError as exc:
+        raise cpu.KernelBuildError(f"the CPU kernels' library has no 8-bit kernel: {exc}") from exc
+    expected = (ctypes.sizeof(_Param), ctypes.sizeof(_Item))
+    if sizes != expected:
+        raise cpu.KernelBuildError(
+            f"the 8-bit CPU kernel's table rows are {sizes} bytes, this module writes {expected}"
+        )
+    step.argtypes = (
+        ctypes.POINTER(_Param),
+        ctypes.POINTER(_Item),
+        ctypes.c_int64,
+        ctypes.c_int32,
+    )
+    step.restype = ctypes.c_int
+    lib.ol_quantize_blockwise.argtypes = (
+        ctypes.c_void_p,
+        ctypes.c_int32,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int32,
+    )
+    lib.ol_quantize_blockwise.restype = ctypes.c_int
+    return lib
+
+
+def quantize_blockwise(
+    values: torch.Tensor, qmap: torch.Tensor, *, library: ctypes.CDLL | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode ``values`` in bitsandbytes' block-wise format with the kernel's rule.
+
+    The same encoding as the kernel's step (nearest code of ``qmap``, ties to the lower
+    one; see :func:`code_bounds`), so a moment converted to 8 bits (a migration, a load)
+    holds the codes the kernel would write, and an exact 0 stays exactly 0. Allocates
+    only the results (and the 1 KiB ``code_bounds`` table).
+
+    Args:
+        values: float32, bfloat16 or float16 CPU tensor, any shape.
+        qmap: the code book (see :func:`code_bounds`).
+        library: from :func:`load_library`; default :func:`load_library`.
+
+    Returns:
+        ``(codes, absmax)``: uint8 codes of ``values``' shape, float32 absmax with one
+        value per started 256-element block.
+
+    Raises:
+        ValueError: for another dtype or device, or a bad code book.
+        KernelBuildError: if the kernel cannot be built or loaded.
+    """
+    if values.dtype not in PARAM_DTYPE_CODES or values.device.type != "cpu":
+        raise ValueError(
+            "values must be a float32, bfloat16 or float16 CPU tensor, got "
+            f"{values.dtype} on {values.device}"
+        )
+    lib = load_library() if library is None else library
+    bounds = code_bounds(qmap)
+    src = values.contiguous()
+    codes = torch.empty(values.shape, dtype=torch.uint8)
+    absmax = torch.empty(_ceil_div(src.numel(), BLOCK_SIZE), dtype=torch.float32)
+    threads = max(1, min(torch.get_num_threads(), src.numel() // _MIN_ELEMENTS_PER_THREAD))
+    lib.ol_quantize_blockwise(
+        src.data_ptr(),
+        PARAM_DTYPE_CODES[src.dtype],
+        src.numel(),
+        bounds.data_ptr(),
+        codes.data_ptr(),
+        absmax.data_ptr(),
+        threads,
+    )
+    return codes, absmax
+
+
+def code_bounds(qmap: torch.Tensor) -> torch.Tensor:
+    """The encoding table of a code book: the 255 midpoints of adjacent codes, then +inf.
+
+    A value ``x`` (scaled by the block's absmax into [-1, 1]) is encoded as the number of
+    midpoints below it, i.e. the nearest code with ties to the lower one: bitsandbytes'
+    reference rule (``torch.bucketize`` on ``(code[:-1] + code[1:]) / 2`` in its torch
+    backend; its CUDA kernel also picks the nearest code). The midpoints are computed in
+    float32 as bitsandbytes computes them.
+
+    Args:
+        qmap: the code book, 256 float32 values in ascending order (bitsandbytes'
+            ``create_dynamic_map``, signed or unsigned), on the CPU.
+
+    Returns:
+        float32 CPU tensor of 256 elements, contiguous.
+
+    Raises:
+        ValueError: if ``qmap`` is not 256 finite ascending float32 values on the CPU.
+    """
+    if qmap.dtype != torch.float32 or qmap.shape != (256,) or qmap.device.type != "cpu":
+        raise ValueError(
+            "a code book (qmap) must be 256 float32 values on the CPU, got "
+            f"{qmap.dtype} of shape {tuple(qmap.shape)} on {qmap.device}"
+        )
+    if not bool(torch.isfinite(qmap).all()) or not bool((qmap[1:] >= qmap[:-1]).all()):
+        raise ValueError("a code book (qmap) must hold finite values in ascending order")
+    bounds = torch.empty(256, dtype=torch.float32)
+    torch.add(qmap[:-1], qmap[1:], out=bounds[:255]).div_(2)
+    bounds[255] = math.inf
+    return bounds
+
+
+def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
+    """Why the 8-bit CPU kernel cannot step this param, or None if it can.
+
+    Args:
+        p: the param (float32, bfloat16 or float16; CPU; contiguous).
+        grad: its grad (one of those dtypes, dense, contiguous, same shape and device).
+    """
+    if p.device.type != "cpu":
+        return f"param is on {p.device}, the 8-bit CPU kernel needs CPU tensors"
+    if p.dtype not in PARAM_DTYPE_CODES:
+        return f"param dtype {p.dtype}: the 8-bit CPU kernel steps float32, bfloat16, float16"
+    if grad.dtype not in PARAM_DTYPE_CODES:
+        return f"grad dtype {grad.dtype}: the 8-bit CPU kernel reads float32, bfloat16, float16"
+    if grad.is_sparse or grad.device != p.device or grad.shape != p.shape:
+        return "grad is sparse, on another device or of another shape"
+    if not (p.is_contiguous() and grad.is_contiguous()):
+        return "param or grad is not contiguous"
+    return None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One param for :func:`prepare_table`, in bitsandbytes' ``AdamW8bit`` state layout.
+
+    Attributes:
+        param: float32/bfloat16/float16 CPU tensor, contiguous, updated in place.
+        grad: float32/bfloat16/float16 tensor of the same shape, contiguous.
+        state1: ``exp_avg``: uint8 codes (quantized) or float32, the param's shape,
+            contiguous; updated in place.
+        state2: ``exp_avg_sq``, as ``state1``.
+        absmax1: float32, one per started 256-element block (quantized state), else None.
+        absmax2: as ``absmax1``.
+        bounds1: :func:`code_bounds` of ``qmap1`` (quantized state), else None.
+        bounds2: :func:`code_bounds` of ``qmap2``, else None.
+        qmap1: the signed code book of ``state1`` (quantized state), else None.
+        qmap2: the unsigned code book of ``state2``, else None.
+        step: the step this update makes (the param's count after it, ``>= 1``).
+        lr: learning rate.
+        betas: ``(beta1, beta2)``.
+        eps: denominator term.
+        weight_decay: decay coefficient.
+        coupled_weight_decay: Adam (``grad += wd * param``, computed in float32, the grad
+            tensor is not written) instead of AdamW (``param *= 1 - lr * wd``).
+    """
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    state1: torch.Tensor
+    state2: torch.Tensor
+    absmax1: torch.Tensor | None
+    absmax2: torch.Tensor | None
+    bounds1: torch.Tensor | None
+    bounds2: torch.Tensor | None
+    qmap1: torch.Tensor | None
+    qmap2: torch.Tensor | None
+    step: int
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    coupled_weight_decay: bool = False
+
+
+@dataclass(frozen=True)
+class Table:
+    """The prepared tables of one step (see :func:`prepare_table`).
+
+    Attributes:
+        params: one ctypes row per job.
+        items: one ctypes row per work item.
+        n_items: the number of items.
+        threads: worker threads the call will use.
+        tensors: every tensor the rows point into, kept alive until the call.
+    """
+
+    params: ctypes.Array[_Param]
+    items: ctypes.Array[_Item]
+    n_items: int
+    threads: int
+    tensors: tuple[torch.Tensor | None, ...]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_state(k: int, job: Job) -> bool:
+    """Check job ``k``'s state tensors; return whether its state is quantized."""
+    shape = job.param.shape
+    for name in ("state1", "state2"):
+        t = getattr(job, name)
+        if t.dtype not in (torch.uint8, torch.float32) or t.shape != shape:
+            raise ValueError(
+                f"jobs[{k}].{name} must be uint8 or float32 of shape {tuple(shape)}, got "
+                f"{t.dtype} of shape {tuple(t.shape)}"
+            )
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"jobs[{k}].{name} must be a contiguous CPU tensor")
+    quantized = job.state1.dtype == torch.uint8
+    if job.state2.dtype != job.state1.dtype:
+        raise ValueError(
+            f"jobs[{k}] has {job.state1.dtype} state1 but {job.state2.dtype} state2; "
+            "both are uint8 codes or both float32"
+        )
+    if quantized:
+        blocks = _ceil_div(job.param.numel(), BLOCK_SIZE)
+        for name in ("absmax1", "absmax2"):
+            t = getattr(job, name)
+            if t is None or t.dtype != torch.float32 or t.numel() != blocks:
+                raise ValueError(
+                    f"jobs[{k}].{name} must be float32 with {blocks} elements (one per "
+                    f"started {BLOCK_SIZE}-element block), got "
+                    f"{None if t is None else (t.dtype, t.numel())}"
+                )
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"jobs[{k}].{name} must be a contiguous CPU tensor")
+        for name in ("qmap1", "qmap2", "bounds1", "bounds2"):
+            t = getattr(job, name)
+            if t is None or t.dtype != torch.float32 or t.shape != (256,):
+                raise ValueError(f"jobs[{k}].{name} must be 256 float32 values")
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"jobs[{k}].{name} must be a contiguous CPU tensor")
+    return quantized
+
+
+def prepare_table(jobs: Sequence[Job], *, num_threads: int | None = None) -> Table:
+    """Check the jobs and write the tables of one step (the prepare phase).
+
+    The per-step scalars follow bitsandbytes' CPU fallback, each computed in float64 and
+    rounded to float32 in the table: 8-bit state ``step_size = -lr / (1 - beta1**step)``,
+    ``bc2_sqrt = sqrt(1 - beta2**step)``; float32 state ``step_size = -lr * bc2_sqrt /
+    (1 - beta1**step)`` and ``eps * bc2_sqrt``; ``decay = 1 - lr * weight_decay``.
+
+    Args:
+        jobs: the params to step, any mix of dtypes and state formats.
+        num_threads: worker threads; default ``torch.get_num_threads()``, fewer for
+            small steps (at least 65,536 elements per thread).
+
+    Returns:
+        The :class:`Table` for :func:`run_table`.
+
+    Raises:
+        ValueError: naming the job and field whose tensor has the wrong dtype, shape,
+            device or layout, or a step below 1.
+    """
+    params = (_Param * len(jobs))()
+    n_items = sum(_ceil_div(_ceil_div(job.param.numel(), BLOCK_SIZE), _BLOCKS_PER_ITEM) for job in jobs)
+    items = (_Item * max(n_items, 1))()
+    keep: list[torch.Tensor | None] = []
+    corrections: dict[tuple[int, float, float], tuple[float, float]] = {}
+    item = 0
+    total = 0
+    for k, job in enumerate(jobs):
+        if reason := param_unsupported_reason(job.param, job.grad):
+            raise ValueError(f"jobs[{k}]: {reason}")
+        if isinstance(job.step, bool) or not isinstance(job.step, int) or job.step < 1:
+            raise ValueError(f"jobs[{k}].step must be an int >= 1, got {job.step!r}")
+        quantized = _check_state(k, job)
+        beta1, beta2 = float(job.betas[0]), float(job.betas[1])
+        lr, wd = float(job.lr), float(job.weight_decay)
+        key = (job.step, beta1, beta2)
+        if key not in corrections:
+            corrections[key] = (1.0 - beta1**job.step, math.sqrt(1.0 - beta2**job.step))
+        bc1, bc2_sqrt = corrections[key]
+        row = params[k]
+        row.param = job.param.data_ptr()
+        row.grad = job.grad.data_ptr()
+        row.state1 = job.state1.data_ptr()
+        row.state2 = job.state2.data_ptr()
+        row.numel = job.param.numel()
+        row.param_dtype = PARAM_DTYPE_CODES[job.param.dtype]
+        row.grad_dtype = PARAM_DTYPE_CODES[job.grad.dtype]
+        row.quantized = int(quantized)
+        row.beta1 = beta1
+        row.one_minus_beta1 = 1.0 - beta1
+        row.beta2 = beta2
+        row.one_minus_beta2 = 1.0 - beta2
+        row.bc2_sqrt = bc2_sqrt
+        if quantized:
+            for name in ("absmax1", "absmax2", "qmap1", "qmap2", "bounds1", "bounds2"):
+                setattr(row, name, getattr(job, name).data_ptr())
+            row.eps = job.eps
+            row.step_size = -lr / bc1
+        else:
+            row.eps = job.eps * bc2_sqrt
+            row.step_size = -lr * bc2_sqrt / bc1
+        has_wd = wd > 0.0
+        row.coupled = int(has_wd and job.coupled_weight_decay)
+        row.decoupled = int(has_wd and not job.coupled_weight_decay)
+        row.decay = 1.0 - lr * wd if row.decoupled else 1.0
+        row.weight_decay = wd if row.coupled else 0.0
+        blocks = _ceil_div(row.numel, BLOCK_SIZE)
+        for first in range(0, blocks, _BLOCKS_PER_ITEM):
+            it = items[item]
+            it.param = k
+            it.first_block = first
+            it.n_blocks = min(_BLOCKS_PER_ITEM, blocks - first)
+            item += 1
+        total += row.numel
+        keep += [job.param, job.grad, job.state1, job.state2, job.absmax1, job.absmax2]
+        keep += [job.qmap1, job.qmap2, job.bounds1, job.bounds2]
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    threads = max(1, min(threads, total // _MIN_ELEMENTS_PER_THREAD))
+    return Table(params=params, items=items, n_items=item, threads=threads, tensors=tuple(keep))
+
+
+def run_table(table: Table, library: ctypes.CDLL | None = None) -> None:
+    """Run one step on prepared tables (the commit phase): params, codes, absmax and
+    float32 state are written in place; nothing is allocated.
+
+    Args:
+        table: from :func:`prepare_table`, for tensors not changed since.
+        library: from :func:`load_library`; default :func:`load_library` (cached).
+
+    Raises:
+        KernelBuildError: if the kernel cannot be built or loaded.
+    """
+    if table.n_items == 0:
+        return
+    lib = load_library() if library is None else library
+    lib.ol_adamw8bit_step(table.params, table.items, table.n_items, table.threads)
