@@ -362,6 +362,7 @@ def _prepare_step(engine: Any) -> _PreparedStep:
                 others.append((group, p, gindex, pindex))
                 continue
             coupled = bool(engine.coupled_weight_decay)
+            wd = config["weight_decay"]
             jobs.append(
                 cpu8bit.Job(
                     param=p.detach(),
@@ -378,7 +379,7 @@ def _prepare_step(engine: Any) -> _PreparedStep:
                     lr=float(config["lr"]),
                     betas=(float(config["betas"][0]), float(config["betas"][1])),
                     eps=float(config["eps"]),
-                    weight_decay=float(group["weight_decay"] if coupled else config["weight_decay"]),
+                    weight_decay=float(group["weight_decay"] if coupled else wd),
                     coupled_weight_decay=coupled,
                 )
             )
@@ -451,12 +452,16 @@ def build_8bit(
             f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
             "pip install 'optladder[8bit]'"
         ) from exc
-    return ladder_adamw8bit_class()(
-        param_groups,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        min_8bit_size=BNB_MIN_8BIT_SIZE,
-        coupled_weight_decay=not decoupled_weight_decay,
+    engine: Any = ladder_adamw8bit_class()
+    return cast(
+        torch.optim.Optimizer,
+        engine(
+            param_groups,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            min_8bit_size=BNB_MIN_8BIT_SIZE,
+            coupled_weight_decay=not decoupled_weight_decay,
+        ),
     )

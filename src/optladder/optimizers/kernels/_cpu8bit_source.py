@@ -16,7 +16,8 @@ each value as the nearest code of the book. "Nearest" is bitsandbytes' reference
 (its torch backend's ``quantize_blockwise``: ``x * (1 / max(absmax, 1e-38))`` clamped to
 [-1, 1], then the number of midpoints between adjacent codes that lie below it, so a tie
 goes to the lower code); the midpoints (``bounds``, 255 values and a +inf) are computed in
-Python when the step is prepared. Zero is a code of both books, so a moment that is
+Python when the step is prepared, where the unsigned book's first bound is set to 0 so
+that a positive ``exp_avg_sq`` never becomes 0 (see ``cpu8bit.code_bounds``). Zero is a code of both books, so a moment that is
 exactly 0 stays exactly 0 (bitsandbytes' native CPU quantizer, an approximate table
 search, maps it to a small non-zero code).
 
@@ -83,7 +84,8 @@ static inline __attribute__((always_inline)) float ol8_load(const void *p, int d
 }
 
 /* Round to nearest even, as torch's copy_ from float32 rounds. */
-static inline __attribute__((always_inline)) void ol8_store(void *p, int dtype, int64_t i, float x) {
+static inline __attribute__((always_inline)) void ol8_store(
+        void *p, int dtype, int64_t i, float x) {
     if (dtype == OL8_F32) {
         ((float *)p)[i] = x;
     } else if (dtype == OL8_BF16) {
@@ -271,8 +273,10 @@ int ol_quantize_blockwise(const void *src, int32_t dtype, int64_t n, const float
         for (int64_t i = 0; i < len; i++) am = fmaxf(am, fabsf(ol8_load(src, dtype, lo + i)));
         absmax[b] = am;
         const float r = 1.0f / fmaxf(am, 1e-38f);
-        for (int64_t i = 0; i < len; i++)
-            out[lo + i] = ol8_encode(bounds, fminf(fmaxf(ol8_load(src, dtype, lo + i) * r, -1.0f), 1.0f));
+        for (int64_t i = 0; i < len; i++) {
+            float x = ol8_load(src, dtype, lo + i) * r;
+            out[lo + i] = ol8_encode(bounds, fminf(fmaxf(x, -1.0f), 1.0f));
+        }
     }
     return 0;
 }

@@ -197,6 +197,14 @@ def code_bounds(qmap: torch.Tensor) -> torch.Tensor:
     backend; its CUDA kernel also picks the nearest code). The midpoints are computed in
     float32 as bitsandbytes computes them.
 
+    One exception, for books whose first code is 0 (the unsigned map of ``exp_avg_sq``):
+    a positive value is encoded as the smallest positive code rather than as 0 (the
+    first bound is 0). A second moment rounded to 0 under a first moment that is not
+    would make the next update ``m / (sqrt(v) + eps)`` blow up to ``m / eps``, moving
+    such params by up to ``lr * 1e5`` (measured on heavy-tailed grads);
+    bitsandbytes' native CPU quantizer never encodes a positive value as 0 either. An
+    exact 0 stays 0.
+
     Args:
         qmap: the code book, 256 float32 values in ascending order (bitsandbytes'
             ``create_dynamic_map``, signed or unsigned), on the CPU.
@@ -217,6 +225,8 @@ def code_bounds(qmap: torch.Tensor) -> torch.Tensor:
     bounds = torch.empty(256, dtype=torch.float32)
     torch.add(qmap[:-1], qmap[1:], out=bounds[:255]).div_(2)
     bounds[255] = math.inf
+    if qmap[0] == 0:  # an unsigned book: a positive value is never encoded as 0
+        bounds[0] = 0.0
     return bounds
 
 
@@ -366,7 +376,9 @@ def prepare_table(jobs: Sequence[Job], *, num_threads: int | None = None) -> Tab
             device or layout, or a step below 1.
     """
     params = (_Param * len(jobs))()
-    n_items = sum(_ceil_div(_ceil_div(job.param.numel(), BLOCK_SIZE), _BLOCKS_PER_ITEM) for job in jobs)
+    n_items = sum(
+        _ceil_div(_ceil_div(job.param.numel(), BLOCK_SIZE), _BLOCKS_PER_ITEM) for job in jobs
+    )
     items = (_Item * max(n_items, 1))()
     keep: list[torch.Tensor | None] = []
     corrections: dict[tuple[int, float, float], tuple[float, float]] = {}

@@ -1,0 +1,397 @@
+"""The 8bit rung's CPU kernel (optimizers/kernels/cpu8bit.py) against bitsandbytes.
+
+References, computed independently of the kernel:
+- bitsandbytes' own CPU update (``_optimizer_update_8bit_blockwise_cpu`` and
+  ``_optimizer_update_32bit_cpu`` in ``bitsandbytes/backends/cpu/ops.py``), with its
+  quantizer routed to bitsandbytes' torch backend (``quantize_blockwise`` registered for
+  CompositeExplicitAutograd: nearest code by ``torch.bucketize`` on the midpoints), the
+  encoding rule the kernel follows;
+- plain ``bitsandbytes.optim.AdamW8bit`` (native CPU quantizer) and ``torch.optim.AdamW``
+  (float32 moments) for the error budget and checkpoint interchange.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from optladder.optimizers import kernels, transaction
+from memtools import FailNthAllocation
+
+pytestmark = pytest.mark.skipif(
+    kernels.cpu_unavailable_reason() is not None, reason="no C compiler for the CPU kernel"
+)
+bnb = pytest.importorskip("bitsandbytes")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# 20,000 elements: 78 full blocks and a partial one; 5,000: a partial block too;
+# 1,000: under min_8bit_size (4,096), float32 state.
+SIZES = (20_000, 5_000, 1_000)
+
+
+def _engine(params: Any, **kwargs: Any) -> Any:
+    from optladder.optimizers.eightbit import ladder_adamw8bit_class
+
+    kwargs.setdefault("min_8bit_size", 4096)
+    return ladder_adamw8bit_class()(params, **kwargs)
+
+
+def _params(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in SIZES]
+
+
+def _grads(params: list[torch.nn.Parameter], seed: int) -> Iterator[torch.Tensor]:
+    """Heavy-tailed grads (many tiny values, the hard case for a code book), with zeros."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    for p in params:
+        g = torch.randn(p.shape, generator=gen) * torch.rand(p.shape, generator=gen) ** 3
+        g[::7] = 0.0
+        yield g.to(p.dtype)
+
+
+@pytest.fixture
+def torch_quantizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route bitsandbytes' CPU update's re-quantization to its torch backend."""
+    import bitsandbytes.backends.cpu.ops as cpu_ops
+
+    def quantize(a: torch.Tensor, code: torch.Tensor, absmax_out: torch.Tensor, out: torch.Tensor, bs: int) -> None:  # fmt: skip
+        codes, absmax = _reference_encode(a, code)
+        out.copy_(codes)
+        absmax_out.copy_(absmax)
+
+    monkeypatch.setattr(cpu_ops, "_quant_blockwise_fp32_direct", quantize)
+
+
+def _reference_encode(values: torch.Tensor, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """bitsandbytes' torch-backend ``quantize_blockwise`` (nearest code, ties to the lower),
+    with the kernel's one documented exception: on a book whose first code is 0, a
+    positive value below the first midpoint takes code 1, not 0."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    op = torch.ops.bitsandbytes.quantize_blockwise.default
+    codes, absmax = op.redispatch(keys, values, code, 256)
+    if code[0] == 0:
+        codes[(codes == 0) & (values.reshape(codes.shape) > 0)] = 1
+    return codes, absmax
+
+
+def _reference_step(state: dict[str, Any], p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], coupled: bool) -> None:  # fmt: skip
+    """One step of bitsandbytes' CPU update on copies held in ``state``/``p``."""
+    import bitsandbytes.backends.cpu.ops as cpu_ops
+
+    beta1, beta2 = group["betas"]
+    lr, wd = group["lr"], group["weight_decay"]
+    if coupled:  # Adam: the kernel folds the decay into the grad in float32
+        g = g.float().add_(p.float(), alpha=wd)
+        wd = 0.0
+    step = state["step"] + 1
+    if state["state1"].dtype == torch.uint8:
+        cpu_ops._optimizer_update_8bit_blockwise_cpu(
+            "adam", g, p, state["state1"], state["state2"], beta1, beta2, 0.0, 0.0,
+            group["eps"], step, lr, state["qmap1"], state["qmap2"], state["absmax1"],
+            state["absmax2"], wd, 1.0, False,
+        )  # fmt: skip
+    else:
+        cpu_ops._optimizer_update_32bit_cpu(
+            "adam", g, p, state["state1"], state["state2"], None, 0.0, 1.0, beta1, beta2,
+            0.0, 0.0, group["eps"], wd, step, lr, 1.0, False,
+        )  # fmt: skip
+    state["step"] = step
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of ``x``'s dtype at each value's magnitude, in float32."""
+    finfo = torch.finfo(x.dtype)
+    mag = x.float().abs().clamp_min(finfo.tiny)
+    return torch.exp2(torch.floor(torch.log2(mag))) * finfo.eps
+
+
+@pytest.mark.parametrize("coupled", [False, True], ids=["adamw", "adam"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_step_matches_bitsandbytes_cpu_update(
+    dtype: torch.dtype, coupled: bool, torch_quantizer: None
+) -> None:
+    """Lockstep: from the same state, one kernel step and one step of bitsandbytes' CPU
+    update (torch-backend quantizer) give the same codes and absmax, and params equal
+    within a few float32 rounding steps.
+
+    Tolerances: both compute the update with the same float32 operations (the kernel
+    mirrors torch's fused multiply-adds), so the moments, their absmax and their codes
+    come out equal; a code may still differ by one where a value lies within rounding of
+    a midpoint (allowed: 1 element in 1,000, by one code). The param update differs at
+    most in the rounding of its last operations, a few float32 ulps of the largest value
+    involved (the old param, the new one, or the update, under ``4 * lr``): 4 ulps of
+    that magnitude for float32 params; bfloat16/float16 params are rounded from float32
+    to nearest, so those few float32 ulps can flip the rounding once: 1 ulp of the
+    param's dtype at the old or new magnitude (at most 2 ulps of their sum).
+    """
+    params = _params(dtype)
+    groups = [
+        {"params": params[:1], "lr": 2e-3, "weight_decay": 0.1},
+        {"params": params[1:], "lr": 1e-3, "weight_decay": 0.01, "betas": (0.8, 0.99)},
+    ]
+    opt = _engine(groups, coupled_weight_decay=coupled)
+    for s in range(4):
+        grads = list(_grads(params, s))
+        refs: list[tuple[dict[str, Any], torch.Tensor]] = []
+        olds = [p.detach().clone() for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g
+            refs.append((copy.deepcopy(dict(opt.state[p])), p.detach().clone()))
+        opt.step()
+        assert opt.eager_reasons == {}
+        for gi, group in enumerate(opt.param_groups):
+            for p in group["params"]:
+                k = next(i for i, q in enumerate(params) if q is p)
+                ref_state, ref_p = refs[k]
+                if not ref_state:  # the first step: bitsandbytes' init_state
+                    ref_state = {"step": 0}
+                    for name in ("state1", "state2"):
+                        ref_state[name] = torch.zeros_like(opt.state[p][name])
+                    if opt.state[p]["state1"].dtype == torch.uint8:
+                        for i in (1, 2):
+                            ref_state[f"qmap{i}"] = opt.state[p][f"qmap{i}"]
+                            ref_state[f"absmax{i}"] = torch.zeros_like(opt.state[p][f"absmax{i}"])
+                _reference_step(ref_state, ref_p, grads[k], group, coupled)
+                st = opt.state[p]
+                assert st["step"] == ref_state["step"] == s + 1, gi
+                if st["state1"].dtype == torch.uint8:
+                    for i in (1, 2):
+                        diff = (st[f"state{i}"].int() - ref_state[f"state{i}"].int()).abs()
+                        assert diff.max() <= 1 and (diff != 0).sum() <= p.numel() // 1000
+                        torch.testing.assert_close(
+                            st[f"absmax{i}"], ref_state[f"absmax{i}"], rtol=2**-22, atol=0
+                        )
+                else:
+                    for i in (1, 2):
+                        torch.testing.assert_close(
+                            st[f"state{i}"], ref_state[f"state{i}"], rtol=2**-21, atol=1e-30
+                        )
+                before = olds[k]
+                scale = before.float().abs() + ref_p.float().abs() + 4 * group["lr"]
+                bound = _ulp(scale.to(dtype)) * (4 if dtype == torch.float32 else 2)
+                err = (p.detach().float() - ref_p.float()).abs()
+                bad = (err > bound).nonzero().flatten()[:5]
+                assert bad.numel() == 0, (
+                    s,
+                    p.numel(),
+                    err[bad] / bound[bad],
+                    ref_p[bad],
+                    grads[k][bad],
+                )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_several_steps_within_bitsandbytes_own_error(dtype: torch.dtype) -> None:
+    """Free run of 12 steps: the kernel's distance to float32 AdamW is no larger than
+    plain ``bitsandbytes.optim.AdamW8bit``'s (its own error budget on the CPU).
+
+    Both keep the same format and update; they differ only in the encoding (nearest code
+    vs bitsandbytes' approximate native search, which misplaces values under ~3e-5 of the
+    block's absmax), so the kernel's mean error must not exceed bitsandbytes' by more than
+    10% (the spread between seeds of such means, measured, is a few percent).
+    """
+    base = _params(dtype, seed=3)
+    copies = [[torch.nn.Parameter(p.detach().float().clone()) for p in base]]
+    copies += [[torch.nn.Parameter(p.detach().clone()) for p in base] for _ in range(2)]
+    ref = torch.optim.AdamW(copies[0], lr=1e-3, weight_decay=0.01, foreach=False)
+    ours = _engine(copies[1], lr=1e-3, weight_decay=0.01)
+    plain = bnb.optim.AdamW8bit(copies[2], lr=1e-3, weight_decay=0.01)
+    for s in range(12):
+        for ps in copies:
+            for p, g in zip(ps, _grads(base, s)):
+                p.grad = g.to(p.dtype)
+        for opt in (ref, ours, plain):
+            opt.step()
+    assert ours.eager_reasons == {}
+    for p_ref, p_ours, p_plain in zip(*copies):
+        err_ours = (p_ours.float() - p_ref).abs().mean().item()
+        err_plain = (p_plain.float() - p_ref).abs().mean().item()
+        assert err_ours <= 1.1 * err_plain + 1e-7, (p_ref.numel(), err_ours, err_plain)
+
+
+def test_a_zero_grad_keeps_a_zero_moment_at_the_zero_code() -> None:
+    """Coordinates whose grad is always exactly 0, in blocks with live ones: their codes
+    are the code books' exact zeros (index 127 of the signed map, 0 of the unsigned one)
+    after every step, and the params do not move (weight decay 0)."""
+    p = torch.nn.Parameter(torch.randn(8192))
+    opt = _engine([p], lr=1e-3, weight_decay=0.0)
+    dead = torch.arange(8192) % 2 == 1
+    p0 = p.detach().clone()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        g = torch.randn(8192, generator=gen) * 10
+        g[dead] = 0.0
+        p.grad = g
+        opt.step()
+        st = opt.state[p]
+        zero1 = int((st["qmap1"] == 0).nonzero().item())
+        zero2 = int((st["qmap2"] == 0).nonzero().item())
+        assert (zero1, zero2) == (127, 0)
+        assert (st["state1"][dead] == zero1).all() and (st["state2"][dead] == zero2).all()
+        assert torch.equal(p.detach()[dead], p0[dead])
+    # plain bitsandbytes on the CPU does not keep them at zero (its native quantizer)
+    q = torch.nn.Parameter(p0.clone())
+    plain = bnb.optim.AdamW8bit([q], lr=1e-3, weight_decay=0.0)
+    q.grad = g
+    plain.step()
+    assert (plain.state[q]["state1"][dead] != 127).any()
+
+
+def test_encoding_is_bitsandbytes_reference_rule() -> None:
+    """``cpu8bit.quantize_blockwise`` (the kernel's encoder) gives bit for bit the codes and
+    absmax of bitsandbytes' torch backend, on both code books, with zeros, ties and an
+    all-zero block; on the unsigned book, positive values under the first midpoint take
+    code 1 (and there are such values here)."""
+    from bitsandbytes import functional as F
+
+    from optladder.optimizers.kernels import cpu8bit
+
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    op = torch.ops.bitsandbytes.quantize_blockwise.default
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256 * 40 + 77, generator=gen) * torch.rand(256 * 40 + 77, generator=gen) ** 6
+    x[::5] = 0.0
+    x[256:512] = 0.0  # an all-zero block
+    for signed in (True, False):
+        code = F.create_dynamic_map(signed=signed).float()
+        values = x if signed else x.abs()
+        values = values.clone()
+        values[1024 + 3] = values[1024:1280].abs().max() * (code[200] + code[201]) / 2  # a tie
+        codes, absmax = cpu8bit.quantize_blockwise(values, code)
+        nearest, want_absmax = op.redispatch(keys, values, code, 256)
+        want_codes, _ = _reference_encode(values, code)
+        assert torch.equal(absmax, want_absmax)
+        assert torch.equal(codes, want_codes)
+        assert (codes[values == 0] == int((code == 0).nonzero().item())).all()
+        if not signed:
+            assert ((nearest == 0) & (values > 0)).sum() > 100  # the exception is exercised
+
+
+def test_checkpoints_interchange_with_plain_bitsandbytes_both_ways() -> None:
+    """optladder's 8bit state is ``AdamW8bit``'s: same keys, dtypes and shapes; a
+    checkpoint of either loads into the other and continues. The continuation matches
+    the source optimizer's own within the format's encoding difference: 3 steps of Adam
+    move a param by at most 3 * lr * (1 - beta1) / sqrt(1 - beta2) ~ 9.5 lr per element
+    (the bound of an Adam update), so two runs differ by at most twice that; on average
+    they differ by far less (mean below 2% of the mean movement)."""
+    params = _params(torch.float32, seed=5)
+    for direction in ("to_plain", "from_plain"):
+        src = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        make_src = bnb.optim.AdamW8bit if direction == "from_plain" else _engine
+        make_dst = _engine if direction == "from_plain" else bnb.optim.AdamW8bit
+        opt_src = make_src(src, lr=1e-3)
+        for s in range(3):
+            for p, g in zip(src, _grads(src, s)):
+                p.grad = g
+            opt_src.step()
+        buf = io.BytesIO()
+        torch.save(opt_src.state_dict(), buf)
+        buf.seek(0)
+        dst = [torch.nn.Parameter(p.detach().clone()) for p in src]
+        opt_dst = make_dst(dst, lr=1e-3)
+        opt_dst.load_state_dict(torch.load(buf, weights_only=True))
+        for p, q in zip(src, dst):
+            a, b = opt_src.state[p], opt_dst.state[q]
+            assert sorted(a) == sorted(b)
+            for key in a:
+                if isinstance(a[key], torch.Tensor):
+                    assert (a[key].dtype, a[key].shape) == (b[key].dtype, b[key].shape)
+                    assert torch.equal(a[key], b[key]), key
+                else:
+                    assert a[key] == b[key] == 3
+        at_save = [p.detach().clone() for p in src]
+        for s in range(3, 6):
+            for ps in (src, dst):
+                for p, g in zip(ps, _grads(ps, s)):
+                    p.grad = g
+            opt_src.step()
+            opt_dst.step()
+        for p, q, p0 in zip(src, dst, at_save):
+            assert opt_dst.state[q]["step"] == 6
+            diff = (p.detach() - q.detach()).abs()
+            assert diff.max() <= 2 * 3 * 1e-3 * 0.1 / (1 - 0.999) ** 0.5
+            assert diff.mean() <= 0.02 * (p.detach() - p0).abs().mean()
+
+
+def test_a_step_peaks_at_state_plus_params_plus_grads() -> None:
+    """Resident-set peak of a step (bench/eightbit_memory.py's measurement, in this
+    process, 1M float32 elements, high-water mark reset before each step): the first step
+    adds the state it creates and at most 1% more; the second adds at most 1% of the
+    state (the kernel writes codes, absmax and param in place; bitsandbytes' CPU fallback
+    adds ~20 bytes per element, see the benchmark)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "eightbit_memory.py"
+    spec = importlib.util.spec_from_file_location("eightbit_memory", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    try:
+        bench._reset_peak()
+    except OSError as exc:
+        pytest.skip(f"cannot reset the peak RSS here: {exc}")
+    n = 1 << 20
+    first, second = bench.measure(n, "kernel")
+    state = first["state_bytes"]
+    assert state == 2 * n + 2 * 4 * (n // 256) + 2 * 4 * 256  # codes, absmax, code books
+    assert first["fallback"] == []
+    assert first["extra_peak_bytes"] <= 1.01 * state
+    assert second["extra_peak_bytes"] <= 0.01 * state
+
+
+def test_the_prepared_commit_allocates_nothing() -> None:
+    """Through the two-phase step, the commit (``engine.step``) uses the tables prepare
+    wrote and allocates no tensor; a rolled-back prepare leaves no tables behind."""
+    params = _params(torch.bfloat16)
+    opt = _engine(params, lr=1e-3)
+    for s in range(2):
+        for p, g in zip(params, _grads(params, s)):
+            p.grad = g
+        transaction.prepare_step(opt)
+        assert opt._prepared is not None
+        with FailNthAllocation(None) as counter:
+            transaction.commit_step(opt)
+        assert counter.count == 0
+        assert all(opt.state[p]["step"] == s + 1 for p in params)
+    transaction.prepare_step(opt)
+    transaction.rollback_step(opt, [])
+    assert opt._prepared is None
+
+
+def test_stale_tables_are_not_used() -> None:
+    """Tables prepared for other grads (replaced between prepare and step) are remade."""
+    p = torch.nn.Parameter(torch.randn(10_000))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt, ref = _engine([p], lr=1e-3), _engine([q], lr=1e-3)
+    p.grad = torch.randn(10_000)
+    transaction.prepare_step(opt)
+    p.grad = torch.randn(10_000, generator=torch.Generator().manual_seed(9))
+    q.grad = p.grad.clone()
+    opt.step()
+    ref.step()
+    assert torch.equal(p, q)
+
+
+def test_without_a_compiler_bitsandbytes_steps_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """No C compiler: the engine runs bitsandbytes' own update (bit for bit plain
+    ``AdamW8bit``) and records the reason per param."""
+    monkeypatch.setenv("CC", "no-such-compiler-for-optladder")
+    params = _params(torch.float32)
+    plain_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt, plain = _engine(params, lr=1e-3), bnb.optim.AdamW8bit(plain_params, lr=1e-3)
+    for s in range(2):
+        for ps in (params, plain_params):
+            for p, g in zip(ps, _grads(ps, s)):
+                p.grad = g
+        opt.step()
+        plain.step()
+    assert set(opt.eager_reasons) == {0, 1, 2}
+    assert "no-such-compiler-for-optladder" in opt.eager_reasons[0]
+    for p, q in zip(params, plain_params):
+        assert torch.equal(p, q)
