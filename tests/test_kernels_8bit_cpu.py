@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from optladder.optimizers import kernels, transaction
 from memtools import FailNthAllocation
+from optladder.optimizers import kernels, transaction
 
 pytestmark = pytest.mark.skipif(
     kernels.cpu_unavailable_reason() is not None, reason="no C compiler for the CPU kernel"
@@ -62,7 +62,9 @@ def torch_quantizer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Route bitsandbytes' CPU update's re-quantization to its torch backend."""
     import bitsandbytes.backends.cpu.ops as cpu_ops
 
-    def quantize(a: torch.Tensor, code: torch.Tensor, absmax_out: torch.Tensor, out: torch.Tensor, bs: int) -> None:  # fmt: skip
+    def quantize(
+        a: torch.Tensor, code: torch.Tensor, absmax_out: torch.Tensor, out: torch.Tensor, bs: int
+    ) -> None:
         codes, absmax = _reference_encode(a, code)
         out.copy_(codes)
         absmax_out.copy_(absmax)
@@ -70,7 +72,9 @@ def torch_quantizer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_ops, "_quant_blockwise_fp32_direct", quantize)
 
 
-def _reference_encode(values: torch.Tensor, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _reference_encode(
+    values: torch.Tensor, code: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """bitsandbytes' torch-backend ``quantize_blockwise`` (nearest code, ties to the lower),
     with the kernel's one documented exception: on a book whose first code is 0, a
     positive value below the first midpoint takes code 1, not 0."""
@@ -82,7 +86,9 @@ def _reference_encode(values: torch.Tensor, code: torch.Tensor) -> tuple[torch.T
     return codes, absmax
 
 
-def _reference_step(state: dict[str, Any], p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], coupled: bool) -> None:  # fmt: skip
+def _reference_step(
+    state: dict[str, Any], p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], coupled: bool
+) -> None:
     """One step of bitsandbytes' CPU update on copies held in ``state``/``p``."""
     import bitsandbytes.backends.cpu.ops as cpu_ops
 
@@ -94,15 +100,47 @@ def _reference_step(state: dict[str, Any], p: torch.Tensor, g: torch.Tensor, gro
     step = state["step"] + 1
     if state["state1"].dtype == torch.uint8:
         cpu_ops._optimizer_update_8bit_blockwise_cpu(
-            "adam", g, p, state["state1"], state["state2"], beta1, beta2, 0.0, 0.0,
-            group["eps"], step, lr, state["qmap1"], state["qmap2"], state["absmax1"],
-            state["absmax2"], wd, 1.0, False,
-        )  # fmt: skip
+            "adam",
+            g,
+            p,
+            state["state1"],
+            state["state2"],
+            beta1,
+            beta2,
+            0.0,
+            0.0,
+            group["eps"],
+            step,
+            lr,
+            state["qmap1"],
+            state["qmap2"],
+            state["absmax1"],
+            state["absmax2"],
+            wd,
+            1.0,
+            False,
+        )
     else:
         cpu_ops._optimizer_update_32bit_cpu(
-            "adam", g, p, state["state1"], state["state2"], None, 0.0, 1.0, beta1, beta2,
-            0.0, 0.0, group["eps"], wd, step, lr, 1.0, False,
-        )  # fmt: skip
+            "adam",
+            g,
+            p,
+            state["state1"],
+            state["state2"],
+            None,
+            0.0,
+            1.0,
+            beta1,
+            beta2,
+            0.0,
+            0.0,
+            group["eps"],
+            wd,
+            step,
+            lr,
+            1.0,
+            False,
+        )
     state["step"] = step
 
 
@@ -378,7 +416,9 @@ def test_stale_tables_are_not_used() -> None:
     assert torch.equal(p, q)
 
 
-def test_without_a_compiler_bitsandbytes_steps_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_without_a_compiler_bitsandbytes_steps_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """No C compiler: the engine runs bitsandbytes' own update (bit for bit plain
     ``AdamW8bit``) and records the reason per param."""
     monkeypatch.setenv("CC", "no-such-compiler-for-optladder")

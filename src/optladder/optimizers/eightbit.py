@@ -150,7 +150,7 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            if not self.initialized:
+            if not getattr(self, "initialized", False):  # as bitsandbytes' step begins
                 self.check_overrides()
                 self.to_gpu()
                 self.initialized = True

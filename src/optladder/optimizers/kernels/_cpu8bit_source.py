@@ -17,9 +17,9 @@ each value as the nearest code of the book. "Nearest" is bitsandbytes' reference
 [-1, 1], then the number of midpoints between adjacent codes that lie below it, so a tie
 goes to the lower code); the midpoints (``bounds``, 255 values and a +inf) are computed in
 Python when the step is prepared, where the unsigned book's first bound is set to 0 so
-that a positive ``exp_avg_sq`` never becomes 0 (see ``cpu8bit.code_bounds``). Zero is a code of both books, so a moment that is
-exactly 0 stays exactly 0 (bitsandbytes' native CPU quantizer, an approximate table
-search, maps it to a small non-zero code).
+that a positive ``exp_avg_sq`` never becomes 0 (see ``cpu8bit.code_bounds``). Zero is a
+code of both books, so a moment that is exactly 0 stays exactly 0 (bitsandbytes' native
+CPU quantizer, an approximate table search, maps it to a small non-zero code).
 
 Nothing is allocated: work items (runs of whole blocks of one param) are listed by the
 caller, and handed out to ``n_threads`` threads of torch's OpenMP pool (or pthreads).
