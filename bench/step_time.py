@@ -1,4 +1,5 @@
-"""Optimizer step time and state bytes per param: optladder's bf16 rung against baselines.
+"""Optimizer step time and state bytes per param: optladder's bf16 rung and its 8bit rung's
+CPU kernel (``optladder-8bit-cpu``: bitsandbytes' state format) against baselines.
 
 Every implementation steps one float32 param of N elements with a float32 grad (stochastic
 rounding on for optladder), its state allocated by warm-up steps before timing. Reported:
@@ -30,6 +31,8 @@ from pathlib import Path
 import torch
 
 from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.eightbit import build_8bit
+from optladder.optimizers.kernels import cpu_unavailable_reason as cpu_kernel_unavailable_reason
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -90,6 +93,15 @@ def implementations(device: torch.device) -> dict[str, Factory | str]:
         impls["bnb-adamw8bit"] = lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3)
     except ImportError as exc:
         impls["bnb-adamw8bit"] = f"bitsandbytes not importable: {exc}"
+    if device.type == "cpu":  # the 8bit rung's own CPU kernel, bitsandbytes' state format
+        if isinstance(impls["bnb-adamw8bit"], str):
+            impls["optladder-8bit-cpu"] = impls["bnb-adamw8bit"]
+        elif (why := cpu_kernel_unavailable_reason()) is not None:
+            impls["optladder-8bit-cpu"] = why
+        else:
+            impls["optladder-8bit-cpu"] = lambda ps: build_8bit(
+                [{"params": list(ps)}], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01
+            )
     try:
         from torchao.optim import AdamW8bit as AoAdamW8bit
 

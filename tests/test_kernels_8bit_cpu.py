@@ -313,6 +313,29 @@ def test_encoding_is_bitsandbytes_reference_rule() -> None:
             assert ((nearest == 0) & (values > 0)).sum() > 100  # the exception is exercised
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_encoding_at_every_midpoint(signed: bool) -> None:
+    """Values at each midpoint between adjacent codes and one float32 step either side
+    (absmax 1, so they are encoded as they are): the midpoint itself takes the lower code,
+    the next float up the upper one, as bitsandbytes' reference rule says."""
+    from bitsandbytes import functional as F
+
+    from optladder.optimizers.kernels import cpu8bit
+
+    code = F.create_dynamic_map(signed=signed).float()
+    mids = (code[:-1] + code[1:]) / 2
+    below = torch.nextafter(mids, torch.tensor(-2.0))
+    above = torch.nextafter(mids, torch.tensor(2.0))
+    values = torch.stack([below, mids, above], dim=1).reshape(-1)
+    values = values[values.abs() <= 1]
+    blocks = values.split(255)
+    values = torch.cat([torch.cat([b, torch.ones(1)]) for b in blocks])  # absmax 1
+    codes, absmax = cpu8bit.quantize_blockwise(values, code)
+    want, _ = _reference_encode(values, code)
+    assert torch.equal(absmax, torch.ones_like(absmax))
+    assert torch.equal(codes, want)
+
+
 def test_checkpoints_interchange_with_plain_bitsandbytes_both_ways() -> None:
     """optladder's 8bit state is ``AdamW8bit``'s: same keys, dtypes and shapes; a
     checkpoint of either loads into the other and continues. The continuation matches

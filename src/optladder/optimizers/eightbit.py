@@ -120,7 +120,8 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             self.eager_reasons: dict[int, str] = {}
             self._kernel_error: str | None = None
             self._prepared: _PreparedStep | None = None
-            self._bounds: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+            self._bounds: dict[int, tuple[torch.Tensor, int, Any]] = {}
+            self._books: list[tuple[torch.Tensor, Any]] = []
             super().__init__(*args, **kwargs)
 
         def prepare_kernel_step(self) -> None:
@@ -277,16 +278,32 @@ class _PreparedStep:
         )
 
 
-def _code_bounds(engine: Any, qmap: torch.Tensor) -> torch.Tensor:
-    """:func:`~optladder.optimizers.kernels.cpu8bit.code_bounds` of ``qmap``, cached on
-    the engine by tensor identity and version (code books are shared by all params)."""
+def _code_bounds(engine: Any, qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~optladder.optimizers.kernels.cpu8bit.code_bounds` and ``code_table`` of
+    ``qmap``, cached on
+    the engine: by tensor identity and version, and by content (a loaded checkpoint gives
+    each param its own copy of the same two books; they share one table each)."""
     from optladder.optimizers.kernels import cpu8bit
 
-    cache: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = engine._bounds
+    cache: dict[int, tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]]
+    cache = engine._bounds
     hit = cache.get(id(qmap))
     if hit is not None and hit[0] is qmap and hit[1] == qmap._version:
         return hit[2]
-    bounds = cpu8bit.code_bounds(qmap)
+    books: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = engine._books
+    bounds = next(
+        (
+            b
+            for book, b in books
+            if (book.dtype, book.shape, book.device) == (qmap.dtype, qmap.shape, qmap.device)
+            and torch.equal(book, qmap)
+        ),
+        None,
+    )
+    if bounds is None:
+        edges = cpu8bit.code_bounds(qmap)
+        bounds = (edges, cpu8bit.code_table(edges))
+        books.append((qmap.detach().clone(), bounds))
     cache[id(qmap)] = (qmap, qmap._version, bounds)
     return bounds
 
@@ -348,13 +365,12 @@ def _prepare_step(engine: Any) -> _PreparedStep:
             config = engine.get_config(gindex, pindex, group)
             why = _kernel_miss(engine, p, config, state)
             quantized = why is None and state["state1"].dtype == torch.uint8
-            bounds: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+            enc1: tuple[torch.Tensor | None, ...] = (None, None)
+            enc2: tuple[torch.Tensor | None, ...] = (None, None)
             if quantized:
                 try:
-                    bounds = (
-                        _code_bounds(engine, state["qmap1"]),
-                        _code_bounds(engine, state["qmap2"]),
-                    )
+                    enc1 = _code_bounds(engine, state["qmap1"])
+                    enc2 = _code_bounds(engine, state["qmap2"])
                 except ValueError as exc:
                     why = f"its code books do not fit the kernel: {exc}"
             if why is not None:
@@ -371,8 +387,10 @@ def _prepare_step(engine: Any) -> _PreparedStep:
                     state2=state["state2"],
                     absmax1=state.get("absmax1") if quantized else None,
                     absmax2=state.get("absmax2") if quantized else None,
-                    bounds1=bounds[0],
-                    bounds2=bounds[1],
+                    bounds1=enc1[0],
+                    bounds2=enc2[0],
+                    table1=enc1[1],
+                    table2=enc2[1],
                     qmap1=state.get("qmap1") if quantized else None,
                     qmap2=state.get("qmap2") if quantized else None,
                     step=int(state["step"]) + 1,

@@ -16,10 +16,12 @@ each value as the nearest code of the book. "Nearest" is bitsandbytes' reference
 (its torch backend's ``quantize_blockwise``: ``x * (1 / max(absmax, 1e-38))`` clamped to
 [-1, 1], then the number of midpoints between adjacent codes that lie below it, so a tie
 goes to the lower code); the midpoints (``bounds``, 255 values and a +inf) are computed in
-Python when the step is prepared, where the unsigned book's first bound is set to 0 so
-that a positive ``exp_avg_sq`` never becomes 0 (see ``cpu8bit.code_bounds``). Zero is a
-code of both books, so a moment that is exactly 0 stays exactly 0 (bitsandbytes' native
-CPU quantizer, an approximate table search, maps it to a small non-zero code).
+Python when the step is prepared, with a 127 KiB table per book that starts the count
+from a float's top 16 bits (two comparisons finish it); the unsigned book's first bound
+is set to 0 so that a positive ``exp_avg_sq`` never becomes 0 (see
+``cpu8bit.code_bounds``). Zero is a code of both books, so a moment that is exactly 0
+stays exactly 0 (bitsandbytes' native CPU quantizer, an approximate table search, maps it
+to a small non-zero code).
 
 Nothing is allocated: work items (runs of whole blocks of one param) are listed by the
 caller, and handed out to ``n_threads`` threads of torch's OpenMP pool (or pthreads).
@@ -50,6 +52,8 @@ typedef struct {
     const float *qmap2;
     const float *bounds1;    /* 255 midpoints of adjacent codes, then +inf */
     const float *bounds2;
+    const int32_t *table1;   /* 2 * 16257: bounds below each float's top 16 bits (below) */
+    const int32_t *table2;
     int64_t numel;
     int32_t param_dtype;     /* OL8_* */
     int32_t grad_dtype;      /* OL8_* */
@@ -76,6 +80,9 @@ typedef struct {
 
 static inline float ol8_u2f(uint32_t u) { union { float f; uint32_t u; } c; c.u = u; return c.f; }
 static inline uint32_t ol8_f2u(float f) { union { float f; uint32_t u; } c; c.f = f; return c.u; }
+/* max and clamp by comparison: one instruction each, where libm's max is a call */
+static inline float ol8_max(float a, float b) { return a > b ? a : b; }
+static inline float ol8_clamp1(float x) { x = x < -1.0f ? -1.0f : x; return x > 1.0f ? 1.0f : x; }
 
 static inline __attribute__((always_inline)) float ol8_load(const void *p, int dtype, int64_t i) {
     if (dtype == OL8_F32) return ((const float *)p)[i];
@@ -98,23 +105,26 @@ static inline __attribute__((always_inline)) void ol8_store(
     }
 }
 
-/* The number of bounds below x: the index of the nearest code, ties to the lower one. */
-static inline __attribute__((always_inline)) uint8_t ol8_encode(const float *bounds, float x) {
-    int k = 0;
-    k += bounds[k + 127] < x ? 128 : 0;
-    k += bounds[k + 63] < x ? 64 : 0;
-    k += bounds[k + 31] < x ? 32 : 0;
-    k += bounds[k + 15] < x ? 16 : 0;
-    k += bounds[k + 7] < x ? 8 : 0;
-    k += bounds[k + 3] < x ? 4 : 0;
-    k += bounds[k + 1] < x ? 2 : 0;
-    k += bounds[k] < x ? 1 : 0;
+/* The number of bounds below x, for x in [-1, 1] (or NaN): the index of the nearest code,
+   ties to the lower one. table[sign * OL8_HALF + top 15 magnitude bits] counts the bounds
+   below the smallest float with those 16 top bits; at most 2 bounds lie among the floats
+   sharing them (checked when the table is made), so two steps finish the count
+   (bounds[255] = +inf stops it). */
+#define OL8_HALF 16257  /* magnitude prefixes 0 ... 0x3F80 (that of 1.0) */
+static inline __attribute__((always_inline)) uint8_t ol8_encode(
+        const int32_t *table, const float *bounds, float x) {
+    int32_t u = (int32_t)ol8_f2u(x);
+    int32_t mag = (u >> 16) & 0x7FFF;
+    mag = mag < OL8_HALF - 1 ? mag : OL8_HALF - 1;  /* NaN */
+    int32_t k = table[(u < 0 ? OL8_HALF : 0) + mag];
+    k += bounds[k] < x;
+    k += bounds[k] < x;
     return (uint8_t)k;
 }
 
 /* One block of an 8-bit param: elements [lo, lo + n) of block b. */
 static inline __attribute__((always_inline)) void ol8_block_q(
-        const ol8_param_t *P, int64_t b, int pd, int gd) {
+        const ol8_param_t *P, int64_t b, int pd, int gd, int coupled, int decoupled) {
     const int64_t lo = b * OL8_BLOCK;
     const int64_t n = P->numel - lo < OL8_BLOCK ? P->numel - lo : OL8_BLOCK;
     uint8_t *c1 = (uint8_t *)P->state1 + lo;
@@ -125,7 +135,6 @@ static inline __attribute__((always_inline)) void ol8_block_q(
     const float b2 = P->beta2, omb2 = P->one_minus_beta2;
     const float eps = P->eps, step_size = P->step_size, bc2 = P->bc2_sqrt;
     const float decay = P->decay, wd = P->weight_decay;
-    const int coupled = P->coupled, decoupled = P->decoupled;
     float m[OL8_BLOCK], v[OL8_BLOCK];
     float am1 = 0.0f, am2 = 0.0f;
     for (int64_t i = 0; i < n; i++) {
@@ -142,28 +151,29 @@ static inline __attribute__((always_inline)) void ol8_block_q(
         ol8_store(P->param, pd, lo + i, p);
         m[i] = mi;
         v[i] = vi;
-        am1 = fmaxf(am1, fabsf(mi));
-        am2 = fmaxf(am2, fabsf(vi));
+        am1 = ol8_max(fabsf(mi), am1);
+        am2 = ol8_max(fabsf(vi), am2);
     }
     P->absmax1[b] = am1;
     P->absmax2[b] = am2;
-    const float r1 = 1.0f / fmaxf(am1, 1e-38f), r2 = 1.0f / fmaxf(am2, 1e-38f);
+    const float r1 = 1.0f / ol8_max(am1, 1e-38f), r2 = 1.0f / ol8_max(am2, 1e-38f);
     const float *B1 = P->bounds1, *B2 = P->bounds2;
+    const int32_t *T1 = P->table1, *T2 = P->table2;
     for (int64_t i = 0; i < n; i++) {
-        c1[i] = ol8_encode(B1, fminf(fmaxf(m[i] * r1, -1.0f), 1.0f));
-        c2[i] = ol8_encode(B2, fminf(fmaxf(v[i] * r2, -1.0f), 1.0f));
+        c1[i] = ol8_encode(T1, B1, ol8_clamp1(m[i] * r1));
+        c2[i] = ol8_encode(T2, B2, ol8_clamp1(v[i] * r2));
     }
 }
 
 /* Elements [lo, hi) of a param with float32 state: bitsandbytes' 32-bit Adam update. */
 static inline __attribute__((always_inline)) void ol8_range_f32(
-        const ol8_param_t *P, int64_t lo, int64_t hi, int pd, int gd) {
+        const ol8_param_t *P, int64_t lo, int64_t hi, int pd, int gd, int coupled,
+        int decoupled) {
     float *s1 = (float *)P->state1, *s2 = (float *)P->state2;
     const float b1 = P->beta1, omb1 = P->one_minus_beta1;
     const float b2 = P->beta2, omb2 = P->one_minus_beta2;
     const float eps = P->eps, step_size = P->step_size;
     const float decay = P->decay, wd = P->weight_decay;
-    const int coupled = P->coupled, decoupled = P->decoupled;
     for (int64_t i = lo; i < hi; i++) {
         float g = ol8_load(P->grad, gd, i);
         float p = ol8_load(P->param, pd, i);
@@ -181,17 +191,26 @@ static inline __attribute__((always_inline)) void ol8_range_f32(
 
 #define OL8_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
-static inline __attribute__((always_inline)) void ol8_item_typed(
-        const ol8_param_t *P, const ol8_item_t *it, int pd, int gd) {
+static inline __attribute__((always_inline)) void ol8_item_wd(
+        const ol8_param_t *P, const ol8_item_t *it, int pd, int gd, int coupled,
+        int decoupled) {
     if (P->quantized) {
         for (int64_t b = it->first_block; b < it->first_block + it->n_blocks; b++)
-            ol8_block_q(P, b, pd, gd);
+            ol8_block_q(P, b, pd, gd, coupled, decoupled);
     } else {
         int64_t lo = it->first_block * OL8_BLOCK;
         int64_t hi = (it->first_block + it->n_blocks) * OL8_BLOCK;
         if (hi > P->numel) hi = P->numel;
-        ol8_range_f32(P, lo, hi, pd, gd);
+        ol8_range_f32(P, lo, hi, pd, gd, coupled, decoupled);
     }
+}
+
+/* The weight-decay form as a constant, so that each loop body is branch-free. */
+static inline __attribute__((always_inline)) void ol8_item_typed(
+        const ol8_param_t *P, const ol8_item_t *it, int pd, int gd) {
+    if (P->coupled) ol8_item_wd(P, it, pd, gd, 1, 0);
+    else if (P->decoupled) ol8_item_wd(P, it, pd, gd, 0, 1);
+    else ol8_item_wd(P, it, pd, gd, 0, 0);
 }
 
 OL8_CLONES
@@ -261,8 +280,8 @@ int ol_adamw8bit_step(const ol8_param_t *params, const ol8_item_t *items, int64_
 /* Encode n values (float32, bfloat16 or float16) as codes of the book whose bounds are
    given, one absmax per 256-element block: the kernel's own rule, for state conversions.
    Allocates nothing. */
-int ol_quantize_blockwise(const void *src, int32_t dtype, int64_t n, const float *bounds,
-                          uint8_t *out, float *absmax, int32_t n_threads) {
+int ol_quantize_blockwise(const void *src, int32_t dtype, int64_t n, const int32_t *table,
+                          const float *bounds, uint8_t *out, float *absmax, int32_t n_threads) {
     const int64_t blocks = (n + OL8_BLOCK - 1) / OL8_BLOCK;
     if (n_threads < 1) n_threads = 1;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
@@ -270,12 +289,12 @@ int ol_quantize_blockwise(const void *src, int32_t dtype, int64_t n, const float
         const int64_t lo = b * OL8_BLOCK;
         const int64_t len = n - lo < OL8_BLOCK ? n - lo : OL8_BLOCK;
         float am = 0.0f;
-        for (int64_t i = 0; i < len; i++) am = fmaxf(am, fabsf(ol8_load(src, dtype, lo + i)));
+        for (int64_t i = 0; i < len; i++) am = ol8_max(fabsf(ol8_load(src, dtype, lo + i)), am);
         absmax[b] = am;
-        const float r = 1.0f / fmaxf(am, 1e-38f);
+        const float r = 1.0f / ol8_max(am, 1e-38f);
         for (int64_t i = 0; i < len; i++) {
             float x = ol8_load(src, dtype, lo + i) * r;
-            out[lo + i] = ol8_encode(bounds, fminf(fmaxf(x, -1.0f), 1.0f));
+            out[lo + i] = ol8_encode(table, bounds, ol8_clamp1(x));
         }
     }
     return 0;

@@ -67,6 +67,8 @@ class _Param(ctypes.Structure):
         ("qmap2", ctypes.c_void_p),
         ("bounds1", ctypes.c_void_p),
         ("bounds2", ctypes.c_void_p),
+        ("table1", ctypes.c_void_p),
+        ("table2", ctypes.c_void_p),
         ("numel", ctypes.c_int64),
         ("param_dtype", ctypes.c_int32),
         ("grad_dtype", ctypes.c_int32),
@@ -136,6 +138,7 @@ def load_library() -> ctypes.CDLL:
         ctypes.c_void_p,
         ctypes.c_void_p,
         ctypes.c_void_p,
+        ctypes.c_void_p,
         ctypes.c_int32,
     )
     lib.ol_quantize_blockwise.restype = ctypes.c_int
@@ -150,7 +153,7 @@ def quantize_blockwise(
     The same encoding as the kernel's step (nearest code of ``qmap``, ties to the lower
     one; see :func:`code_bounds`), so a moment converted to 8 bits (a migration, a load)
     holds the codes the kernel would write, and an exact 0 stays exactly 0. Allocates
-    only the results (and the 1 KiB ``code_bounds`` table).
+    only the results (and the ``code_bounds`` and ``code_table`` tables, 128 KiB).
 
     Args:
         values: float32, bfloat16 or float16 CPU tensor, any shape.
@@ -172,6 +175,7 @@ def quantize_blockwise(
         )
     lib = load_library() if library is None else library
     bounds = code_bounds(qmap)
+    table = code_table(bounds)
     src = values.contiguous()
     codes = torch.empty(values.shape, dtype=torch.uint8)
     absmax = torch.empty(_ceil_div(src.numel(), BLOCK_SIZE), dtype=torch.float32)
@@ -180,6 +184,7 @@ def quantize_blockwise(
         src.data_ptr(),
         PARAM_DTYPE_CODES[src.dtype],
         src.numel(),
+        table.data_ptr(),
         bounds.data_ptr(),
         codes.data_ptr(),
         absmax.data_ptr(),
@@ -230,6 +235,39 @@ def code_bounds(qmap: torch.Tensor) -> torch.Tensor:
     return bounds
 
 
+_TABLE_HALF = 16257
+"""Magnitude prefixes of the start table: top 15 bits of |x| from 0 to 0x3F80 (1.0)."""
+
+
+def code_table(bounds: torch.Tensor) -> torch.Tensor:
+    """The start table of the encoder: for each float32 in [-1, 1], by its sign and the
+    top 15 bits of its magnitude (exponent and 7 mantissa bits), the number of
+    ``bounds`` below the smallest float with those bits. The kernel counts the bounds
+    below ``x`` as this entry plus at most two comparisons, exact because no more than
+    two bounds share top bits.
+
+    Args:
+        bounds: from :func:`code_bounds`.
+
+    Returns:
+        int32 CPU tensor of 2 * 16,257 elements (127 KiB): positive prefixes, then
+        negative ones.
+
+    Raises:
+        ValueError: if more than two bounds share their top 16 bits (a code book denser
+            than bitsandbytes' dynamic maps, which have at most one).
+    """
+    top = (bounds[:255].view(torch.int32).to(torch.int64) & 0xFFFFFFFF) >> 16
+    if int(torch.unique(top, return_counts=True)[1].max()) > 2:
+        raise ValueError("a code book has more than 2 midpoints among floats sharing 16 bits")
+    mag = torch.arange(_TABLE_HALF, dtype=torch.int64)
+    # the smallest float of each prefix: +0 low bits for positives, all ones for negatives
+    low = torch.cat([mag << 16, (mag | 0x8000) << 16 | 0xFFFF])
+    smallest = torch.where(low >= 1 << 31, low - (1 << 32), low).to(torch.int32)
+    values = smallest.view(torch.float32)
+    return torch.searchsorted(bounds, values, side="left").clamp_(max=255).to(torch.int32)
+
+
 def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
     """Why the 8-bit CPU kernel cannot step this param, or None if it can.
 
@@ -264,6 +302,8 @@ class Job:
         absmax2: as ``absmax1``.
         bounds1: :func:`code_bounds` of ``qmap1`` (quantized state), else None.
         bounds2: :func:`code_bounds` of ``qmap2``, else None.
+        table1: :func:`code_table` of ``bounds1`` (quantized state), else None.
+        table2: :func:`code_table` of ``bounds2``, else None.
         qmap1: the signed code book of ``state1`` (quantized state), else None.
         qmap2: the unsigned code book of ``state2``, else None.
         step: the step this update makes (the param's count after it, ``>= 1``).
@@ -283,6 +323,8 @@ class Job:
     absmax2: torch.Tensor | None
     bounds1: torch.Tensor | None
     bounds2: torch.Tensor | None
+    table1: torch.Tensor | None
+    table2: torch.Tensor | None
     qmap1: torch.Tensor | None
     qmap2: torch.Tensor | None
     step: int
@@ -346,10 +388,13 @@ def _check_state(k: int, job: Job) -> bool:
                 )
             if not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"jobs[{k}].{name} must be a contiguous CPU tensor")
-        for name in ("qmap1", "qmap2", "bounds1", "bounds2"):
+        for name in ("qmap1", "qmap2", "bounds1", "bounds2", "table1", "table2"):
             t = getattr(job, name)
-            if t is None or t.dtype != torch.float32 or t.shape != (256,):
-                raise ValueError(f"jobs[{k}].{name} must be 256 float32 values")
+            dtype, n = (
+                (torch.int32, 2 * _TABLE_HALF) if name.startswith("table") else (torch.float32, 256)
+            )
+            if t is None or t.dtype != dtype or t.shape != (n,):
+                raise ValueError(f"jobs[{k}].{name} must be {n} {dtype} values")
             if not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"jobs[{k}].{name} must be a contiguous CPU tensor")
     return quantized
@@ -411,7 +456,16 @@ def prepare_table(jobs: Sequence[Job], *, num_threads: int | None = None) -> Tab
         row.one_minus_beta2 = 1.0 - beta2
         row.bc2_sqrt = bc2_sqrt
         if quantized:
-            for name in ("absmax1", "absmax2", "qmap1", "qmap2", "bounds1", "bounds2"):
+            for name in (
+                "absmax1",
+                "absmax2",
+                "qmap1",
+                "qmap2",
+                "bounds1",
+                "bounds2",
+                "table1",
+                "table2",
+            ):
                 setattr(row, name, getattr(job, name).data_ptr())
             row.eps = job.eps
             row.step_size = -lr / bc1
@@ -432,7 +486,7 @@ def prepare_table(jobs: Sequence[Job], *, num_threads: int | None = None) -> Tab
             item += 1
         total += row.numel
         keep += [job.param, job.grad, job.state1, job.state2, job.absmax1, job.absmax2]
-        keep += [job.qmap1, job.qmap2, job.bounds1, job.bounds2]
+        keep += [job.qmap1, job.qmap2, job.bounds1, job.bounds2, job.table1, job.table2]
     threads = torch.get_num_threads() if num_threads is None else num_threads
     threads = max(1, min(threads, total // _MIN_ELEMENTS_PER_THREAD))
     return Table(params=params, items=items, n_items=item, threads=threads, tensors=tuple(keep))
