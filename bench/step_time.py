@@ -49,6 +49,7 @@ TRAFFIC_BYTES_PER_PARAM = {
     "optladder-bf16-triton": 20,
     "optladder-bf16-eager": 20,
     "bnb-adamw8bit": 14,  # param r/w 8, grad r 4, two uint8 codes r/w 4 (+ absmax)
+    "optladder-8bit-cpu": 14,
     "torchao-adamw8bit": 14,
 }
 """Least bytes a step must move per param (one pass), for the bandwidth column."""
