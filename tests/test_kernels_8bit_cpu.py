@@ -426,7 +426,8 @@ def test_the_prepared_commit_allocates_nothing() -> None:
 
 
 def test_stale_tables_are_not_used() -> None:
-    """Tables prepared for other grads (replaced between prepare and step) are remade."""
+    """Tables prepared for other grads (replaced between prepare and step, or given to
+    more params) are remade."""
     p = torch.nn.Parameter(torch.randn(10_000))
     q = torch.nn.Parameter(p.detach().clone())
     opt, ref = _engine([p], lr=1e-3), _engine([q], lr=1e-3)
@@ -437,6 +438,19 @@ def test_stale_tables_are_not_used() -> None:
     opt.step()
     ref.step()
     assert torch.equal(p, q)
+    # a param that gets a grad after prepare is stepped too
+    p2, q2 = torch.nn.Parameter(torch.randn(5_000)), torch.nn.Parameter(torch.empty(5_000))
+    q2.data.copy_(p2.detach())
+    opt.add_param_group({"params": [p2]})
+    ref.add_param_group({"params": [q2]})
+    p.grad, q.grad = None, None
+    transaction.prepare_step(opt)
+    p.grad, p2.grad = torch.ones(10_000), torch.ones(5_000)
+    q.grad, q2.grad = torch.ones(10_000), torch.ones(5_000)
+    opt.step()
+    ref.step()
+    assert torch.equal(p, q) and torch.equal(p2, q2)
+    assert opt.state[p]["step"] == 2 and opt.state[p2]["step"] == 1
 
 
 def test_without_a_compiler_bitsandbytes_steps_and_says_why(

@@ -258,6 +258,7 @@ class _PreparedStep:
             commit that the tables still point at the right tensors.
         others: ``(group, param, gindex, pindex)`` stepped by bitsandbytes.
         n_groups: the number of param groups when prepared.
+        n_stepping: the number of params with a grad when prepared.
     """
 
     table: Any
@@ -266,10 +267,15 @@ class _PreparedStep:
     checks: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], int, torch.Tensor]]
     others: list[tuple[dict[str, Any], torch.Tensor, int, int]]
     n_groups: int
+    n_stepping: int
 
     def still_valid(self, engine: torch.optim.Optimizer) -> bool:
-        """Whether the grads and state the tables point at are still the params' own."""
+        """Whether the grads and state the tables point at are still the params' own, and
+        the same number of params has a grad."""
         if len(engine.param_groups) != self.n_groups:
+            return False
+        groups = engine.param_groups
+        if sum(p.grad is not None for g in groups for p in g["params"]) != self.n_stepping:
             return False
         state = engine.state
         return all(
@@ -412,6 +418,7 @@ def _prepare_step(engine: Any) -> _PreparedStep:
         checks=checks,
         others=others,
         n_groups=len(engine.param_groups),
+        n_stepping=len(checks) + len(others),
     )
 
 
