@@ -80,8 +80,7 @@ typedef struct {
 
 static inline float ol8_u2f(uint32_t u) { union { float f; uint32_t u; } c; c.u = u; return c.f; }
 static inline uint32_t ol8_f2u(float f) { union { float f; uint32_t u; } c; c.f = f; return c.u; }
-/* max and clamp by comparison: one instruction each, where libm's max is a call */
-static inline float ol8_max(float a, float b) { return a > b ? a : b; }
+/* clamp by comparison: one instruction each, where libm's fminf/fmaxf are calls */
 static inline float ol8_clamp1(float x) { x = x < -1.0f ? -1.0f : x; return x > 1.0f ? 1.0f : x; }
 
 static inline __attribute__((always_inline)) float ol8_load(const void *p, int dtype, int64_t i) {
@@ -105,15 +104,14 @@ static inline __attribute__((always_inline)) void ol8_store(
     }
 }
 
-/* The number of bounds below x, for x in [-1, 1] (or NaN): the index of the nearest code,
-   ties to the lower one. table[sign * OL8_HALF + top 15 magnitude bits] counts the bounds
-   below the smallest float with those 16 top bits; at most 2 bounds lie among the floats
-   sharing them (checked when the table is made), so two steps finish the count
-   (bounds[255] = +inf stops it). */
+/* The number of bounds below x, for x in [-1, 1] (or NaN), given x and its bits u: the
+   index of the nearest code, ties to the lower one. table[sign * OL8_HALF + top 15
+   magnitude bits] counts the bounds below the smallest float with those 16 top bits; at
+   most 2 bounds lie among the floats sharing them (checked when the table is made), so
+   two steps finish the count (bounds[255] = +inf stops it). */
 #define OL8_HALF 16257  /* magnitude prefixes 0 ... 0x3F80 (that of 1.0) */
 static inline __attribute__((always_inline)) uint8_t ol8_encode(
-        const int32_t *table, const float *bounds, float x) {
-    int32_t u = (int32_t)ol8_f2u(x);
+        const int32_t *table, const float *bounds, int32_t u, float x) {
     int32_t mag = (u >> 16) & 0x7FFF;
     mag = mag < OL8_HALF - 1 ? mag : OL8_HALF - 1;  /* NaN */
     int32_t k = table[(u < 0 ? OL8_HALF : 0) + mag];
@@ -122,24 +120,81 @@ static inline __attribute__((always_inline)) uint8_t ol8_encode(
     return (uint8_t)k;
 }
 
+/* Widen n values of src (from element lo) into out, as float32.
+   Bit patterns move through integer buffers read back through another pointer type, not
+   through in-register casts, which keep gcc from vectorizing the loops. */
+static inline __attribute__((always_inline)) void ol8_widen(
+        const void *src, int dtype, int64_t lo, int64_t n, float *restrict out) {
+    if (dtype == OL8_BF16) {
+        const uint16_t *restrict s = (const uint16_t *)src + lo;
+        uint32_t *restrict o = (uint32_t *)out;
+        for (int64_t i = 0; i < n; i++) o[i] = (uint32_t)s[i] << 16;
+    } else {
+        const _Float16 *restrict s = (const _Float16 *)src + lo;
+        for (int64_t i = 0; i < n; i++) out[i] = (float)s[i];
+    }
+}
+
+/* Round n float32 values to dtype (nearest even, as torch's copy_) into dst from lo. */
+static inline __attribute__((always_inline)) void ol8_narrow(
+        void *dst, int dtype, int64_t lo, int64_t n, const float *restrict in) {
+    if (dtype == OL8_BF16) {
+        const uint32_t *restrict u = (const uint32_t *)in;
+        uint16_t *restrict d = (uint16_t *)dst + lo;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t x = u[i];
+            uint32_t r = (x + 0x7FFFu + ((x >> 16) & 1u)) >> 16;
+            uint32_t q = (x >> 16) | 0x40u;  /* NaN stays NaN */
+            d[i] = (uint16_t)((x & 0x7FFFFFFFu) > 0x7F800000u ? q : r);
+        }
+    } else {
+        _Float16 *restrict d = (_Float16 *)dst + lo;
+        for (int64_t i = 0; i < n; i++) d[i] = (_Float16)in[i];
+    }
+}
+
+/* absmax = max |x| of n values by their bits (a NaN wins, as torch's max), then each
+   value scaled by 1 / max(absmax, 1e-38), clamped to [-1, 1] and encoded in place. */
+static inline __attribute__((always_inline)) float ol8_quantize(
+        float *restrict x, int64_t n, const int32_t *table, const float *bounds,
+        uint8_t *restrict out) {
+    const uint32_t *restrict xu = (const uint32_t *)x;
+    uint32_t top = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t a = xu[i] & 0x7FFFFFFFu;
+        top = a > top ? a : top;
+    }
+    const float absmax = ol8_u2f(top);
+    const float r = 1.0f / (absmax > 1e-38f ? absmax : 1e-38f);
+    for (int64_t i = 0; i < n; i++) x[i] = ol8_clamp1(x[i] * r);
+    const int32_t *restrict xi = (const int32_t *)x;
+    for (int64_t i = 0; i < n; i++) out[i] = ol8_encode(table, bounds, xi[i], x[i]);
+    return absmax;
+}
+
 /* One block of an 8-bit param: elements [lo, lo + n) of block b. */
 static inline __attribute__((always_inline)) void ol8_block_q(
         const ol8_param_t *P, int64_t b, int pd, int gd, int coupled, int decoupled) {
     const int64_t lo = b * OL8_BLOCK;
     const int64_t n = P->numel - lo < OL8_BLOCK ? P->numel - lo : OL8_BLOCK;
-    uint8_t *c1 = (uint8_t *)P->state1 + lo;
-    uint8_t *c2 = (uint8_t *)P->state2 + lo;
+    uint8_t *restrict c1 = (uint8_t *)P->state1 + lo;
+    uint8_t *restrict c2 = (uint8_t *)P->state2 + lo;
     const float a1 = P->absmax1[b], a2 = P->absmax2[b];
-    const float *q1 = P->qmap1, *q2 = P->qmap2;
+    const float *restrict q1 = P->qmap1, *restrict q2 = P->qmap2;
     const float b1 = P->beta1, omb1 = P->one_minus_beta1;
     const float b2 = P->beta2, omb2 = P->one_minus_beta2;
     const float eps = P->eps, step_size = P->step_size, bc2 = P->bc2_sqrt;
     const float decay = P->decay, wd = P->weight_decay;
-    float m[OL8_BLOCK], v[OL8_BLOCK];
-    float am1 = 0.0f, am2 = 0.0f;
+    float gbuf[OL8_BLOCK], pbuf[OL8_BLOCK], m[OL8_BLOCK], v[OL8_BLOCK];
+    const float *restrict gs = gbuf;
+    float *restrict ps = pbuf;
+    if (gd == OL8_F32) gs = (const float *)P->grad + lo;
+    else ol8_widen(P->grad, gd, lo, n, gbuf);
+    if (pd == OL8_F32) ps = (float *)P->param + lo;
+    else ol8_widen(P->param, pd, lo, n, pbuf);
     for (int64_t i = 0; i < n; i++) {
-        float g = ol8_load(P->grad, gd, lo + i);
-        float p = ol8_load(P->param, pd, lo + i);
+        float g = gs[i];
+        float p = ps[i];
         if (coupled) g = fmaf(p, wd, g);
         float mi = q1[c1[i]] * a1;
         float vi = q2[c2[i]] * a2;
@@ -147,43 +202,36 @@ static inline __attribute__((always_inline)) void ol8_block_q(
         vi = fmaf(omb2 * g, g, vi * b2);        /* mul_(beta2).addcmul_(g, g, 1-beta2) */
         float denom = sqrtf(vi) / bc2 + eps;
         if (decoupled) p = p * decay;
-        p = p + (step_size * mi) / denom;       /* addcdiv_(m, denom, -lr/bc1) */
-        ol8_store(P->param, pd, lo + i, p);
+        ps[i] = p + (step_size * mi) / denom;   /* addcdiv_(m, denom, -lr/bc1) */
         m[i] = mi;
         v[i] = vi;
-        am1 = ol8_max(fabsf(mi), am1);
-        am2 = ol8_max(fabsf(vi), am2);
     }
-    P->absmax1[b] = am1;
-    P->absmax2[b] = am2;
-    const float r1 = 1.0f / ol8_max(am1, 1e-38f), r2 = 1.0f / ol8_max(am2, 1e-38f);
-    const float *B1 = P->bounds1, *B2 = P->bounds2;
-    const int32_t *T1 = P->table1, *T2 = P->table2;
-    for (int64_t i = 0; i < n; i++) {
-        c1[i] = ol8_encode(T1, B1, ol8_clamp1(m[i] * r1));
-        c2[i] = ol8_encode(T2, B2, ol8_clamp1(v[i] * r2));
-    }
+    if (pd != OL8_F32) ol8_narrow(P->param, pd, lo, n, pbuf);
+    P->absmax1[b] = ol8_quantize(m, n, P->table1, P->bounds1, c1);
+    P->absmax2[b] = ol8_quantize(v, n, P->table2, P->bounds2, c2);
 }
 
 /* Elements [lo, hi) of a param with float32 state: bitsandbytes' 32-bit Adam update. */
 static inline __attribute__((always_inline)) void ol8_range_f32(
         const ol8_param_t *P, int64_t lo, int64_t hi, int pd, int gd, int coupled,
         int decoupled) {
-    float *s1 = (float *)P->state1, *s2 = (float *)P->state2;
+    float *restrict s1 = (float *)P->state1, *restrict s2 = (float *)P->state2;
+    const void *restrict grad = P->grad;
+    void *restrict param = P->param;
     const float b1 = P->beta1, omb1 = P->one_minus_beta1;
     const float b2 = P->beta2, omb2 = P->one_minus_beta2;
     const float eps = P->eps, step_size = P->step_size;
     const float decay = P->decay, wd = P->weight_decay;
     for (int64_t i = lo; i < hi; i++) {
-        float g = ol8_load(P->grad, gd, i);
-        float p = ol8_load(P->param, pd, i);
+        float g = ol8_load(grad, gd, i);
+        float p = ol8_load(param, pd, i);
         if (coupled) g = fmaf(p, wd, g);
         float mi = fmaf(g, omb1, s1[i] * b1);
         float vi = fmaf(omb2 * g, g, s2[i] * b2);
         if (decoupled) p = p * decay;
         float update = mi / (sqrtf(vi) + eps);  /* eps holds eps * bc2_sqrt here */
         p = fmaf(update, step_size, p);         /* add_(update, alpha=step_size) */
-        ol8_store(P->param, pd, i, p);
+        ol8_store(param, pd, i, p);
         s1[i] = mi;
         s2[i] = vi;
     }
@@ -288,14 +336,14 @@ int ol_quantize_blockwise(const void *src, int32_t dtype, int64_t n, const int32
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t lo = b * OL8_BLOCK;
         const int64_t len = n - lo < OL8_BLOCK ? n - lo : OL8_BLOCK;
-        float am = 0.0f;
-        for (int64_t i = 0; i < len; i++) am = ol8_max(fabsf(ol8_load(src, dtype, lo + i)), am);
-        absmax[b] = am;
-        const float r = 1.0f / ol8_max(am, 1e-38f);
-        for (int64_t i = 0; i < len; i++) {
-            float x = ol8_load(src, dtype, lo + i) * r;
-            out[lo + i] = ol8_encode(table, bounds, ol8_clamp1(x));
+        float x[OL8_BLOCK];
+        if (dtype == OL8_F32) {
+            const float *s = (const float *)src + lo;
+            for (int64_t i = 0; i < len; i++) x[i] = s[i];
+        } else {
+            ol8_widen(src, dtype, lo, len, x);
         }
+        absmax[b] = ol8_quantize(x, len, table, bounds, out + lo);
     }
     return 0;
 }
