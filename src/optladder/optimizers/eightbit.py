@@ -7,9 +7,9 @@ The engine is a subclass of ``AdamW8bit`` (:func:`ladder_adamw8bit_class`), so i
 and checkpoints are bitsandbytes' own. It steps every CPU param it can with one call of
 optladder's 8-bit CPU kernel (:mod:`optladder.optimizers.kernels.cpu8bit`: same state
 format, no float32 copies), CUDA params with bitsandbytes' kernel, and the rest (no C
-compiler, DTensor shards, ``max_unorm``) with bitsandbytes' per-tensor update, recording
-why in ``eager_reasons``. Sharded params (DTensor, e.g. FSDP2's ``fully_shard``) step on
-each rank's local shard, while the size rule (``min_8bit_size``) follows the param's
+compiler, ``max_unorm``, a non-contiguous param) with bitsandbytes' per-tensor update,
+recording why in ``eager_reasons``. Sharded params (DTensor, e.g. FSDP2's
+``fully_shard``) step on each rank's local shard, while the size rule (``min_8bit_size``) follows the param's
 global element count, the same on every rank. In Adam mode (coupled weight decay) it adds
 ``weight_decay * param`` to the grad and runs bitsandbytes with weight decay 0, because
 bitsandbytes applies weight decay the AdamW (decoupled) way.
@@ -18,11 +18,11 @@ bitsandbytes applies weight decay the AdamW (decoupled) way.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, cast
 
@@ -67,9 +67,12 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
     (nearest code, bitsandbytes' reference rule) without float32 copies of any tensor,
     then bumps their ``step``. ``prepare_kernel_step`` writes its tables ahead (the
     prepare phase of :mod:`optladder.optimizers.transaction`); the commit allocates
-    nothing. ``cpu_kernel=False``, a missing C compiler, a non-contiguous param, DTensor
-    params or ``max_unorm``/``skip_zeros`` send a param to bitsandbytes' per-tensor
-    update instead, with the reason in ``eager_reasons`` (param index over all groups).
+    nothing, except for a DTensor param whose grad is laid out unlike it (``Partial``):
+    that grad is redistributed (a collective, run only once every rank commits) and the
+    param stepped with its own small table. DTensor params step on their local shard.
+    ``cpu_kernel=False``, a missing C compiler, a non-contiguous param or
+    ``max_unorm``/``skip_zeros`` send a param to bitsandbytes' per-tensor update
+    instead, with the reason in ``eager_reasons`` (param index over all groups).
     In Adam mode the kernel adds ``weight_decay * param`` to the grad in float32 without
     writing the grad tensor.
 
@@ -166,9 +169,16 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
                 self.prefetch_state(p)
                 self.update_step(group, p, gindex, pindex)
                 sync_gpu(p)
-            if prepared.table is not None:
-                from optladder.optimizers.kernels import cpu8bit
+            from optladder.optimizers.kernels import cpu8bit
 
+            for p, job, st in prepared.late:  # DTensor grads laid out unlike their param
+                grad = cast(torch.Tensor, p.grad)
+                grad = grad.redistribute(p.device_mesh, tuple(p.placements))  # type: ignore[attr-defined]
+                local = local_tensor(grad).detach().contiguous()
+                late = cpu8bit.prepare_table([dataclasses.replace(job, grad=local)])
+                cpu8bit.run_table(late, prepared.library)
+                st["step"] += 1
+            if prepared.table is not None:
                 cpu8bit.run_table(prepared.table, prepared.library)
                 for st in prepared.states:
                     st["step"] += 1
@@ -245,7 +255,7 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
     return LadderAdamW8bit
 
 
-@dataclass
+@dataclasses.dataclass
 class _PreparedStep:
     """What :func:`_prepare_step` decided for one step of a ``LadderAdamW8bit``.
 
@@ -257,6 +267,8 @@ class _PreparedStep:
         checks: ``(param, grad, state, step, state1)`` per kernel param, to see at
             commit that the tables still point at the right tensors.
         others: ``(group, param, gindex, pindex)`` stepped by bitsandbytes.
+        late: ``(param, job, state)`` of DTensor params whose grad is redistributed in
+            the commit: each job's grad is a placeholder until then.
         n_groups: the number of param groups when prepared.
         n_stepping: the number of params with a grad when prepared.
     """
@@ -266,6 +278,7 @@ class _PreparedStep:
     states: list[dict[str, Any]]
     checks: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], int, torch.Tensor]]
     others: list[tuple[dict[str, Any], torch.Tensor, int, int]]
+    late: list[tuple[torch.Tensor, Any, dict[str, Any]]]
     n_groups: int
     n_stepping: int
 
@@ -314,16 +327,33 @@ def _code_bounds(engine: Any, qmap: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return bounds
 
 
+def _local_pair(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(param, grad)`` as the kernel steps them: a DTensor param's local shard and its
+    grad's local shard, else the tensors themselves. The grad is None for a DTensor grad
+    laid out unlike its param (e.g. ``Partial``): it is redistributed to the param's
+    placements in the commit (a collective, which every rank runs after agreeing to
+    commit, never in prepare, where a rank may stop early on OOM)."""
+    grad = cast(torch.Tensor, p.grad)
+    if not is_dtensor(p):
+        return p.detach(), grad.detach()
+    placements = tuple(p.placements)  # type: ignore[attr-defined]
+    if not is_dtensor(grad) or tuple(grad.placements) != placements:  # type: ignore[attr-defined]
+        return local_tensor(p).detach(), None
+    return local_tensor(p).detach(), local_tensor(grad).detach()
+
+
 def _kernel_miss(
-    engine: Any, p: torch.Tensor, config: dict[str, Any], state: dict[str, Any]
+    engine: Any,
+    pair: tuple[torch.Tensor, torch.Tensor | None],
+    config: dict[str, Any],
+    state: dict[str, Any],
 ) -> str | None:
-    """Why the 8-bit CPU kernel does not step CPU param ``p``, or None if it does."""
+    """Why the 8-bit CPU kernel does not step a CPU param (its local ``(param, grad)``
+    from :func:`_local_pair`), or None if it does."""
     from optladder.optimizers.kernels import cpu8bit
 
     if not engine.cpu_kernel:
         return "cpu_kernel=False: bitsandbytes' per-tensor CPU path was asked for"
-    if is_dtensor(p):
-        return "DTensor params step through bitsandbytes on their local shard"
     if engine._kernel_error is None:
         why = cpu8bit.unavailable_reason()
         if why is None:
@@ -334,7 +364,8 @@ def _kernel_miss(
         engine._kernel_error = why or ""
     if engine._kernel_error:
         return f"{engine._kernel_error}; bitsandbytes' per-tensor CPU path steps it"
-    why = cpu8bit.param_unsupported_reason(p, cast(torch.Tensor, p.grad))
+    param, grad = pair
+    why = cpu8bit.param_unsupported_reason(param, param if grad is None else grad)
     if why is not None:
         return why
     if config.get("max_unorm", 0.0) > 0.0 or config.get("skip_zeros", False):
@@ -356,6 +387,7 @@ def _prepare_step(engine: Any) -> _PreparedStep:
     states: list[dict[str, Any]] = []
     checks: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], int, torch.Tensor]] = []
     others: list[tuple[dict[str, Any], torch.Tensor, int, int]] = []
+    late: list[tuple[torch.Tensor, cpu8bit.Job, dict[str, Any]]] = []
     reasons: dict[int, str] = {}
     index = -1
     for gindex, group in enumerate(engine.param_groups):
@@ -369,7 +401,8 @@ def _prepare_step(engine: Any) -> _PreparedStep:
                 others.append((group, p, gindex, pindex))  # bitsandbytes' own kernel
                 continue
             config = engine.get_config(gindex, pindex, group)
-            why = _kernel_miss(engine, p, config, state)
+            pair = _local_pair(p)
+            why = _kernel_miss(engine, pair, config, state)
             quantized = why is None and state["state1"].dtype == torch.uint8
             enc1: tuple[torch.Tensor | None, ...] = (None, None)
             enc2: tuple[torch.Tensor | None, ...] = (None, None)
@@ -387,8 +420,8 @@ def _prepare_step(engine: Any) -> _PreparedStep:
             wd = config["weight_decay"]
             jobs.append(
                 cpu8bit.Job(
-                    param=p.detach(),
-                    grad=grad.detach(),
+                    param=pair[0],
+                    grad=pair[0] if pair[1] is None else pair[1],  # the former: redistributed
                     state1=state["state1"],
                     state2=state["state2"],
                     absmax1=state.get("absmax1") if quantized else None,
@@ -407,16 +440,22 @@ def _prepare_step(engine: Any) -> _PreparedStep:
                     coupled_weight_decay=coupled,
                 )
             )
-            states.append(state)
+            if pair[1] is None:
+                late.append((p, jobs.pop(), state))
+            else:
+                states.append(state)
             checks.append((p, grad, state, state["step"], state["state1"]))
     table = cpu8bit.prepare_table(jobs) if jobs else None
+    for _, job, _ in late:
+        cpu8bit.prepare_table([job])  # checks it now (its table is written in the commit)
     engine.eager_reasons = reasons
     return _PreparedStep(
         table=table,
-        library=cpu8bit.load_library() if jobs else None,
+        library=cpu8bit.load_library() if jobs or late else None,
         states=states,
         checks=checks,
         others=others,
+        late=late,
         n_groups=len(engine.param_groups),
         n_stepping=len(checks) + len(others),
     )
