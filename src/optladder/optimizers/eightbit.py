@@ -9,10 +9,11 @@ optladder's 8-bit CPU kernel (:mod:`optladder.optimizers.kernels.cpu8bit`: same 
 format, no float32 copies), CUDA params with bitsandbytes' kernel, and the rest (no C
 compiler, ``max_unorm``, a non-contiguous param) with bitsandbytes' per-tensor update,
 recording why in ``eager_reasons``. Sharded params (DTensor, e.g. FSDP2's
-``fully_shard``) step on each rank's local shard, while the size rule (``min_8bit_size``) follows the param's
-global element count, the same on every rank. In Adam mode (coupled weight decay) it adds
-``weight_decay * param`` to the grad and runs bitsandbytes with weight decay 0, because
-bitsandbytes applies weight decay the AdamW (decoupled) way.
+``fully_shard``) step on each rank's local shard, while the size rule
+(``min_8bit_size``) follows the param's global element count, the same on every rank. In
+Adam mode (coupled weight decay) the decay is added to the grad (in float32 by the kernel;
+in place by bitsandbytes' path, run with weight decay 0), because bitsandbytes applies
+weight decay the AdamW (decoupled) way.
 """
 
 from __future__ import annotations
