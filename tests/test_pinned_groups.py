@@ -288,7 +288,11 @@ def test_grad_scaler_unscales_the_pinned_groups_too() -> None:
     assert_same(snapshot(opt), before)
 
 
-def test_unfused_pinned_rung_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_unfused_pinned_rung_warns_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # without a C compiler the 8bit rung on the CPU is unfused (bitsandbytes' fallback)
+    monkeypatch.setenv("CC", "no-such-compiler-for-optladder")
     model = _model()
     with caplog.at_level(logging.WARNING, logger="optladder"):
         opt = choose_optimizer(_groups(model, "8bit"), rung="fp32", free_memory="1GiB")

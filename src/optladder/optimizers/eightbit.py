@@ -364,7 +364,7 @@ def _kernel_miss(
                 why = f"the 8-bit CPU kernel could not be built: {exc}"
         engine._kernel_error = why or ""
     if engine._kernel_error:
-        return f"{engine._kernel_error}; bitsandbytes' per-tensor CPU path steps it"
+        return cpu8bit.fallback_reason(engine._kernel_error)
     param, grad = pair
     why = cpu8bit.param_unsupported_reason(param, param if grad is None else grad)
     if why is not None:

@@ -113,14 +113,13 @@ def eightbit_fused_miss(device_type: str) -> str | None:
     fallback runs, tens of times slower than torch's fused fp32 AdamW.
     """
     from optladder.optimizers import kernels
+    from optladder.optimizers.kernels import cpu8bit
 
     if device_type == "cuda":
         return None
     if device_type == "cpu":
         why = kernels.cpu_unavailable_reason()
-        if why is None:
-            return None
-        return f"{why}; the 8bit rung runs bitsandbytes' per-tensor CPU fallback"
+        return None if why is None else cpu8bit.fallback_reason(why)
     return f"bitsandbytes has no fused 8-bit optimizer kernel on {device_type}"
 
 

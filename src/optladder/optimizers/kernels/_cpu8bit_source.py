@@ -120,6 +120,20 @@ static inline __attribute__((always_inline)) uint8_t ol8_encode(
     return (uint8_t)k;
 }
 
+/* The same count by binary search on the bounds alone (conversions: no table needed). */
+static inline __attribute__((always_inline)) uint8_t ol8_search(const float *bounds, float x) {
+    int32_t k = 0;
+    k += bounds[k + 127] < x ? 128 : 0;
+    k += bounds[k + 63] < x ? 64 : 0;
+    k += bounds[k + 31] < x ? 32 : 0;
+    k += bounds[k + 15] < x ? 16 : 0;
+    k += bounds[k + 7] < x ? 8 : 0;
+    k += bounds[k + 3] < x ? 4 : 0;
+    k += bounds[k + 1] < x ? 2 : 0;
+    k += bounds[k] < x ? 1 : 0;
+    return (uint8_t)k;
+}
+
 /* Widen n values of src (from element lo) into out, as float32.
    Bit patterns move through integer buffers read back through another pointer type, not
    through in-register casts, which keep gcc from vectorizing the loops. */
@@ -154,7 +168,8 @@ static inline __attribute__((always_inline)) void ol8_narrow(
 }
 
 /* absmax = max |x| of n values by their bits (a NaN wins, as torch's max), then each
-   value scaled by 1 / max(absmax, 1e-38), clamped to [-1, 1] and encoded in place. */
+   value scaled by 1 / max(absmax, 1e-38), clamped to [-1, 1] and encoded in place
+   (with the start table, or by binary search where table is NULL). */
 static inline __attribute__((always_inline)) float ol8_quantize(
         float *restrict x, int64_t n, const int32_t *table, const float *bounds,
         uint8_t *restrict out) {
@@ -168,7 +183,11 @@ static inline __attribute__((always_inline)) float ol8_quantize(
     const float r = 1.0f / (absmax > 1e-38f ? absmax : 1e-38f);
     for (int64_t i = 0; i < n; i++) x[i] = ol8_clamp1(x[i] * r);
     const int32_t *restrict xi = (const int32_t *)x;
-    for (int64_t i = 0; i < n; i++) out[i] = ol8_encode(table, bounds, xi[i], x[i]);
+    if (table != NULL) {
+        for (int64_t i = 0; i < n; i++) out[i] = ol8_encode(table, bounds, xi[i], x[i]);
+    } else {
+        for (int64_t i = 0; i < n; i++) out[i] = ol8_search(bounds, x[i]);
+    }
     return absmax;
 }
 
@@ -326,8 +345,8 @@ int ol_adamw8bit_step(const ol8_param_t *params, const ol8_item_t *items, int64_
 }
 
 /* Encode n values (float32, bfloat16 or float16) as codes of the book whose bounds are
-   given, one absmax per 256-element block: the kernel's own rule, for state conversions.
-   Allocates nothing. */
+   given, one absmax per 256-element block: the kernel's own rule, for state conversions
+   (table may be NULL: binary search). Allocates nothing. */
 int ol_quantize_blockwise(const void *src, int32_t dtype, int64_t n, const int32_t *table,
                           const float *bounds, uint8_t *out, float *absmax, int32_t n_threads) {
     const int64_t blocks = (n + OL8_BLOCK - 1) / OL8_BLOCK;

@@ -104,6 +104,13 @@ def unavailable_reason() -> str | None:
     return cpu.unavailable_reason()
 
 
+def fallback_reason(why: str) -> str:
+    """The sentence saying the 8bit rung leaves this kernel for bitsandbytes' CPU path
+    because of ``why``; one wording for the decision and for the engine's per-param
+    reasons, so a run logs it once."""
+    return f"{why}; the 8bit rung runs bitsandbytes' per-tensor CPU fallback"
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """Build (first use only) and load the CPU kernels' library, declaring the 8-bit
@@ -153,7 +160,8 @@ def quantize_blockwise(
     The same encoding as the kernel's step (nearest code of ``qmap``, ties to the lower
     one; see :func:`code_bounds`), so a moment converted to 8 bits (a migration, a load)
     holds the codes the kernel would write, and an exact 0 stays exactly 0. Allocates
-    only the results (and the ``code_bounds`` and ``code_table`` tables, 128 KiB).
+    only the results and the 1 KiB :func:`code_bounds` table (it searches the bounds
+    without the step's start table), so a migration's peak stays one param's new state.
 
     Args:
         values: float32, bfloat16 or float16 CPU tensor, any shape.
@@ -174,8 +182,7 @@ def quantize_blockwise(
             f"{values.dtype} on {values.device}"
         )
     lib = load_library() if library is None else library
-    bounds = code_bounds(qmap)
-    table = code_table(bounds)
+    bounds = code_bounds(qmap)  # binary search on these: no 127 KiB start table here
     src = values.contiguous()
     codes = torch.empty(values.shape, dtype=torch.uint8)
     absmax = torch.empty(_ceil_div(src.numel(), BLOCK_SIZE), dtype=torch.float32)
@@ -184,7 +191,7 @@ def quantize_blockwise(
         src.data_ptr(),
         PARAM_DTYPE_CODES[src.dtype],
         src.numel(),
-        table.data_ptr(),
+        None,
         bounds.data_ptr(),
         codes.data_ptr(),
         absmax.data_ptr(),
