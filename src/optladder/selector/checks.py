@@ -10,6 +10,7 @@ import torch
 
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
 from optladder.optimizers.eightbit import steps_noncontiguous
+from optladder.optimizers.migrate import foreign_group_reason
 from optladder.policies.decision import Decision, allowed_rungs
 from optladder.rungs import (
     FLOAT32_MATH_DTYPES,
@@ -158,6 +159,69 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
     clash = first_shared_memory(named)
     if clash is not None:
         raise ValueError(clash)
+
+
+def decoupled_mode(engine: torch.optim.Optimizer) -> bool:
+    """Whether ``engine`` decays the AdamW way (decoupled) rather than Adam's (coupled).
+
+    torch's Adam/AdamW and :class:`LadderAdamW` keep it in their defaults; the 8bit
+    engine keeps Adam mode as ``coupled_weight_decay`` (bitsandbytes itself only decays
+    the AdamW way).
+    """
+    if hasattr(engine, "coupled_weight_decay"):
+        return not engine.coupled_weight_decay
+    return bool(engine.defaults.get("decoupled_weight_decay", True))
+
+
+def check_checkpoint_groups(
+    groups: list[Any], decoupled_weight_decay: bool, *, need_params: bool = True
+) -> None:
+    """Check a checkpoint's param groups before anything moves or loads: dicts with a
+    ``"params"`` list, hyperparameters and options in range (``rounding`` exactly), a
+    ``"rung"``/``"rung_origin"`` that is a rung/an origin, groups that another optimizer
+    wrote (:func:`optladder.optimizers.migrate.foreign_group_reason`), and weight decay of
+    the other mode: a coupled-decay checkpoint (torch ``Adam``, ``decoupled_weight_decay``
+    False) with ``weight_decay > 0`` into a decoupled-decay optimizer (AdamW), or the
+    reverse, which construction refuses too (with ``weight_decay == 0`` the two are the
+    same update).
+
+    Args:
+        groups: the checkpoint's ``state_dict()["param_groups"]``.
+        decoupled_weight_decay: the live optimizer's mode.
+        need_params: whether each group must hold its ``"params"`` list (not for
+            :meth:`LadderOptimizer.follow_checkpoint`, which reads the rung entries only).
+
+    Raises:
+        ValueError: ``"param group {i} of the state_dict: ..."``, naming the key, its
+            value and what is allowed.
+    """
+    for gi, saved in enumerate(groups):
+        where = f"param group {gi} of the state_dict"
+        if not isinstance(saved, dict):
+            raise ValueError(f"{where} must be a dict, got {type(saved).__name__}")
+        if need_params and not isinstance(saved.get("params"), list):
+            raise ValueError(f"{where} has no 'params' list")
+        try:
+            validate_group_hyperparams(saved)
+            group_pin(saved, "its")
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        foreign = foreign_group_reason(saved)
+        if foreign is not None:
+            raise ValueError(f"{where}: {foreign}")
+        mode = saved.get("decoupled_weight_decay", decoupled_weight_decay)
+        if not isinstance(mode, bool):
+            raise ValueError(
+                f"{where}: 'decoupled_weight_decay' must be True or False, got {mode!r}"
+            )
+        if mode != decoupled_weight_decay and saved.get("weight_decay", 0.0):
+            saved_kind, live_kind = ("AdamW", "Adam") if mode else ("Adam", "AdamW")
+            raise ValueError(
+                f"{where} decays the {saved_kind} way (decoupled_weight_decay={mode}, "
+                f"weight_decay={saved['weight_decay']!r}) but this optimizer decays the "
+                f"{live_kind} way; build it with decoupled_weight_decay={mode} to load "
+                "this checkpoint"
+            )
 
 
 def check_pins(groups: list[dict[str, Any]], decision: Decision) -> None:
