@@ -113,20 +113,21 @@ def first_shared_memory(named: list[tuple[torch.Tensor, str]]) -> str | None:
     Returns:
         ``"{name} ... {other name} ..."`` naming both and the bytes they cover, or None.
     """
-    by_storage: dict[tuple[str, int], list[tuple[int, int, torch.Tensor, str]]] = {}
-    for p, name in named:
+    by_storage: dict[tuple[str, int], list[tuple[int, int, torch.Tensor, str, int]]] = {}
+    for place, (p, name) in enumerate(named):
         local = local_tensor(p)
         span = _span(local)
         if span is not None:
-            by_storage.setdefault(span[0], []).append((span[1], span[2], local, name))
+            by_storage.setdefault(span[0], []).append((span[1], span[2], local, name, place))
     for entries in by_storage.values():
         if len(entries) < 2:
             continue
         entries.sort(key=lambda e: e[0])
-        active: list[tuple[int, int, torch.Tensor, str]] = []
-        for start, end, t, name in entries:
+        active: list[tuple[int, int, torch.Tensor, str, int]] = []
+        for start, end, t, name, place in entries:
             active = [e for e in active if e[1] > start]
-            for o_start, o_end, other, other_name in active:
+            for o_start, o_end, other, other_name, other_place in active:
+                later, earlier = (name, other_name) if place > other_place else (other_name, name)
                 same_view = (
                     o_start == start
                     and other.shape == t.shape
@@ -135,15 +136,17 @@ def first_shared_memory(named: list[tuple[torch.Tensor, str]]) -> str | None:
                 )
                 if same_view:
                     return (
-                        f"{name} views the same memory as {other_name}; each would be "
+                        f"{later} views the same memory as {earlier}; each would be "
                         "stepped; optimize one of them"
                     )
                 if _share_elements(other, t):
+                    spans = {name: (start, end), other_name: (o_start, o_end)}
                     return (
-                        f"{name} (bytes {start} to {end} of its storage) overlaps "
-                        f"{other_name} (bytes {o_start} to {o_end}) in memory: shared "
+                        f"{later} (bytes {spans[later][0]} to {spans[later][1]} of its "
+                        f"storage) overlaps {earlier} (bytes {spans[earlier][0]} to "
+                        f"{spans[earlier][1]}) in memory: shared "
                         "elements would be stepped more than once per step; optimize the "
                         "buffer once, or views that do not overlap"
                     )
-            active.append((start, end, t, name))
+            active.append((start, end, t, name, place))
     return None
