@@ -93,9 +93,13 @@ def test_float64_params_are_never_rounded_to_float32() -> None:
     opt.step()
     assert torch.equal(p.detach(), before)  # the exact value: nothing moved
     for rung in ("bf16", "8bit"):
-        with pytest.raises(ValueError, match=rf"param 0 of group 0 has dtype torch.float64; the {rung}"):
+        with pytest.raises(
+            ValueError, match=rf"param 0 of group 0 has dtype torch.float64; the {rung}"
+        ):
             choose_optimizer([p], rung=rung, free_memory=GiB)
-        with pytest.raises(ValueError, match=rf"param 0 of group 0 has dtype torch.float64; the {rung}"):
+        with pytest.raises(
+            ValueError, match=rf"param 0 of group 0 has dtype torch.float64; the {rung}"
+        ):
             choose_optimizer([p], free_memory=GiB, environ={f"OPTLADDER_{rung.upper()}_ADAM": "1"})
 
 
@@ -173,7 +177,9 @@ def test_stochastic_rounding_keeps_decaying_after_a_refused_typo() -> None:
 
 
 @pytest.mark.parametrize(("key", "value"), [("amsgrad", True), ("maximize", True), ("seed", -1)])
-def test_other_group_options_edited_by_hand_are_refused_before_the_step(key: str, value: object) -> None:
+def test_other_group_options_edited_by_hand_are_refused_before_the_step(
+    key: str, value: object
+) -> None:
     p = torch.nn.Parameter(torch.randn(64))
     opt = choose_optimizer([p], rung="bf16", free_memory=GiB)
     _grads([p], 0)
@@ -215,7 +221,11 @@ def test_8bit_steps_a_noncontiguous_param_in_place(shape: tuple[int, int], coupl
     p = torch.nn.Parameter(base.t())
     tied = base.t()  # another view of the same memory, as a tied weight would be
     opt = choose_optimizer(
-        [p], rung="8bit", lr=0.01, weight_decay=0.1, decoupled_weight_decay=not coupled,
+        [p],
+        rung="8bit",
+        lr=0.01,
+        weight_decay=0.1,
+        decoupled_weight_decay=not coupled,
         free_memory=GiB,
     )
     for s in range(3):
@@ -318,7 +328,7 @@ def test_params_sharing_elements_are_refused_whatever_the_shapes(name: str) -> N
     shared = bool(_elements(a) & _elements(b))
     params = [torch.nn.Parameter(a), torch.nn.Parameter(b)]
     if shared:
-        with pytest.raises(ValueError, match="param 1 of group 0 .*(overlaps|same memory)"):
+        with pytest.raises(ValueError, match=r"param 1 of group 0 .*(overlaps|same memory)"):
             choose_optimizer(params, free_memory=GiB)
         opt = choose_optimizer([params[0]], free_memory=GiB)
         with pytest.raises(ValueError, match="param 0 of group 1"):
@@ -387,7 +397,9 @@ def _trained(cls: type, seed: int = 0, **kwargs: object) -> tuple[torch.nn.Linea
     ],
 )
 @pytest.mark.parametrize("rung", RUNGS)
-def test_other_optimizers_checkpoints_are_refused(cls: type, kwargs: dict, match: str, rung: str) -> None:
+def test_other_optimizers_checkpoints_are_refused(
+    cls: type, kwargs: dict, match: str, rung: str
+) -> None:
     model, saved = _trained(cls, **kwargs)
     opt = choose_optimizer(model, rung=rung, free_memory=GiB)
     _grads(list(model.parameters()), 5)
@@ -413,10 +425,14 @@ def test_coupled_and_decoupled_decay_checkpoints_do_not_mix(rung: str) -> None:
     model, adam = _trained(torch.optim.Adam, weight_decay=0.1)
     _, adamw = _trained(torch.optim.AdamW, weight_decay=0.1)
     opt = choose_optimizer(model, rung=rung, free_memory=GiB)
-    with pytest.raises(ValueError, match="decays the Adam way .* this optimizer decays the AdamW way"):
+    with pytest.raises(
+        ValueError, match=r"decays the Adam way .* this optimizer decays the AdamW way"
+    ):
         opt.load_state_dict(adam)
     coupled = choose_optimizer(model, rung=rung, decoupled_weight_decay=False, free_memory=GiB)
-    with pytest.raises(ValueError, match="decays the AdamW way .* this optimizer decays the Adam way"):
+    with pytest.raises(
+        ValueError, match=r"decays the AdamW way .* this optimizer decays the Adam way"
+    ):
         coupled.load_state_dict(adamw)
     _, no_decay = _trained(torch.optim.Adam)  # weight_decay=0: the same update either way
     opt.load_state_dict(no_decay)
@@ -468,17 +484,40 @@ MUTATIONS = {
     "sparse moment": (lambda sd, st: st.__setitem__(_m1(st), _sparse(st[_m1(st)])), True),
     "int moment": (lambda sd, st: st.__setitem__(_m1(st), st[_m1(st)].to(torch.int16)), True),
     "moment of another size": (lambda sd, st: st.__setitem__(_m1(st), st[_m1(st)][:3]), True),
-    "rounding typo": (lambda sd, st: sd["param_groups"][0].__setitem__("rounding", "Nearest"), True),
+    "rounding typo": (
+        lambda sd, st: sd["param_groups"][0].__setitem__("rounding", "Nearest"),
+        True,
+    ),
     "rung int4": (lambda sd, st: sd["param_groups"][0].__setitem__("rung", "int4"), True),
-    "NAdam group key": (lambda sd, st: sd["param_groups"][0].__setitem__("momentum_decay", 4e-3), True),
-    "coupled decay": (lambda sd, st: sd["param_groups"][0].__setitem__("decoupled_weight_decay", False), True),
+    "NAdam group key": (
+        lambda sd, st: sd["param_groups"][0].__setitem__("momentum_decay", 4e-3),
+        True,
+    ),
+    "coupled decay": (
+        lambda sd, st: sd["param_groups"][0].__setitem__("decoupled_weight_decay", False),
+        True,
+    ),
     "lr NaN": (lambda sd, st: sd["param_groups"][0].__setitem__("lr", float("nan")), True),
     "amsgrad": (lambda sd, st: sd["param_groups"][0].__setitem__("amsgrad", True), True),
     # carried exactly: the same values in another form
-    "step as an int": (lambda sd, st: st.__setitem__("step", int(torch.as_tensor(st["step"]).item())), False),
-    "step as a float64 tensor": (lambda sd, st: st.__setitem__("step", torch.tensor(float(torch.as_tensor(st["step"]).item()), dtype=torch.float64)), False),
-    "initial_lr key": (lambda sd, st: sd["param_groups"][0].__setitem__("initial_lr", sd["param_groups"][0]["lr"]), False),
-    "rung_reason edited": (lambda sd, st: sd["param_groups"][0].__setitem__("rung_reason", "x"), False),
+    "step as an int": (
+        lambda sd, st: st.__setitem__("step", int(torch.as_tensor(st["step"]).item())),
+        False,
+    ),
+    "step as a float64 tensor": (
+        lambda sd, st: st.__setitem__(
+            "step", torch.tensor(float(torch.as_tensor(st["step"]).item()), dtype=torch.float64)
+        ),
+        False,
+    ),
+    "initial_lr key": (
+        lambda sd, st: sd["param_groups"][0].__setitem__("initial_lr", sd["param_groups"][0]["lr"]),
+        False,
+    ),
+    "rung_reason edited": (
+        lambda sd, st: sd["param_groups"][0].__setitem__("rung_reason", "x"),
+        False,
+    ),
 }
 
 
@@ -517,8 +556,10 @@ def test_malformed_checkpoints_property() -> None:
         src = rng.choice(RUNGS)
         dst = rng.choice(RUNGS)
         # at most one edit that must be refused, after at most one that carries exactly
-        chosen = [rng.choice([n for n in names if MUTATIONS[n][1] == refuse]) for refuse in
-                  rng.choice([(True,), (False,), (False, True)])]
+        chosen = [
+            rng.choice([n for n in names if MUTATIONS[n][1] == refuse])
+            for refuse in rng.choice([(True,), (False,), (False, True)])
+        ]
         model0, clean = sources[src]
         saved = copy.deepcopy(clean)
         key = rng.choice(list(saved["state"]))
@@ -526,7 +567,9 @@ def test_malformed_checkpoints_property() -> None:
             MUTATIONS[name][0](saved, _flat_state(saved, key))
         must_refuse = any(MUTATIONS[name][1] for name in chosen)
 
-        def fresh() -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
+        def fresh(
+            model0: torch.nn.Linear = model0, dst: str = dst
+        ) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
             model = copy.deepcopy(model0)
             opt = choose_optimizer(model, rung=dst, free_memory=GiB)
             _grads(list(model.parameters()), 9)
@@ -577,19 +620,55 @@ def test_unclear_errors_now_name_the_argument() -> None:
     sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].to_sparse()
     fp = measure_footprint(m)
     cases = [
-        (lambda: choose_optimizer([torch.nn.Parameter(torch.randn(4, 4).to_sparse())]), ValueError, "is a sparse tensor"),
-        (lambda: choose_optimizer(m, lr=torch.tensor(1e-3, device="meta")), ValueError, "lr is a tensor on the meta device"),
-        (lambda: opt.add_param_group([torch.nn.Parameter(torch.randn(3))]), TypeError, "param_group must be a dict"),
-        (lambda: opt.add_param_group({"params": {torch.nn.Parameter(torch.randn(3))}}), TypeError, r"param_group\['params'\] is a set"),
-        (lambda: choose_optimizer({torch.nn.Parameter(torch.randn(3))}), TypeError, "model_or_params is a set"),
-        (lambda: choose_optimizer([{"params": {torch.nn.Parameter(torch.randn(3))}}]), TypeError, r"param group 0\['params'\] is a set"),
+        (
+            lambda: choose_optimizer([torch.nn.Parameter(torch.randn(4, 4).to_sparse())]),
+            ValueError,
+            "is a sparse tensor",
+        ),
+        (
+            lambda: choose_optimizer(m, lr=torch.tensor(1e-3, device="meta")),
+            ValueError,
+            "lr is a tensor on the meta device",
+        ),
+        (
+            lambda: opt.add_param_group([torch.nn.Parameter(torch.randn(3))]),
+            TypeError,
+            "param_group must be a dict",
+        ),
+        (
+            lambda: opt.add_param_group({"params": {torch.nn.Parameter(torch.randn(3))}}),
+            TypeError,
+            r"param_group\['params'\] is a set",
+        ),
+        (
+            lambda: choose_optimizer({torch.nn.Parameter(torch.randn(3))}),
+            TypeError,
+            "model_or_params is a set",
+        ),
+        (
+            lambda: choose_optimizer([{"params": {torch.nn.Parameter(torch.randn(3))}}]),
+            TypeError,
+            r"param group 0\['params'\] is a set",
+        ),
         (lambda: opt.load_state_dict(sd), ValueError, "param 0: exp_avg is a sparse tensor"),
-        (lambda: decide(fp, 10**9, probe_capabilities("cpu"), {"memory_fraction": 0.5}), TypeError, "policy must be an optladder Policy"),  # type: ignore[arg-type]
+        (
+            lambda: decide(fp, 10**9, probe_capabilities("cpu"), {"memory_fraction": 0.5}),
+            TypeError,
+            "policy must be an optladder Policy",
+        ),  # type: ignore[arg-type]
         (lambda: decide({}, 10**9, probe_capabilities("cpu")), TypeError, "footprint must be"),  # type: ignore[arg-type]
         (lambda: choose_optimizer(m, free_memory=0, strict="no"), TypeError, "strict must be True"),  # type: ignore[arg-type]
         (lambda: choose_optimizer(m, free_memory=0, strict=1), TypeError, "strict must be True"),  # type: ignore[arg-type]
-        (lambda: opt.follow_checkpoint([{"rung": "int4", "rung_origin": "escalated"}]), ValueError, r"\['rung'\]='int4' is not a rung"),
-        (lambda: opt.follow_checkpoint([{"rung": "8bit", "rung_origin": "nowhere"}]), ValueError, "is not an origin"),
+        (
+            lambda: opt.follow_checkpoint([{"rung": "int4", "rung_origin": "escalated"}]),
+            ValueError,
+            r"\['rung'\]='int4' is not a rung",
+        ),
+        (
+            lambda: opt.follow_checkpoint([{"rung": "8bit", "rung_origin": "nowhere"}]),
+            ValueError,
+            "is not an origin",
+        ),
     ]
     before = snapshot(opt)
     for call, kind, match in cases:

@@ -21,7 +21,6 @@ from typing import Any, Literal, cast
 import torch
 from torch.optim.optimizer import ParamsT
 
-from optladder.rungs import FLOAT32_MATH_DTYPES
 from optladder.optimizers.rounding import (
     Rounding,
     check_rounding,
@@ -29,6 +28,7 @@ from optladder.optimizers.rounding import (
     element_key,
     round_moments,
 )
+from optladder.rungs import FLOAT32_MATH_DTYPES
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
 

@@ -219,9 +219,12 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             place: bitsandbytes would otherwise run ``p.data = p.data.contiguous()`` and
             move the param to new storage, untying every tensor that views it."""
             grad = cast(torch.Tensor, p.grad)
-            work, work_grad = self._contiguous.pop(p, None) or (
-                torch.empty(p.shape, dtype=p.dtype, device=p.device),  # stepped without prepare
-                None if grad.is_contiguous() else torch.empty_like(grad, memory_format=torch.contiguous_format),
+            prepared = self._contiguous.pop(p) if p in self._contiguous else None
+            work, work_grad = prepared or (  # stepped without prepare_contiguous: made here
+                torch.empty(p.shape, dtype=p.dtype, device=p.device),
+                None
+                if grad.is_contiguous()
+                else torch.empty_like(grad, memory_format=torch.contiguous_format),
             )
             work.copy_(p)
             if work_grad is not None:

@@ -23,6 +23,7 @@ from optladder.policies import (
     read_overrides,
     trainable_params,
 )
+from optladder.policies.decision import allowed_rungs
 from optladder.rungs import RUNGS, Rung, group_pin
 from optladder.selector.checks import (
     check_groups,
@@ -52,11 +53,13 @@ class InsufficientMemoryError(RuntimeError):
         self.needed_bytes = decision.state_bytes[decision.rung]
         self.free_bytes = decision.free_memory
         self.budget_bytes = decision.budget_bytes
+        _, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
+        skipped = "".join(f" Not allowed: {why}." for why in excluded.values())
         super().__init__(
             f"optimizer state does not fit: the cheapest allowed rung ({decision.rung}) needs "
             f"{self.needed_bytes:,} bytes ({format_bytes(self.needed_bytes)}), but only "
             f"{self.budget_bytes:,} bytes may be used "
-            f"({decision.policy.memory_fraction:.0%} of {self.free_bytes:,} bytes free). "
+            f"({decision.policy.memory_fraction:.0%} of {self.free_bytes:,} bytes free).{skipped} "
             "Pass strict=False to build it anyway, raise Policy(memory_fraction=...), or "
             "free memory."
         )

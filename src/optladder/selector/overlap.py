@@ -29,8 +29,8 @@ def _span(t: torch.Tensor) -> tuple[tuple[str, int], int, int] | None:
         return None
     size = t.element_size()
     last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    start = t.storage_offset() * size
-    return (str(t.device), base), start, start + (last + 1) * size
+    start = int(t.storage_offset()) * size
+    return (str(t.device), base), start, start + (int(last) + 1) * size
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -57,7 +57,7 @@ def _offsets(t: torch.Tensor) -> Iterator[torch.Tensor]:
     shape, stride = list(t.shape), list(t.stride())
     for first in range(0, t.numel(), _CHUNK):
         flat = torch.arange(first, min(first + _CHUNK, t.numel()), dtype=torch.int64)
-        offset = torch.full_like(flat, t.storage_offset())
+        offset = torch.full_like(flat, int(t.storage_offset()))
         for n, st in zip(reversed(shape), reversed(stride)):
             offset += (flat % n) * st
             flat = flat // n
@@ -81,7 +81,7 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether views ``a`` and ``b`` of one storage, whose byte spans intersect, share an
     element. Exact for views of one itemsize where ``b``'s strides are nested (every
     real tensor and view of one); True (shared) when that cannot be decided exactly."""
-    if a.element_size() != b.element_size() or _dense(a) and _dense(b):
+    if a.element_size() != b.element_size() or (_dense(a) and _dense(b)):
         return True
     if _nested(b) is None:
         a, b = b, a
@@ -89,7 +89,7 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     if dims is None:
         return True
     for offsets in _offsets(a):
-        rel = offsets - b.storage_offset()
+        rel = offsets - int(b.storage_offset())
         inside = rel >= 0
         for st, n in dims:
             index = torch.div(rel, st, rounding_mode="floor")
