@@ -182,7 +182,7 @@ def read_trusted(path: Path) -> bytes:
     return data
 
 
-def install(built: Path, path: Path) -> None:
+def install(built: Path, path: Path) -> bytes:
     """Move a freshly built file into the cache as ``path``, with its hash record.
 
     ``built`` must be in the same folder tree (same file system) as ``path``. Its mode
@@ -194,11 +194,14 @@ def install(built: Path, path: Path) -> None:
         built: the file to install (it is moved).
         path: its place in the cache.
 
+    Returns:
+        The bytes installed (those hashed into the record).
+
     Raises:
         OSError: if a write or rename fails (the cache keeps its previous files).
     """
-    with open(built, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
+    data = built.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
     os.chmod(built, 0o500)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".record-")  # mode 0600
     try:
@@ -209,3 +212,4 @@ def install(built: Path, path: Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return data

@@ -165,6 +165,11 @@ def build(force: bool = False) -> Path:
         KernelBuildError: with the compiler's message when the build fails, or when the
             cache folder cannot be used safely (another user's, not a folder, unwritable).
     """
+    return _build(force)[0]
+
+
+def _build(force: bool) -> tuple[Path, bytes]:
+    """:func:`build`, also returning the verified bytes of the library (read once)."""
     reason = unavailable_reason()
     if reason is not None:
         raise KernelBuildError(reason)
@@ -177,8 +182,7 @@ def build(force: bool = False) -> Path:
         raise KernelBuildError(f"the bf16 CPU kernel's cache is not used: {exc}") from exc
     if not force:
         try:
-            cache.read_trusted(path)
-            return path
+            return path, cache.read_trusted(path)
         except cache.UntrustedFileError:
             pass  # missing, or not a build of ours: build it
     try:
@@ -196,13 +200,13 @@ def build(force: bool = False) -> Path:
                     f"building the bf16 CPU kernel with {cc} failed (exit {proc.returncode}):\n"
                     f"{proc.stderr[-4000:]}"
                 )
-            cache.install(out, path)
+            data = cache.install(out, path)
     except OSError as exc:
         raise KernelBuildError(
             f"the bf16 CPU kernel could not be written to its cache {path.parent} ({exc}); set "
             "XDG_CACHE_HOME to a writable folder"
         ) from exc
-    return path
+    return path, data
 
 
 def _uses_gnu_openmp() -> bool:
@@ -221,10 +225,14 @@ def _uses_gnu_openmp() -> bool:
 def load_library() -> ctypes.CDLL:
     """Build (first use only) and load the kernel; cached for the life of the process.
 
+    The bytes loaded are those checked (or just built) by this call: a concurrent
+    process replacing the cached file in between cannot make it load something else.
+
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
     """
-    return load(build())
+    path, data = _build(force=False)
+    return _declare(_load_bytes(data, path), path)
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -247,7 +255,11 @@ def load(path: Path) -> ctypes.CDLL:
         data = cache.read_trusted(path)
     except cache.CacheError as exc:
         raise KernelBuildError(f"the bf16 CPU kernel is not loaded: {exc}") from exc
-    lib = _load_bytes(data, path)
+    return _declare(_load_bytes(data, path), path)
+
+
+def _declare(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
+    """Check the ABI version of a loaded kernel and declare its C signature."""
     if lib.ol_abi_version() != 1:
         raise KernelBuildError(f"{path} has ABI {lib.ol_abi_version()}, expected 1")
     lib.ol_adamw_bf16_step.argtypes = (
