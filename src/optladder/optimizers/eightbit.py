@@ -3,12 +3,15 @@
 Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022). bitsandbytes
 is imported only when this rung is built.
 
-Sharded params (DTensor, e.g. FSDP2's ``fully_shard``) and Adam's coupled weight decay
-get a subclass of ``AdamW8bit`` (:func:`ladder_adamw8bit_class`): it runs bitsandbytes'
-update on each rank's local shard, while the size rule (``min_8bit_size``) follows the
-param's global element count, the same on every rank; and in Adam mode it adds
-``weight_decay * param`` to the grad and runs bitsandbytes with weight decay 0, because
-bitsandbytes applies weight decay the AdamW (decoupled) way.
+The rung runs a subclass of ``AdamW8bit`` (:func:`ladder_adamw8bit_class`). It decides
+which params keep float32 moments by one rule shared with migrations and the footprint
+(:func:`optladder.bnb_overrides.quantized_8bit`: bitsandbytes' size rule and its
+per-param overrides, ``StableEmbedding`` and ``override_config(p, "optim_bits", 32)``);
+it runs bitsandbytes' update on each rank's local shard for sharded params (DTensor,
+e.g. FSDP2's ``fully_shard``), while the size rule follows the param's global element
+count, the same on every rank; and in Adam mode it adds ``weight_decay * param`` to the
+grad and runs bitsandbytes with weight decay 0, because bitsandbytes applies weight
+decay the AdamW (decoupled) way.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, cast
 
 import torch
 
+from optladder.bnb_overrides import quantized_8bit
 from optladder.rungs import BNB_MIN_8BIT_SIZE, param_refusal
 from optladder.sharding import is_dtensor, local_tensor
 
@@ -51,8 +55,17 @@ def import_bitsandbytes() -> ModuleType:
 
 @functools.cache
 def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
-    """bitsandbytes' ``AdamW8bit``, taught to step DTensor params on their local shards
-    and, with ``coupled_weight_decay=True``, to decay the Adam way.
+    """bitsandbytes' ``AdamW8bit``, taught to keep the state format of
+    :func:`optladder.bnb_overrides.quantized_8bit`, to step DTensor params on their
+    local shards and, with ``coupled_weight_decay=True``, to decay the Adam way.
+
+    State format: for each param, ``get_config`` (bitsandbytes' per-param configuration
+    hook, read by ``init_state``) reports ``optim_bits`` 8 with ``min_8bit_size`` 0 when
+    the shared rule quantizes the param, else ``optim_bits`` 32. The rule reads
+    bitsandbytes' own overrides by param identity, module overrides included, so a
+    ``StableEmbedding`` keeps float32 moments from the first state allocated (plain
+    bitsandbytes reads module overrides in ``step``, which optladder's prepare phase
+    comes before), and a migration or checkpoint load creates the same format.
 
     Adam mode: bitsandbytes decays decoupled (``param *= 1 - lr * wd``, its CPU fallback
     and CUDA kernel alike), so the decay is folded into the grad instead
@@ -71,10 +84,7 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
     The size rule follows the *global* element count (``p.numel()`` of the DTensor,
     equal on every rank): a param of at least ``min_8bit_size`` elements is quantized on
     every rank even where its shard is smaller, and a smaller one keeps float32 moments
-    everywhere. It is set per param through ``get_config``, bitsandbytes' per-param
-    configuration hook (the one ``GlobalOptimManager.override_config`` feeds), on this
-    optimizer rather than in bitsandbytes' process-wide manager. Plain params take
-    bitsandbytes' path unchanged.
+    everywhere. Plain params take bitsandbytes' update unchanged.
 
     A non-contiguous plain param is stepped through a contiguous copy (allocated by
     :meth:`prepare_contiguous` in the prepare phase of a two-phase step, dropped after
@@ -146,11 +156,16 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             if self.coupled_weight_decay:
                 config["weight_decay"] = 0.0  # folded into the grad in update_step
             p = self.param_groups[gindex]["params"][pindex]
-            if is_dtensor(p):
-                # bitsandbytes compares the tensor it is handed (the local shard) with
-                # min_8bit_size: translate the global rule into a per-shard threshold.
-                quantize = p.numel() >= config["min_8bit_size"]
-                config["min_8bit_size"] = 0 if quantize else local_tensor(p).numel() + 1
+            # bitsandbytes compares the tensor it is handed (for a DTensor, the local
+            # shard) with min_8bit_size: state the shared rule's answer outright.
+            quantize = quantized_8bit(
+                p,
+                f"param {pindex} of group {gindex}",
+                optim_bits=self.args.optim_bits,
+                min_8bit_size=self.args.min_8bit_size,
+            )
+            config["optim_bits"] = 8 if quantize else 32
+            config["min_8bit_size"] = 0
             return config
 
         @contextlib.contextmanager
@@ -278,40 +293,35 @@ def build_8bit(
     weight_decay: float,
     decoupled_weight_decay: bool = True,
 ) -> torch.optim.Optimizer:
-    """Build ``bitsandbytes.optim.AdamW8bit`` over ``param_groups``.
+    """Build :func:`ladder_adamw8bit_class` (bitsandbytes' ``AdamW8bit``) over
+    ``param_groups``.
 
-    Tensors under bitsandbytes' ``min_8bit_size`` (4096 elements) keep float32 moments;
-    larger ones keep uint8 codes with one float32 absmax per 256-element block. When any
-    param is a DTensor (FSDP2), the optimizer is :func:`ladder_adamw8bit_class`: each
-    rank steps its local shard, and the 4,096-element rule follows the global count.
-    ``decoupled_weight_decay=False`` (Adam) uses it too, to decay the Adam way, and so
-    does a non-contiguous param (a transposed view, a column slice), which it steps
-    through a contiguous copy written back in place: bitsandbytes' own ``update_step``
-    runs ``p.data = p.data.contiguous()``, which gives the param new storage and unties
-    every tensor that views it.
+    Tensors under bitsandbytes' ``min_8bit_size`` (4096 elements, the global count for
+    a DTensor) keep float32 moments, as do params bitsandbytes' overrides keep in 32 bits
+    (``StableEmbedding``, ``override_config(p, "optim_bits", 32)``); the others keep
+    uint8 codes with one float32 absmax per 256-element block. DTensor params (FSDP2)
+    are stepped on each rank's local shard. ``decoupled_weight_decay=False`` (Adam)
+    decays the Adam way. A non-contiguous param (a transposed view, a column slice) is
+    stepped through a contiguous copy written back in place: bitsandbytes' own
+    ``update_step`` runs ``p.data = p.data.contiguous()``, which gives the param new
+    storage and unties every tensor that views it.
 
     Raises:
         ImportError: if bitsandbytes does not import (install ``optladder[8bit]``).
-        ValueError: for complex params or dtypes bitsandbytes does not take.
+        ValueError: for complex params, dtypes bitsandbytes does not take, or a
+            bitsandbytes override it would fail on (``optim_bits`` not 8 or 32).
     """
-    sharded = noncontiguous = False
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
-            sharded = sharded or is_dtensor(p)
-            noncontiguous = noncontiguous or not local_tensor(p).is_contiguous()
             check_8bit_param(p, f"param {pi} of group {gi}")
+            quantized_8bit(p, f"param {pi} of group {gi}")
     try:
-        bnb = import_bitsandbytes()
+        engine: Any = ladder_adamw8bit_class()
     except ImportError as exc:
         raise ImportError(
             f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
             "pip install 'optladder[8bit]'"
         ) from exc
-    kwargs: dict[str, Any] = {}
-    engine: Any = bnb.optim.AdamW8bit
-    if sharded or noncontiguous or not decoupled_weight_decay:
-        engine = ladder_adamw8bit_class()
-        kwargs["coupled_weight_decay"] = not decoupled_weight_decay
     return engine(
         param_groups,
         lr=lr,
@@ -319,5 +329,5 @@ def build_8bit(
         eps=eps,
         weight_decay=weight_decay,
         min_8bit_size=BNB_MIN_8BIT_SIZE,
-        **kwargs,
+        coupled_weight_decay=not decoupled_weight_decay,
     )

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from optladder.bnb_overrides import quantized_8bit
 from optladder.optimizers.adamw import LadderAdamW
 from optladder.rungs import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE
 from optladder.sharding import is_dtensor, local_numel, local_tensor, shard_like
@@ -61,7 +62,8 @@ class StateTarget:
         qmaps: bitsandbytes layout: the engine's ``(dynamic, udynamic)`` code books on
             the param's device.
         quantize: bitsandbytes layout: whether this param gets 8-bit codes (its global
-            element count is at least ``min_8bit_size``).
+            element count is at least ``min_8bit_size`` and no bitsandbytes override
+            keeps it in 32 bits: :func:`optladder.bnb_overrides.quantized_8bit`).
     """
 
     layout: str
@@ -107,9 +109,15 @@ def state_target(
     if isinstance(engine, LadderAdamW):
         return StateTarget("adam", moment_dtype=engine.moment_dtype)
     if is_bnb_engine(engine):
-        numel = p.numel() if global_numel is None else global_numel
-        min_size = getattr(getattr(engine, "args", None), "min_8bit_size", BNB_MIN_8BIT_SIZE)
-        return StateTarget("bnb", qmaps=bnb_qmaps(engine, p.device), quantize=numel >= min_size)
+        args = getattr(engine, "args", None)
+        quantize = quantized_8bit(
+            p,
+            "a param of the 8bit rung",
+            optim_bits=getattr(args, "optim_bits", 8),
+            min_8bit_size=getattr(args, "min_8bit_size", BNB_MIN_8BIT_SIZE),
+            global_numel=global_numel,
+        )
+        return StateTarget("bnb", qmaps=bnb_qmaps(engine, p.device), quantize=quantize)
     if isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
         on_device = bool(group.get("fused") or group.get("capturable"))
         return StateTarget("adam", moment_dtype=p.dtype, step_on_param_device=on_device)
@@ -133,7 +141,7 @@ def _dequantize(
             f"8-bit state of {codes.numel()} elements needs {blocks} absmax values and a "
             f"256-entry code book; got {absmax.numel()} and {code.numel()}"
         )
-    code = code.to(codes.device)
+    code = code.to(device=codes.device, dtype=torch.float32)
     out = torch.ops.bitsandbytes.dequantize_blockwise(
         codes, absmax.to(codes.device), code, BNB_BLOCKSIZE, dtype
     )
@@ -257,9 +265,19 @@ def _bnb_state(
     qmap1, qmap2 = target.qmaps
     result: dict[str, Any] = {"step": step}
     for i, (m, qmap) in enumerate(zip(moments, (qmap1, qmap2)), start=1):
-        if src_bnb and m.dtype == torch.uint8 and target.quantize:
+        codes_of_this_book = (
+            src_bnb and m.dtype == torch.uint8 and same_code_book(state[f"qmap{i}"], qmap)
+        )
+        if codes_of_this_book and target.quantize:
             result[f"state{i}"] = m.to(device).reshape(p.shape)
             result[f"absmax{i}"] = state[f"absmax{i}"].to(device)
+        elif src_bnb and m.dtype == torch.uint8 and target.quantize:
+            # codes of another code book (another bitsandbytes, or hand-made): decode
+            # them with their own book, then encode with the engine's (one rounding)
+            values = _dequantize(m, state[f"absmax{i}"], state[f"qmap{i}"], torch.float32)
+            codes, absmax = _quantize(values.to(device), qmap)
+            result[f"state{i}"] = codes.reshape(p.shape)
+            result[f"absmax{i}"] = absmax
         elif src_bnb and m.dtype == torch.uint8:
             result[f"state{i}"] = (
                 _dequantize(m, state[f"absmax{i}"], state[f"qmap{i}"], torch.float32)
@@ -275,6 +293,15 @@ def _bnb_state(
         if target.quantize:
             result[f"qmap{i}"] = qmap
     return result
+
+
+def same_code_book(saved: torch.Tensor, engine_book: torch.Tensor) -> bool:
+    """Whether a checkpoint's code book (``qmap1``/``qmap2``: 256 float32 values that
+    uint8 codes index) is the engine's, value for value, so its codes can be kept."""
+    return bool(
+        saved.shape == engine_book.shape
+        and torch.equal(saved.to(device=engine_book.device, dtype=torch.float32), engine_book)
+    )
 
 
 def _group_of(engine: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
@@ -484,10 +511,21 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
                     f"{where}: absmax{i} has {absmax.numel()} values; {n} elements in "
                     f"{BNB_BLOCKSIZE}-element blocks need {blocks}"
                 )
-            if not (isinstance(qmap, torch.Tensor) and qmap.numel() == 256):
-                raise ValueError(f"{where}: 8-bit {name} needs a 256-entry qmap{i} tensor")
+            if not (
+                isinstance(qmap, torch.Tensor)
+                and qmap.numel() == 256
+                and qmap.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+            ):
+                raise ValueError(
+                    f"{where}: 8-bit {name} needs qmap{i}, a code book of 256 floating "
+                    f"values; got {_describe(qmap)}"
+                )
+            if not bool(torch.isfinite(qmap).all()):
+                raise ValueError(
+                    f"{where}: qmap{i} (the code book {name}'s codes index) holds non-finite "
+                    "values, so the codes cannot be decoded"
+                )
             _check_values(local_tensor(absmax), f"absmax{i}", where, nonnegative=True)
-            _check_values(local_tensor(qmap), f"qmap{i}", where, nonnegative=False)
         elif not t.is_floating_point():
             allowed = "uint8 codes or float32" if bnb else "a floating dtype"
             raise ValueError(f"{where}: {name} has dtype {t.dtype}; allowed: {allowed}")
@@ -513,3 +551,9 @@ def _check_values(t: torch.Tensor, name: str, where: str, *, nonnegative: bool) 
                 f"{where}: {name} holds {negative} negative values; it is a running average "
                 "of squared grads (or a block's largest magnitude), so allowed are values >= 0"
             )
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of {value.numel()} elements"
+    return type(value).__name__
