@@ -288,11 +288,26 @@ def test_8bit_noncontiguous_failed_steps_and_moves_change_nothing() -> None:
             break
 
 
-def test_a_noncontiguous_param_is_refused_by_a_plain_8bit_engine() -> None:
-    opt = choose_optimizer([torch.nn.Parameter(torch.zeros(8))], rung="8bit", free_memory=GiB)
-    with pytest.raises(ValueError, match="is not contiguous"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(5, 3).t())]})
-    assert len(opt.param_groups) == 1
+def test_a_noncontiguous_param_added_later_is_stepped_in_place() -> None:
+    """The 8bit engine is always optladder's subclass, so add_param_group takes a
+    non-contiguous param too: it is stepped in its own memory, like a contiguous copy."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(80, 64, generator=gen)
+    grad = torch.randn(64, 80, generator=gen)
+    results = []
+    for view in (True, False):
+        first = torch.nn.Parameter(torch.zeros(8))
+        opt = choose_optimizer([first], rung="8bit", free_memory=GiB, lr=0.01)
+        p = torch.nn.Parameter(base.clone().t() if view else base.t().contiguous())
+        ptr = p.data_ptr()
+        opt.add_param_group({"params": [p]})
+        for _ in range(3):
+            p.grad = grad.clone()
+            first.grad = torch.zeros(8)
+            opt.step()
+        assert p.data_ptr() == ptr and p.is_contiguous() == (not view)
+        results.append(p.detach().clone())
+    assert torch.equal(results[0], results[1])
 
 
 # ---------------------------------------------------------------- params sharing memory
