@@ -243,7 +243,8 @@ def model_from_config(path: Path) -> tuple[torch.nn.Module, str]:
         import transformers
     except ImportError as exc:
         raise ImportError(
-            "--model-config needs transformers: pip install 'optladder[plan]' "
+            "--model-config needs transformers: pip install 'transformers>=4.40' (what "
+            "optladder's plan extra installs) "
             f"({type(exc).__name__}: {exc})"
         ) from exc
     try:

@@ -202,7 +202,7 @@ def build_8bit(
     ``decoupled_weight_decay=False`` (Adam) uses it too, to decay the Adam way.
 
     Raises:
-        ImportError: if bitsandbytes does not import (install ``optladder[8bit]``).
+        ImportError: if bitsandbytes does not import (the message says how to install it).
         ValueError: for complex params or dtypes bitsandbytes does not take.
     """
     sharded = False
@@ -215,7 +215,8 @@ def build_8bit(
     except ImportError as exc:
         raise ImportError(
             f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
-            "pip install 'optladder[8bit]'"
+            "install it with pip install 'bitsandbytes>=0.45' (what optladder's 8bit extra "
+            "installs)"
         ) from exc
     kwargs: dict[str, Any] = {}
     engine: Any = bnb.optim.AdamW8bit
