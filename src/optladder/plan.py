@@ -363,7 +363,7 @@ def _shard(state: Mapping[Rung, int], codebook_bytes: int, world_size: int) -> d
     per_rank: dict[Rung, int] = {}
     for rung in RUNGS:
         books = codebook_bytes if rung == "8bit" else 0
-        per_rank[rung] = math.ceil((state[rung] - books) / world_size) + books
+        per_rank[rung] = -(-(state[rung] - books) // world_size) + books  # exact int ceil
     return per_rank
 
 

@@ -80,7 +80,7 @@ class Decision(BaseModel):
             "state bytes: "
             + "; ".join(
                 f"{r} {self.state_bytes[r]:,} ({format_bytes(self.state_bytes[r])})"
-                + (" <- chosen" if r == self.rung else "")
+                + (" (chosen)" if r == self.rung else "")
                 for r in RUNGS
             )
         )
