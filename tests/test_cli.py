@@ -247,3 +247,18 @@ def test_bitsandbytes_is_imported_only_for_the_8bit_rung() -> None:
     pytest.importorskip("bitsandbytes")
     # fp32, bf16, the policy's choice (fp32), plan, plan (transformers), then 8bit built
     assert proc.stdout.splitlines()[-1] == "SEEN [False, False, False, False, False, True]"
+
+
+def test_package_names_resolve_lazily() -> None:
+    proc = python(
+        "import sys, optladder\n"
+        "before = 'torch' in sys.modules\n"
+        "from optladder import choose_optimizer, OptladderWarning, Decision\n"
+        "print('RESULT', before, 'torch' in sys.modules, OptladderWarning.__module__)\n"
+    )
+    assert proc.stdout.splitlines()[-1] == "RESULT False True optladder.errors", proc.stderr
+    assert sorted(optladder.__all__) == sorted(optladder._WHERE)  # `import *`: all lazy
+    for name in optladder.__all__:
+        assert getattr(optladder, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = optladder.nope  # type: ignore[attr-defined]

@@ -72,7 +72,31 @@ _WHERE = {
     "parse_bytes": "optladder.units",
 }
 
-__all__ = sorted(_WHERE)
+__all__ = [
+    "RUNGS",
+    "Capabilities",
+    "Decision",
+    "Escalation",
+    "Footprint",
+    "InsufficientMemoryError",
+    "Ladder",
+    "LadderOptimizer",
+    "OptimizerOutOfMemoryError",
+    "OptladderWarning",
+    "OverrideError",
+    "Overrides",
+    "Policy",
+    "Rung",
+    "adopt",
+    "choose_optimizer",
+    "decide",
+    "is_oom",
+    "measure_footprint",
+    "measure_state_bytes",
+    "parse_bytes",
+    "probe_free_memory",
+    "read_overrides",
+]  # the keys of _WHERE (a test keeps them equal)
 
 
 def __getattr__(name: str) -> Any:

@@ -50,6 +50,8 @@ _VALUE_OPTIONS = (
     "--world-size",
 )
 
+DIGITS = tuple("0123456789.")
+
 _PLAN_EPILOG = """\
 exit status: 0 the rung fits the memory gate; 1 it does not (nothing fits: choose_optimizer
 would raise InsufficientMemoryError); 2 bad input; 3 no decision (the device is not on this
@@ -92,11 +94,10 @@ def _attach_negative_values(argv: list[str]) -> list[str]:
     while i < len(argv):
         token = argv[i]
         following = argv[i + 1] if i + 1 < len(argv) else ""
-        if token in _VALUE_OPTIONS and following[:1] == "-" and following[1:2] in "0123456789.":
-            if following[1:2]:
-                out.append(f"{token}={following}")
-                i += 2
-                continue
+        if token in _VALUE_OPTIONS and following[:1] == "-" and following[1:2] in DIGITS:
+            out.append(f"{token}={following}")
+            i += 2
+            continue
         out.append(token)
         i += 1
     return out
@@ -259,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: the arguments after the program name; None means ``sys.argv[1:]``.
     """
-    args = _parser().parse_args(_attach_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(_attach_negative_values(given))
     if args.command == "plan":
         return _run_plan(args)
     return _run_demo(args)

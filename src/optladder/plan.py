@@ -58,7 +58,6 @@ DTYPES: dict[str, torch.dtype] = {
 """Param dtypes ``--dtype`` accepts."""
 
 
-
 class PlanError(ValueError):
     """Bad input to :func:`make_plan`; the message names the option, its value, and
     what is allowed."""

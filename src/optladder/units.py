@@ -7,6 +7,7 @@ import math
 import operator
 import re
 from decimal import Decimal, InvalidOperation
+from typing import SupportsIndex
 
 _UNITS = {
     "": 1,
@@ -32,7 +33,9 @@ MAX_COUNT = MAX_BYTES // 8
 """The largest element count accepted (1,152,921,504,606,846,975): the fp32 rung's state,
 8 bytes a param, must stay a byte count."""
 
-_UNITS_ALLOWED = "B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), any case"
+_UNITS_ALLOWED = (
+    "B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), any case"
+)
 _BYTES_ALLOWED = (
     f"a number of bytes from 0 to 2**63 - 1 with an optional unit: {_UNITS_ALLOWED}; "
     "e.g. '24GiB', '512MB', '1.5e9'"
@@ -79,7 +82,6 @@ def parse_bytes(value: object, name: str = "free_memory") -> int:
     def error(why: str) -> ValueError:
         return ValueError(f"{name}={value!r} is not a byte count: {why}; expected {_BYTES_ALLOWED}")
 
-
     if isinstance(value, bool) or value is None:
         raise error(f"a {type(value).__name__} is not a number")
     if isinstance(value, float):
@@ -90,16 +92,15 @@ def parse_bytes(value: object, name: str = "free_memory") -> int:
         if value > MAX_BYTES:
             raise error("more than 2**63 - 1 bytes")
         return int(value)
-    if not isinstance(value, str):
-        try:
-            number_int = operator.index(value)  # int, numpy.int64, ...: before float()
-        except TypeError:
-            raise error(f"a {type(value).__name__} is neither a number nor a string") from None
+    if isinstance(value, SupportsIndex):  # int, numpy.int64, ...: before float()
+        number_int = operator.index(value)
         if number_int < 0:
             raise error("negative")
         if number_int > MAX_BYTES:
             raise error("more than 2**63 - 1 bytes")
         return int(number_int)
+    if not isinstance(value, str):
+        raise error(f"a {type(value).__name__} is neither a number nor a string")
     text = value.strip()
     if text.startswith("-") and _PATTERN.match(text[1:]):
         raise error("negative")
