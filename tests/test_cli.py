@@ -40,12 +40,13 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh interpreter with this tree first on the path."""
+    """Run ``code`` in a fresh interpreter with this tree first on the path (and a
+    misspelled ``OPTLADDER_8BIT`` set, which nothing may read at import)."""
     return subprocess.run(
         [sys.executable, *args, "-c", code],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OPTLADDER_8BIT": "1"},
         check=False,
     )
 
@@ -168,13 +169,17 @@ def test_the_largest_params_count_is_planned(capsys: pytest.CaptureFixture[str])
     assert json.loads(out)["state_bytes"]["fp32"] == 8 * n
 
 
-def test_huge_params_through_the_console_script_has_no_traceback() -> None:
+def test_bad_numbers_are_answered_before_torch_loads() -> None:
     proc = python(
-        "import sys; from optladder.cli import main; "
-        "sys.exit(main(['plan', '--params', '1e400', '--free-memory', '80GiB']))"
+        "import sys; from optladder.cli import main\n"
+        "codes = [main(['plan', '--params', '1e400', '--free-memory', '80GiB']),\n"
+        "         main(['plan', '--params', '7B', '--free-memory', '24G']),\n"
+        "         main(['plan', '--params', '7B', '--proactive-min-params', '1e400'])]\n"
+        "print('RESULT', codes, 'torch' in sys.modules)\n"
     )
-    assert proc.returncode == EXIT_BAD_INPUT
-    assert "Traceback" not in proc.stderr and "--params='1e400'" in proc.stderr
+    assert proc.stdout.splitlines()[-1] == "RESULT [2, 2, 2] False"
+    assert "Traceback" not in proc.stderr and "--params='1e400' is not a count" in proc.stderr
+    assert "--free-memory='24G'" in proc.stderr and "--proactive-min-params='1e400'" in proc.stderr
 
 
 @pytest.mark.parametrize("seed", ["1e23", "-1", "18446744073709551616", "1.5", "zero"])
@@ -225,12 +230,19 @@ def test_plan_without_cuda_and_json_says_how_to_plan(capsys: pytest.CaptureFixtu
     assert "--free-memory 80GiB" in err
 
 
-def test_bitsandbytes_is_imported_only_for_the_8bit_rung() -> None:
+def test_imports_are_lazy_and_bitsandbytes_comes_only_with_the_8bit_rung() -> None:
+    # One fresh interpreter (each costs seconds of torch import): importing optladder with a
+    # misspelled variable set, under -W error, reads no environment and loads no torch;
+    # then bitsandbytes stays out until the 8bit rung is built.
     proc = python(
-        "import sys, torch\n"
-        "from optladder import choose_optimizer\n"
+        "import os, sys\n"
+        "import optladder, optladder.cli\n"
+        "from optladder import choose_optimizer, OptladderWarning\n"
+        "import optladder.policies, optladder.selector\n"
+        "seen = [OptladderWarning.__module__]\n"
+        "del os.environ['OPTLADDER_8BIT']\n"
+        "import torch\n"
         "from optladder.cli import main\n"
-        "seen = []\n"
         "for rung in ('fp32', 'bf16', None):\n"
         "    m = torch.nn.Linear(64, 64)\n"
         "    opt = choose_optimizer(m, lr=1e-3, rung=rung, free_memory='1GiB')\n"
@@ -241,22 +253,24 @@ def test_bitsandbytes_is_imported_only_for_the_8bit_rung() -> None:
         "seen.append('transformers' in sys.modules)\n"
         "choose_optimizer(torch.nn.Linear(64, 64), lr=1e-3, rung='8bit')\n"
         "seen.append('bitsandbytes' in sys.modules)\n"
-        "print('SEEN', seen)\n"
+        "print('SEEN', seen)\n",
+        "-W",
+        "error",
     )
     assert proc.returncode == 0, proc.stderr
     pytest.importorskip("bitsandbytes")
     # fp32, bf16, the policy's choice (fp32), plan, plan (transformers), then 8bit built
-    assert proc.stdout.splitlines()[-1] == "SEEN [False, False, False, False, False, True]"
+    assert proc.stdout.splitlines()[-1] == (
+        "SEEN ['optladder.errors', False, False, False, False, False, True]"
+    )
 
 
 def test_package_names_resolve_lazily() -> None:
     proc = python(
         "import sys, optladder\n"
-        "before = 'torch' in sys.modules\n"
-        "from optladder import choose_optimizer, OptladderWarning, Decision\n"
-        "print('RESULT', before, 'torch' in sys.modules, OptladderWarning.__module__)\n"
+        "print('RESULT', 'torch' in sys.modules, sorted(optladder.__all__)[:2])\n"
     )
-    assert proc.stdout.splitlines()[-1] == "RESULT False True optladder.errors", proc.stderr
+    assert proc.stdout.splitlines()[-1] == "RESULT False ['Capabilities', 'Decision']"
     assert sorted(optladder.__all__) == sorted(optladder._WHERE)  # `import *`: all lazy
     for name in optladder.__all__:
         assert getattr(optladder, name) is not None

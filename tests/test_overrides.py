@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
-from pydantic import ValidationError
 
 from optladder.errors import OptladderWarning
 from optladder.policies.overrides import (
@@ -264,23 +260,3 @@ def test_choose_optimizer_warns_at_the_callers_line(monkeypatch: pytest.MonkeyPa
     assert opt.rung == "fp32"  # the misspelled variable did not act
     (warning,) = [w for w in record if "OPTLADDER_8BIT" in str(w.message)]
     assert warning.filename == __file__  # stacklevel: the user's call, not optladder's
-
-
-def test_importing_optladder_reads_no_environment() -> None:
-    env = {**os.environ, "OPTLADDER_8BIT": "1", "optladder_rung": "x"}
-    code = "import optladder, optladder.policies, optladder.selector"
-    proc = subprocess.run(
-        [sys.executable, "-W", "error", "-c", code], env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-
-
-def test_overrides_are_frozen() -> None:
-    overrides = read_overrides(environ={BF16: "1"})
-    with pytest.raises(ValidationError):
-        overrides.forced = "8bit"  # type: ignore[misc]
-
-
-def test_a_non_string_variable_value_is_refused() -> None:
-    with pytest.raises(OverrideError, match="OPTLADDER_BF16_ADAM=1 must be a string"):
-        read_overrides(None, {"OPTLADDER_BF16_ADAM": 1})  # type: ignore[dict-item]

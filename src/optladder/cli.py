@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from optladder import __version__
-from optladder.units import parse_bytes
+from optladder.units import parse_bytes, parse_count
 
 EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 1
@@ -187,23 +187,43 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     plan.add_argument("--json", action="store_true", help="print the decision as JSON only")
 
 
+def _plan_policy_fields(args: argparse.Namespace) -> dict[str, float | int]:
+    """The ``Policy`` fields the options set; checked here, before torch is imported, so
+    that a bad value is answered at once.
+
+    Raises:
+        ValueError: naming the option, its value and what is allowed.
+    """
+    if args.params is not None:
+        parse_count(args.params, "--params")
+    if args.free_memory is not None:
+        parse_bytes(args.free_memory, "--free-memory")
+    fields: dict[str, float | int] = {}
+    if args.policy_fraction is not None:
+        if not 0.0 < args.policy_fraction <= 1.0:
+            raise ValueError(
+                f"--policy-fraction={args.policy_fraction!r} is not allowed; "
+                "expected a fraction in (0, 1]"
+            )
+        fields["memory_fraction"] = args.policy_fraction
+    if args.proactive_min_params is not None:
+        fields["proactive_bf16_min_params"] = parse_count(
+            args.proactive_min_params, "--proactive-min-params", minimum=0
+        )
+    return fields
+
+
 def _run_plan(args: argparse.Namespace) -> int:
-    from optladder.plan import FreeMemoryUnknownError, Plan, make_plan, parse_count, print_plan
+    try:
+        fields = _plan_policy_fields(args)
+    except ValueError as exc:
+        print(f"optladder plan: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+    from optladder.plan import FreeMemoryUnknownError, Plan, make_plan, print_plan  # torch
     from optladder.policies import Policy
 
     def plan(free_memory: str | None) -> Plan:
-        fields: dict[str, float | int] = {}
-        if args.policy_fraction is not None:
-            if not 0.0 < args.policy_fraction <= 1.0:
-                raise ValueError(
-                    f"--policy-fraction={args.policy_fraction!r} is not allowed; "
-                    "expected a fraction in (0, 1]"
-                )
-            fields["memory_fraction"] = args.policy_fraction
-        if args.proactive_min_params is not None:
-            fields["proactive_bf16_min_params"] = parse_count(
-                args.proactive_min_params, "--proactive-min-params", minimum=0
-            )
         return make_plan(
             params=args.params,
             model_config=args.model_config,
