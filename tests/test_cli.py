@@ -7,10 +7,12 @@ bytes of code books = 2,033,304. The gate is 25% of free memory.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -276,3 +278,30 @@ def test_package_names_resolve_lazily() -> None:
         assert getattr(optladder, name) is not None
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = optladder.nope  # type: ignore[attr-defined]
+
+
+def _message_strings(path: Path) -> list[tuple[int, str]]:
+    """String constants of a module that can reach a user (docstrings left out)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if id(node) not in docstrings
+    ]
+
+
+def test_runtime_messages_point_only_to_what_an_installed_package_has() -> None:
+    package = Path(optladder.__file__).parent
+    found = [
+        f"{path.relative_to(package)}:{line}: {text!r}"
+        for path in sorted(package.rglob("*.py"))
+        for line, text in _message_strings(path)
+        if any(word in text for word in ("bench/", "examples/", "tests/", "optladder["))
+    ]
+    assert found == []
