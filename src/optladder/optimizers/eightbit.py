@@ -307,7 +307,7 @@ def build_8bit(
     storage and unties every tensor that views it.
 
     Raises:
-        ImportError: if bitsandbytes does not import (install ``optladder[8bit]``).
+        ImportError: if bitsandbytes does not import (the message says how to install it).
         ValueError: for complex params, dtypes bitsandbytes does not take, or a
             bitsandbytes override it would fail on (``optim_bits`` not 8 or 32).
     """
@@ -320,7 +320,8 @@ def build_8bit(
     except ImportError as exc:
         raise ImportError(
             f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
-            "pip install 'optladder[8bit]'"
+            "install it with pip install 'bitsandbytes>=0.45' (what optladder's 8bit extra "
+            "installs)"
         ) from exc
     return engine(
         param_groups,

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from optladder.errors import OptladderWarning  # re-exported: defined below policies
 from optladder.optimizers import build_engine, probe_capabilities, validate_hyperparams
 from optladder.optimizers.build import without_dtensor_unsupported
 from optladder.optimizers.rounding import Rounding, check_rounding, check_seed
@@ -63,10 +64,6 @@ class InsufficientMemoryError(RuntimeError):
             "Pass strict=False to build it anyway, raise Policy(memory_fraction=...), or "
             "free memory."
         )
-
-
-class OptladderWarning(UserWarning):
-    """A choice optladder made that the user should know about."""
 
 
 def _target_device(
