@@ -30,7 +30,8 @@ How the ladder's retry fits the Trainer's loop:
   ``trainer.train(resume_from_checkpoint=...)`` moves a policy-chosen optimizer to the
   rung the checkpoint had escalated to.
 
-Needs ``transformers`` and ``accelerate`` (``pip install 'optladder[integrations]'``).
+Needs ``transformers`` and ``accelerate`` (the ``integrations`` extra:
+``pip install -e ".[integrations]"`` in the clone).
 Run it::
 
     python examples/hf_trainer.py --max-steps 60

@@ -25,7 +25,8 @@ How the ladder's retry fits Lightning's loop:
   records the rung; ``fit(..., ckpt_path=...)`` moves a policy-chosen optimizer to the
   rung the checkpoint had escalated to.
 
-Needs ``lightning`` (``pip install 'optladder[integrations]'``). Run it::
+Needs ``lightning`` (the ``integrations`` extra: ``pip install -e ".[integrations]"`` in
+the clone). Run it::
 
     python examples/lightning_module.py --epochs 3
 """

@@ -1,19 +1,22 @@
-"""The 8-bit rung: bitsandbytes' ``AdamW8bit`` state (block-wise quantized moments).
+"""The 8-bit rung: bitsandbytes' ``AdamW8bit`` (block-wise quantized moments).
 
 Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022). bitsandbytes
 is imported only when this rung is built.
 
-The engine is a subclass of ``AdamW8bit`` (:func:`ladder_adamw8bit_class`), so its state
+The rung runs a subclass of ``AdamW8bit`` (:func:`ladder_adamw8bit_class`), so its state
 and checkpoints are bitsandbytes' own. It steps every CPU param it can with one call of
 optladder's 8-bit CPU kernel (:mod:`optladder.optimizers.kernels.cpu8bit`: same state
 format, no float32 copies), CUDA params with bitsandbytes' kernel, and the rest (no C
 compiler, ``max_unorm``, a non-contiguous param) with bitsandbytes' per-tensor update,
-recording why in ``eager_reasons``. Sharded params (DTensor, e.g. FSDP2's
-``fully_shard``) step on each rank's local shard, while the size rule
-(``min_8bit_size``) follows the param's global element count, the same on every rank. In
-Adam mode (coupled weight decay) the decay is added to the grad (in float32 by the kernel;
-in place by bitsandbytes' path, run with weight decay 0), because bitsandbytes applies
-weight decay the AdamW (decoupled) way.
+recording why in ``eager_reasons``. It decides
+which params keep float32 moments by one rule shared with migrations and the footprint
+(:func:`optladder.bnb_overrides.quantized_8bit`: bitsandbytes' size rule and its
+per-param overrides, ``StableEmbedding`` and ``override_config(p, "optim_bits", 32)``);
+it runs bitsandbytes' update on each rank's local shard for sharded params (DTensor,
+e.g. FSDP2's ``fully_shard``), while the size rule follows the param's global element
+count, the same on every rank; and in Adam mode it adds ``weight_decay * param`` to the
+grad and runs bitsandbytes with weight decay 0, because bitsandbytes applies weight
+decay the AdamW (decoupled) way.
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ from typing import Any, cast
 
 import torch
 
-from optladder.rungs import BNB_DTYPES, BNB_MIN_8BIT_SIZE
+from optladder.bnb_overrides import quantized_8bit
+from optladder.rungs import BNB_MIN_8BIT_SIZE, param_refusal
 from optladder.sharding import is_dtensor, local_tensor
 
-_BNB_DTYPES = tuple(getattr(torch, name) for name in BNB_DTYPES)
 _NOISY_LOGGER = "bitsandbytes.backends.cpu.ops"
 
 
@@ -58,9 +61,17 @@ def import_bitsandbytes() -> ModuleType:
 
 @functools.cache
 def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
-    """bitsandbytes' ``AdamW8bit``, taught to step CPU params on optladder's 8-bit CPU
-    kernel, DTensor params on their local shards and, with ``coupled_weight_decay=True``,
-    to decay the Adam way.
+    """bitsandbytes' ``AdamW8bit``, taught to keep the state format of
+    :func:`optladder.bnb_overrides.quantized_8bit`, to step DTensor params on their
+    local shards and, with ``coupled_weight_decay=True``, to decay the Adam way.
+
+    State format: for each param, ``get_config`` (bitsandbytes' per-param configuration
+    hook, read by ``init_state``) reports ``optim_bits`` 8 with ``min_8bit_size`` 0 when
+    the shared rule quantizes the param, else ``optim_bits`` 32. The rule reads
+    bitsandbytes' own overrides by param identity, module overrides included, so a
+    ``StableEmbedding`` keeps float32 moments from the first state allocated (plain
+    bitsandbytes reads module overrides in ``step``, which optladder's prepare phase
+    comes before), and a migration or checkpoint load creates the same format.
 
     CPU kernel: :meth:`step` steps every CPU param whose state is ``AdamW8bit``'s (8-bit
     codes, or float32 under ``min_8bit_size``) with one call of
@@ -94,10 +105,13 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
     The size rule follows the *global* element count (``p.numel()`` of the DTensor,
     equal on every rank): a param of at least ``min_8bit_size`` elements is quantized on
     every rank even where its shard is smaller, and a smaller one keeps float32 moments
-    everywhere. It is set per param through ``get_config``, bitsandbytes' per-param
-    configuration hook (the one ``GlobalOptimManager.override_config`` feeds), on this
-    optimizer rather than in bitsandbytes' process-wide manager. Plain params take
-    bitsandbytes' path unchanged.
+    everywhere. Plain params take bitsandbytes' update unchanged.
+
+    A non-contiguous plain param is stepped through a contiguous copy (allocated by
+    :meth:`prepare_contiguous` in the prepare phase of a two-phase step, dropped after
+    the step), and the result is copied back into the param's own memory; its state is
+    kept contiguous, in the param's logical order. bitsandbytes alone would run
+    ``p.data = p.data.contiguous()`` and move the param to new storage.
 
     Created on first use, so bitsandbytes is imported only when the 8-bit rung is built.
 
@@ -126,7 +140,43 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             self._prepared: _PreparedStep | None = None
             self._bounds: dict[int, tuple[torch.Tensor, int, Any]] = {}
             self._books: list[tuple[torch.Tensor, Any]] = []
+            # non-contiguous param -> (contiguous copy, contiguous grad or None), made in
+            # prepare_contiguous and dropped after the step or by release_scratch
+            self._contiguous: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]] = {}
             super().__init__(*args, **kwargs)
+
+        def get_state_buffer(self, p: torch.Tensor, dtype: torch.dtype = torch.float32) -> Any:
+            # bitsandbytes' zeros_like keeps a non-contiguous param's strides, while its
+            # kernels index state by memory order: keep the state in the param's logical
+            # (row-major) order, as the contiguous copy is stepped.
+            if not p.is_contiguous() and not self.is_paged:
+                return torch.zeros(p.shape, dtype=dtype, device=p.device)
+            return super().get_state_buffer(p, dtype=dtype)
+
+        def prepare_contiguous(self) -> None:
+            """Allocate a contiguous copy of every non-contiguous plain param that has a
+            grad (and of its grad when that is not contiguous), for the next step; the
+            commit then allocates nothing for them. On failure (an OOM) nothing is kept.
+            """
+            try:
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is None or is_dtensor(p) or p in self._contiguous:
+                            continue
+                        if p.is_contiguous():
+                            continue
+                        work = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                        grad = None
+                        if not p.grad.is_contiguous():
+                            grad = torch.empty(p.shape, dtype=p.grad.dtype, device=p.device)
+                        self._contiguous[p] = (work, grad)
+            except BaseException:
+                self.release_scratch()
+                raise
+
+        def release_scratch(self) -> None:
+            """Drop the contiguous copies :meth:`prepare_contiguous` made."""
+            self._contiguous.clear()
 
         def prepare_kernel_step(self) -> None:
             """Prepare the CPU kernel's tables for the next :meth:`step` (the prepare
@@ -147,6 +197,12 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
 
         @torch.no_grad()
         def step(self, closure: Any = None) -> Any:
+            try:
+                return self._step(closure)
+            finally:
+                self.release_scratch()
+
+        def _step(self, closure: Any) -> Any:
             """One step, as bitsandbytes' ``Optimizer8bit.step``, with every CPU param the
             8-bit CPU kernel can take stepped by one kernel call (see
             :func:`ladder_adamw8bit_class`); the rest through bitsandbytes' ``update_step``.
@@ -190,11 +246,16 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             if self.coupled_weight_decay:
                 config["weight_decay"] = 0.0  # folded into the grad in update_step
             p = self.param_groups[gindex]["params"][pindex]
-            if is_dtensor(p):
-                # bitsandbytes compares the tensor it is handed (the local shard) with
-                # min_8bit_size: translate the global rule into a per-shard threshold.
-                quantize = p.numel() >= config["min_8bit_size"]
-                config["min_8bit_size"] = 0 if quantize else local_tensor(p).numel() + 1
+            # bitsandbytes compares the tensor it is handed (for a DTensor, the local
+            # shard) with min_8bit_size: state the shared rule's answer outright.
+            quantize = quantized_8bit(
+                p,
+                f"param {pindex} of group {gindex}",
+                optim_bits=self.args.optim_bits,
+                min_8bit_size=self.args.min_8bit_size,
+            )
+            config["optim_bits"] = 8 if quantize else 32
+            config["min_8bit_size"] = 0
             return config
 
         @contextlib.contextmanager
@@ -243,6 +304,9 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int
         ) -> None:
             wd = group["weight_decay"] if self.coupled_weight_decay else 0.0
+            if not is_dtensor(p) and not p.is_contiguous():
+                self._update_noncontiguous(group, p, gindex, pindex, wd)
+                return
             if not is_dtensor(p):
                 if wd:
                     cast(torch.Tensor, p.grad).add_(p, alpha=wd)
@@ -252,6 +316,36 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
                 if wd:
                     cast(torch.Tensor, shard.grad).add_(shard, alpha=wd)
                 super().update_step(group, shard, gindex, pindex)
+
+        def _update_noncontiguous(
+            self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int, wd: float
+        ) -> None:
+            """Step a non-contiguous param through a contiguous copy, written back in
+            place: bitsandbytes would otherwise run ``p.data = p.data.contiguous()`` and
+            move the param to new storage, untying every tensor that views it."""
+            grad = cast(torch.Tensor, p.grad)
+            prepared = self._contiguous.pop(p) if p in self._contiguous else None
+            work, work_grad = prepared or (  # stepped without prepare_contiguous: made here
+                torch.empty(p.shape, dtype=p.dtype, device=p.device),
+                None
+                if grad.is_contiguous()
+                else torch.empty_like(grad, memory_format=torch.contiguous_format),
+            )
+            work.copy_(p)
+            if work_grad is not None:
+                work_grad.copy_(grad)
+            else:
+                work_grad = grad
+            if wd:
+                work_grad.add_(work, alpha=wd)
+            work.grad = work_grad
+            self.state[work] = self.state[p]
+            try:
+                super().update_step(group, work, gindex, pindex)
+            finally:
+                del self.state[work]
+                work.grad = None
+            p.copy_(work)
 
     return LadderAdamW8bit
 
@@ -462,8 +556,16 @@ def _prepare_step(engine: Any) -> _PreparedStep:
     )
 
 
+def steps_noncontiguous(engine: torch.optim.Optimizer) -> bool:
+    """Whether ``engine`` (an 8bit engine) steps non-contiguous params in place, through
+    a contiguous copy (:func:`ladder_adamw8bit_class`); bitsandbytes' plain
+    ``AdamW8bit`` would move them to new storage."""
+    return hasattr(engine, "prepare_contiguous")
+
+
 def check_8bit_param(p: torch.Tensor, where: str) -> None:
-    """Raise unless the 8-bit rung can take ``p``: real float32, bfloat16 or float16.
+    """Raise unless the 8-bit rung can take ``p`` (:data:`optladder.rungs.RUNG_ACCEPTS`:
+    real float32, bfloat16 or float16).
 
     Args:
         p: the param.
@@ -472,14 +574,10 @@ def check_8bit_param(p: torch.Tensor, where: str) -> None:
     Raises:
         ValueError: naming the param, its dtype and what is allowed.
     """
-    if p.is_complex():
-        raise ValueError(
-            f"{where} is complex ({p.dtype}); the 8bit rung takes real params only: use rung='fp32'"
-        )
-    if p.dtype not in _BNB_DTYPES:
-        raise ValueError(
-            f"{where} has dtype {p.dtype}; the 8bit rung takes float32, bfloat16 or float16 params"
-        )
+    refusal = param_refusal("8bit", str(p.dtype).removeprefix("torch."), sharded=is_dtensor(p))
+    if refusal is not None:
+        kind = f"is complex ({p.dtype})" if p.is_complex() else f"has dtype {p.dtype}"
+        raise ValueError(f"{where} {kind}; {refusal}")
 
 
 def build_8bit(
@@ -491,42 +589,42 @@ def build_8bit(
     weight_decay: float,
     decoupled_weight_decay: bool = True,
 ) -> torch.optim.Optimizer:
-    """Build :func:`ladder_adamw8bit_class` (a ``bitsandbytes.optim.AdamW8bit``) over
+    """Build :func:`ladder_adamw8bit_class` (bitsandbytes' ``AdamW8bit``) over
     ``param_groups``.
 
-    Tensors under bitsandbytes' ``min_8bit_size`` (4096 elements) keep float32 moments;
-    larger ones keep uint8 codes with one float32 absmax per 256-element block. CPU params
-    step on optladder's 8-bit CPU kernel (one call for all of them), CUDA params on
-    bitsandbytes' kernel; DTensor params (FSDP2) step on their local shard, and the
-    4,096-element rule follows the global count. ``decoupled_weight_decay=False`` (Adam)
-    decays the Adam way.
+    Tensors under bitsandbytes' ``min_8bit_size`` (4096 elements, the global count for
+    a DTensor) keep float32 moments, as do params bitsandbytes' overrides keep in 32 bits
+    (``StableEmbedding``, ``override_config(p, "optim_bits", 32)``); the others keep
+    uint8 codes with one float32 absmax per 256-element block. DTensor params (FSDP2)
+    are stepped on each rank's local shard. ``decoupled_weight_decay=False`` (Adam)
+    decays the Adam way. A non-contiguous param (a transposed view, a column slice) is
+    stepped through a contiguous copy written back in place: bitsandbytes' own
+    ``update_step`` runs ``p.data = p.data.contiguous()``, which gives the param new
+    storage and unties every tensor that views it.
 
     Raises:
-        ImportError: if bitsandbytes does not import (install ``optladder[8bit]``).
-        ValueError: for complex params or dtypes bitsandbytes does not take.
+        ImportError: if bitsandbytes does not import (the message says how to install it).
+        ValueError: for complex params, dtypes bitsandbytes does not take, or a
+            bitsandbytes override it would fail on (``optim_bits`` not 8 or 32).
     """
-    sharded = False
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
-            sharded = sharded or is_dtensor(p)
             check_8bit_param(p, f"param {pi} of group {gi}")
+            quantized_8bit(p, f"param {pi} of group {gi}")
     try:
-        import_bitsandbytes()
+        engine: Any = ladder_adamw8bit_class()
     except ImportError as exc:
         raise ImportError(
             f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
-            "pip install 'optladder[8bit]'"
+            "install it with pip install 'bitsandbytes>=0.45' (what optladder's 8bit extra "
+            "installs)"
         ) from exc
-    engine: Any = ladder_adamw8bit_class()
-    return cast(
-        torch.optim.Optimizer,
-        engine(
-            param_groups,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            min_8bit_size=BNB_MIN_8BIT_SIZE,
-            coupled_weight_decay=not decoupled_weight_decay,
-        ),
+    return engine(
+        param_groups,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        min_8bit_size=BNB_MIN_8BIT_SIZE,
+        coupled_weight_decay=not decoupled_weight_decay,
     )

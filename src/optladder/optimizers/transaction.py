@@ -124,6 +124,8 @@ def prepare_step(
                         engine.init_state(group, p, gi, pi)  # type: ignore[attr-defined]
                     else:
                         engine.state[p].update(_torch_adam_init(group, p))
+            if bnb and hasattr(engine, "prepare_contiguous"):
+                engine.prepare_contiguous()  # copies of non-contiguous params, see eightbit
             prepare_kernel = getattr(engine, "prepare_kernel_step", None)
             if prepare_kernel is not None:
                 prepare_kernel()  # the 8-bit CPU kernel's tables
@@ -137,7 +139,7 @@ def rollback_step(engine: torch.optim.Optimizer, created: list[torch.Tensor]) ->
     """Drop the state :func:`prepare_step` created and any scratch it holds."""
     for p in created:
         engine.state.pop(p, None)
-    if isinstance(engine, LadderAdamW):
+    if hasattr(engine, "release_scratch"):  # LadderAdamW, the 8bit engine's copies
         engine.release_scratch()
     drop_kernel = getattr(engine, "drop_kernel_step", None)
     if drop_kernel is not None:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from optladder.bnb_overrides import quantized_8bit
 from optladder.rungs import (
     BNB_BLOCKSIZE,
     BNB_MIN_8BIT_SIZE,
@@ -83,7 +84,12 @@ def fp32_moment_dtype(param_dtype: torch.dtype) -> torch.dtype:
 
 
 def rung_state_bytes(
-    rung: Rung, numel: int, dtype: torch.dtype, local_numel: int | None = None
+    rung: Rung,
+    numel: int,
+    dtype: torch.dtype,
+    local_numel: int | None = None,
+    *,
+    quantize: bool | None = None,
 ) -> int:
     """State bytes one param of ``numel`` elements and ``dtype`` needs on ``rung``.
 
@@ -96,6 +102,10 @@ def rung_state_bytes(
             default ``numel`` (an unsharded param). On the ``8bit`` rung each rank
             quantizes its own shard: one float32 absmax per started 256-element block
             of the shard.
+        quantize: ``8bit`` only: whether the param gets 8-bit codes; default
+            bitsandbytes' size rule (``numel >= 4096``). False for a param that a
+            bitsandbytes override keeps in 32 bits
+            (:func:`optladder.bnb_overrides.quantized_8bit`).
 
     Returns:
         Bytes of ``exp_avg`` plus ``exp_avg_sq`` held by this rank (``8bit``: codes plus
@@ -115,7 +125,7 @@ def rung_state_bytes(
         return 2 * local * fp32_moment_dtype(dtype).itemsize
     if rung == "bf16":
         return 2 * local * 2
-    if numel < BNB_MIN_8BIT_SIZE:
+    if not (numel >= BNB_MIN_8BIT_SIZE if quantize is None else quantize):
         return 2 * local * 4
     return 2 * local + 2 * 4 * math.ceil(local / BNB_BLOCKSIZE)
 
@@ -226,12 +236,16 @@ def trainable_params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
 
 def _state_bytes(params: list[torch.Tensor], rung: Rung) -> int:
     """State bytes ``params`` need on ``rung`` in one engine (its code books included)."""
-    total = sum(rung_state_bytes(rung, p.numel(), p.dtype, local_numel(p)) for p in params)
-    if rung == "8bit":
-        total += BNB_QMAP_BYTES * len(
-            {str(p.device) for p in params if p.numel() >= BNB_MIN_8BIT_SIZE}
-        )
-    return total
+    if rung != "8bit":
+        return sum(rung_state_bytes(rung, p.numel(), p.dtype, local_numel(p)) for p in params)
+    total = 0
+    devices = set()
+    for i, p in enumerate(params):
+        quantize = quantized_8bit(p, f"trainable param {i}")
+        total += rung_state_bytes(rung, p.numel(), p.dtype, local_numel(p), quantize=quantize)
+        if quantize:
+            devices.add(str(p.device))
+    return total + BNB_QMAP_BYTES * len(devices)
 
 
 def measure_footprint(model_or_params: object) -> Footprint:
@@ -241,7 +255,9 @@ def measure_footprint(model_or_params: object) -> Footprint:
     read. The ``8bit`` estimate follows bitsandbytes' own rule (``min_8bit_size`` 4096:
     smaller tensors keep two float32 moments; larger ones keep uint8 codes plus one
     float32 absmax per 256-element block, per moment; plus 2,048 bytes of code books per
-    device) and equals what ``bitsandbytes.optim.AdamW8bit`` allocates.
+    device) and its per-param overrides (``bnb.nn.StableEmbedding``,
+    ``GlobalOptimManager.override_config(p, "optim_bits", 32)``: two float32 moments),
+    and equals what ``bitsandbytes.optim.AdamW8bit`` allocates.
 
     A param group that pins its rung (``{"params": ..., "rung": "fp32"}``, see
     :func:`optladder.rungs.group_pin`) is counted on that rung for every rung's
@@ -262,8 +278,9 @@ def measure_footprint(model_or_params: object) -> Footprint:
 
     Raises:
         TypeError: if the input is not a module, params, or param groups.
-        ValueError: if no param has ``requires_grad=True``, or a group pins something
-            that is not a rung.
+        ValueError: if no param has ``requires_grad=True``, a group pins something
+            that is not a rung, or a bitsandbytes override sets ``optim_bits`` to
+            anything but 8 or 32.
     """
     groups = normalize_param_groups(model_or_params)
     params = trainable_params(groups)
