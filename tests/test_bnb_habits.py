@@ -92,9 +92,12 @@ def test_stable_embedding_keeps_float32_state_as_plain_adamw8bit(manager: Any) -
     assert measure_state_bytes(ctl) == expected
     assert measure_state_bytes(opt) == expected
     assert measure_footprint(net).state_bytes["8bit"] == expected
-    # the same update as bitsandbytes' own optimizer (same kernels, same state format)
+    # the same update as bitsandbytes' own optimizer (same state format; on the CPU
+    # optladder's 8-bit kernel takes IEEE sqrt where bitsandbytes' torch ops take torch's
+    # vectorized sqrt, within 0.5001 ulp (SLEEF's u05): the denominator can differ by an
+    # ulp, so a param by a few float32 ulps of its value or of the update (~lr)
     for p, q in zip(net.parameters(), ctl_net.parameters(), strict=True):
-        assert torch.equal(p, q)
+        torch.testing.assert_close(p, q, rtol=4 * 2**-23, atol=4 * 2**-23 * 1e-3)
 
 
 @pytest.mark.parametrize("path", ["8bit", "escalated"])

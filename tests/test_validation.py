@@ -197,16 +197,17 @@ def test_other_group_options_edited_by_hand_are_refused_before_the_step(
 
 
 def _bnb_reference(base: torch.Tensor, steps: int, wd: float, coupled: bool) -> torch.Tensor:
-    """The same updates by plain bitsandbytes AdamW8bit on a contiguous param, Adam's
-    coupled decay added to the grad by hand."""
-    import bitsandbytes as bnb
+    """The same updates by the 8bit rung's engine (bitsandbytes' AdamW8bit subclass: on
+    the CPU optladder's 8-bit kernel, see tests/test_kernels_8bit_cpu.py for it against
+    plain bitsandbytes) on a contiguous copy of the param."""
+    from optladder.optimizers.eightbit import ladder_adamw8bit_class
 
     q = torch.nn.Parameter(base.t().contiguous().clone())
-    ref = bnb.optim.AdamW8bit([q], lr=0.01, weight_decay=0.0 if coupled else wd, min_8bit_size=4096)
+    ref = ladder_adamw8bit_class()(
+        [q], lr=0.01, weight_decay=wd, min_8bit_size=4096, coupled_weight_decay=coupled
+    )
     for s in range(steps):
         _grads([q], s)
-        if coupled:
-            q.grad.add_(q.detach(), alpha=wd)
         ref.step()
     return q.detach()
 

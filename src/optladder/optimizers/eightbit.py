@@ -217,6 +217,7 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
                 self.initialized = True
             prepared, self._prepared = self._prepared, None
             if prepared is None or not prepared.still_valid(self):
+                self.prepare_contiguous()
                 for gindex, group in enumerate(self.param_groups):
                     for pindex, p in enumerate(group["params"]):
                         if p.grad is not None and len(self.state[p]) == 0:
@@ -236,7 +237,13 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
                 cpu8bit.run_table(late, prepared.library)
                 st["step"] += 1
             if prepared.table is not None:
+                for p, work, work_grad in prepared.staged:
+                    work.copy_(p)
+                    if work_grad is not None:
+                        work_grad.copy_(cast(torch.Tensor, p.grad))
                 cpu8bit.run_table(prepared.table, prepared.library)
+                for p, work, _ in prepared.staged:
+                    p.copy_(work)
                 for st in prepared.states:
                     st["step"] += 1
             return loss
@@ -364,6 +371,9 @@ class _PreparedStep:
         others: ``(group, param, gindex, pindex)`` stepped by bitsandbytes.
         late: ``(param, job, state)`` of DTensor params whose grad is redistributed in
             the commit: each job's grad is a placeholder until then.
+        staged: ``(param, copy, grad copy or None)`` of non-contiguous params, stepped
+            in the contiguous copies ``prepare_contiguous`` made (copied in before the
+            kernel runs, the param copied back after).
         n_groups: the number of param groups when prepared.
         n_stepping: the number of params with a grad when prepared.
     """
@@ -374,6 +384,7 @@ class _PreparedStep:
     checks: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], int, torch.Tensor]]
     others: list[tuple[dict[str, Any], torch.Tensor, int, int]]
     late: list[tuple[torch.Tensor, Any, dict[str, Any]]]
+    staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
     n_groups: int
     n_stepping: int
 
@@ -483,6 +494,7 @@ def _prepare_step(engine: Any) -> _PreparedStep:
     checks: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], int, torch.Tensor]] = []
     others: list[tuple[dict[str, Any], torch.Tensor, int, int]] = []
     late: list[tuple[torch.Tensor, cpu8bit.Job, dict[str, Any]]] = []
+    staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
     reasons: dict[int, str] = {}
     index = -1
     for gindex, group in enumerate(engine.param_groups):
@@ -497,6 +509,11 @@ def _prepare_step(engine: Any) -> _PreparedStep:
                 continue
             config = engine.get_config(gindex, pindex, group)
             pair = _local_pair(p)
+            copies = engine._contiguous.get(p)
+            if copies is not None and not p.is_contiguous():  # stepped in its copy
+                work, work_grad = copies
+                pair = (work, work_grad if work_grad is not None else pair[1])
+                staged.append((p, work, work_grad))
             why = _kernel_miss(engine, pair, config, state)
             quantized = why is None and state["state1"].dtype == torch.uint8
             enc1: tuple[torch.Tensor | None, ...] = (None, None)
@@ -551,6 +568,7 @@ def _prepare_step(engine: Any) -> _PreparedStep:
         checks=checks,
         others=others,
         late=late,
+        staged=staged,
         n_groups=len(engine.param_groups),
         n_stepping=len(checks) + len(others),
     )
