@@ -21,6 +21,7 @@ from optladder.policies import (
 )
 from optladder.rungs import RUNGS, Capabilities, Rung
 from optladder.selector import (
+    AdamW,
     Escalation,
     InsufficientMemoryError,
     Ladder,
@@ -35,6 +36,7 @@ from optladder.units import parse_bytes
 
 __all__ = [
     "RUNGS",
+    "AdamW",
     "Capabilities",
     "Decision",
     "Escalation",
