@@ -815,11 +815,9 @@ class LadderOptimizer(torch.optim.Optimizer):
             f", pinned {rung}: {type(e).__name__} ({len(e.param_groups)} groups)"
             for rung, e in self._pinned.items()
         )
-        lines = [f"{type(self).__name__} (rung={self.rung!r}, {fused}, engine={engine}{pinned}"]
-        for gi, group in enumerate(self.param_groups):
-            lines.append(f"Parameter Group {gi}")
-            lines += [f"    {key}: {group[key]}" for key in sorted(group) if key != "params"]
-        return "\n".join(lines) + "\n)"
+        name = type(self).__name__
+        groups = super().__repr__().removeprefix(f"{name} (")
+        return f"{name} (rung={self.rung!r}, {fused}, engine={engine}{pinned}{groups}"
 
 
 def _move_refused(decision: Decision, rung: Rung) -> str | None:
