@@ -45,8 +45,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from optladder import LadderOptimizer, choose_optimizer
-from optladder.integrations.lightning import ladder_optimizer_step
 from optladder.demo import load_digits_split
+from optladder.integrations.lightning import ladder_optimizer_step
 
 
 class DigitsModule(L.LightningModule):

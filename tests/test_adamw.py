@@ -141,9 +141,7 @@ def test_repr_shows_every_groups_hyperparameters_like_torch() -> None:
 
 
 def test_defaults_fixed_across_escalations() -> None:
-    opt = AdamW(
-        _model().parameters(), 2e-3, free_memory=FREE, decoupled_weight_decay=False, seed=7
-    )
+    opt = AdamW(_model().parameters(), 2e-3, free_memory=FREE, decoupled_weight_decay=False, seed=7)
     expected = {
         "lr": 2e-3,
         "betas": (0.9, 0.999),
@@ -227,7 +225,9 @@ def test_step_hooks_run_once_per_step_in_torchs_order(rung: str) -> None:
     try:
         for seed in range(3):
             opt.zero_grad()
-            model(torch.randn(2, 64, generator=torch.Generator().manual_seed(seed))).sum().backward()
+            model(
+                torch.randn(2, 64, generator=torch.Generator().manual_seed(seed))
+            ).sum().backward()
             if rung == "escalated" and seed == 1:
                 opt.escalate("test")  # moves the engine; hooks stay the optimizer's
             opt.step()

@@ -388,7 +388,13 @@ def _tiny_gpt2(seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=32, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+        vocab_size=32,
+        n_positions=16,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"
@@ -449,7 +455,9 @@ def test_hf_trainer_takes_optladder_adamw_as_a_class(
     assert unwrap_optimizer(_hf_scheduler(first).optimizer) is opt  # the Trainer's schedule
 
     # HF's grouping: biases and LayerNorm params in a group with weight_decay 0
-    norms = {id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()}
+    norms = {
+        id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()
+    }
     no_decay = {id(p) for n, p in model.named_parameters() if n.endswith("bias") or id(p) in norms}
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert {id(p) for p in opt.param_groups[1]["params"]} == no_decay
@@ -489,7 +497,11 @@ def test_hf_ladder_trainer_builds_optladder_adamw_from_the_arguments(tmp_path: P
     model = _tiny_gpt2()
     forwards = _oom_in_forward(model, at_call=3)
     args = _hf_args(
-        tmp_path, max_steps=5, learning_rate=2e-3, adam_beta1=0.8, adam_epsilon=1e-7,
+        tmp_path,
+        max_steps=5,
+        learning_rate=2e-3,
+        adam_beta1=0.8,
+        adam_epsilon=1e-7,
         weight_decay=0.05,
     )
     trainer = LadderTrainer(model=model, args=args, train_dataset=_Cycles())
@@ -505,7 +517,7 @@ def test_hf_ladder_trainer_builds_optladder_adamw_from_the_arguments(tmp_path: P
     assert len(forwards) == 6 and trainer.state.global_step == 5
     assert [(e.from_rung, e.to_rung, e.step) for e in opt.escalations] == [("fp32", "bf16", 2)]
     assert _steps(opt) == {5}
-    with pytest.raises(TypeError, match="optimizer_cls_and_kwargs=\\(optladder.AdamW"):
+    with pytest.raises(TypeError, match=r"optimizer_cls_and_kwargs=\(optladder\.AdamW"):
         LadderTrainer(
             model=model,
             args=args,
@@ -540,7 +552,9 @@ def test_accelerate_reports_an_amp_overflow_step_skipped(mode: str) -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     wrapped = AcceleratedOptimizer(opt, device_placement=False, scaler=scaler)
-    wrapped_sched = AcceleratedScheduler(sched, wrapped, step_with_optimizer=True, split_batches=True)
+    wrapped_sched = AcceleratedScheduler(
+        sched, wrapped, step_with_optimizer=True, split_batches=True
+    )
     skipped = []
     for overflow in (False, True, False):
         wrapped.zero_grad()
@@ -591,8 +605,12 @@ def test_lightning_ladder_step_mixin_reruns_one_rung_down() -> None:
     module = Net()
     forwards = _oom_in_forward(module.net, at_call=3)
     trainer = L.Trainer(
-        max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(module, loader)
     opt = module.opt

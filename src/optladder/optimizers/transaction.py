@@ -147,7 +147,7 @@ def commit_step(engine: torch.optim.Optimizer) -> None:
     if isinstance(engine, LadderAdamW):
         engine.commit_step()
     else:
-        step = type(engine).step
+        step: Any = type(engine).step
         if getattr(step, "hooked", False):  # torch's profile_hook_step: unwrap it once
             step = step.__wrapped__
         step(engine)

@@ -1,8 +1,8 @@
 """Wires policies and optimizers together: ``choose_optimizer``, the optladder optimizer,
 and the OOM ladder."""
 
-from optladder.selector.adopt import adopt
 from optladder.selector.adamw import AdamW, choose_optimizer
+from optladder.selector.adopt import adopt
 from optladder.selector.choose import InsufficientMemoryError, OptladderWarning
 from optladder.selector.ladder import Ladder
 from optladder.selector.oom import describe_error, is_oom
