@@ -236,3 +236,26 @@ def test_step_hooks_run_once_per_step_in_torchs_order(rung: str) -> None:
             handle.remove()
     assert [name for name, _ in events] == ["global pre", "pre", "post", "global post"] * 3
     assert all(o is opt for _, o in events)
+
+
+def test_signature_matches_torch_adamw_for_frameworks_that_build_by_name() -> None:
+    """Hydra (``_target_: optladder.AdamW`` with ``params=`` as a keyword), LightningCLI and
+    HF's ``optimizer_cls_and_kwargs`` build the class by name with torch's argument names:
+    the positional ones, their order and defaults are torch.optim.AdamW's, and every
+    torch keyword is accepted."""
+    import inspect
+    import pydoc
+
+    ours = inspect.signature(AdamW).parameters
+    theirs = inspect.signature(torch.optim.AdamW).parameters
+    positional = [n for n, p in theirs.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert [n for n, p in ours.items() if p.kind is p.POSITIONAL_OR_KEYWORD] == positional
+    for name, param in theirs.items():
+        assert name in ours, name
+        if name != "params":
+            assert ours[name].default == param.default, name
+    cls = pydoc.locate("optladder.AdamW")
+    assert cls is AdamW
+    model = _model()
+    opt = cls(params=model.parameters(), lr=2e-3, weight_decay=0.0, free_memory=FREE)
+    assert (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]) == (2e-3, 0.0)
