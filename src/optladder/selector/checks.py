@@ -12,6 +12,7 @@ from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
 from optladder.optimizers.eightbit import steps_noncontiguous
 from optladder.optimizers.migrate import foreign_group_reason
 from optladder.policies.decision import Decision, allowed_rungs
+from optladder.policies.footprint import normalize_param_groups
 from optladder.rungs import (
     FLOAT32_MATH_DTYPES,
     FP32_WIDE_DTYPES,
@@ -67,6 +68,9 @@ def check_new_group(param_group: object) -> dict[str, Any]:
     """Check the argument of ``add_param_group`` as torch does, and return a new group
     dict whose ``"params"`` is a list of tensors.
 
+    ``(name, param)`` pairs (``named_parameters()``) become ``"params"`` and
+    ``"param_names"``, as torch keeps them.
+
     Raises:
         TypeError: ``param_group`` is not a dict, or its ``"params"`` is a set.
         ValueError: ``"params"`` is missing, empty, or holds something other than tensors.
@@ -84,9 +88,12 @@ def check_new_group(param_group: object) -> dict[str, Any]:
             "match between runs; pass a list"
         )
     params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+    group["params"] = params
+    if any(isinstance(p, tuple) for p in params):  # (name, param) pairs, as torch takes
+        group = normalize_param_groups([group])[0]
+        params = group["params"]
     if not params or not all(isinstance(p, torch.Tensor) for p in params):
         raise ValueError("param_group['params'] must be a non-empty list of tensors")
-    group["params"] = params
     return group
 
 

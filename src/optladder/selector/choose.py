@@ -1,11 +1,12 @@
-"""``choose_optimizer``: probe once, decide, build the rung, return one optimizer object."""
+"""Probe once, decide, build the rung's engine: what :class:`optladder.AdamW` runs at
+construction."""
 
 from __future__ import annotations
 
 import logging
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,7 +34,7 @@ from optladder.selector.checks import (
     check_params_for_rung,
     check_pins,
 )
-from optladder.selector.optimizer import Escalation, LadderOptimizer
+from optladder.selector.optimizer import EngineBuilder, Escalation
 from optladder.units import format_bytes, parse_bytes
 
 logger = logging.getLogger("optladder")
@@ -83,7 +84,23 @@ def _target_device(
     return torch.device(devices[0])
 
 
-def choose_optimizer(
+class Built(NamedTuple):
+    """What :func:`decide_and_build` returns.
+
+    Attributes:
+        engine: the optimizer of the groups that follow the decision.
+        decision: the :class:`optladder.Decision`.
+        rebuild: builds a rung's engine over given groups (for escalations and pins).
+        groups: every param group, in the user's order (plain dicts).
+    """
+
+    engine: torch.optim.Optimizer
+    decision: Decision
+    rebuild: EngineBuilder
+    groups: list[dict[str, Any]]
+
+
+def decide_and_build(
     model_or_params: object,
     *,
     lr: float | torch.Tensor = 1e-3,
@@ -101,8 +118,10 @@ def choose_optimizer(
     max_retries: int = 2,
     on_escalate: Callable[[Escalation], None] | None = None,
     decoupled_weight_decay: bool = True,
-) -> LadderOptimizer:
-    """Choose a rung for the model's optimizer state and build an AdamW on it.
+    stacklevel: int = 2,
+) -> Built:
+    """Choose a rung for the model's optimizer state and build its engine (the work of
+    :class:`optladder.AdamW`'s constructor; see there for the user's view).
 
     Reads the trainable params' footprint and the device's free memory (probed once
     unless given), reads the overrides (``rung=`` beats ``OPTLADDER_RUNG``,
@@ -135,6 +154,7 @@ def choose_optimizer(
         on_escalate: called with each :class:`Escalation` when the ladder moves down.
         decoupled_weight_decay: True (default) for AdamW; False for Adam's coupled decay
             (``grad += weight_decay * param``), kept on every rung.
+        stacklevel: of the warning given when ``strict=False`` builds past the gate.
 
     Under ``torch.distributed`` every rank reaches the same decision: free memory is the
     minimum over ranks, each rung's state bytes the maximum over ranks, and rank 0's
@@ -144,7 +164,7 @@ def choose_optimizer(
     :data:`optladder.optimizers.build.DTENSOR_UNSUPPORTED`) are skipped for such models.
 
     Returns:
-        A :class:`LadderOptimizer`; ``.decision`` holds the :class:`optladder.Decision`.
+        The :class:`Built` engine, decision, rebuild function and param groups.
 
     Raises:
         ValueError: bad hyperparameters (per group too), ``free_memory``, ``rung``,
@@ -200,7 +220,7 @@ def choose_optimizer(
             f"optladder: {decision.rung} state ({needed}) exceeds the memory gate "
             f"({format_bytes(decision.budget_bytes)}); building it anyway",
             OptladderWarning,
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
     hyper: dict[str, Any] = {
         "lr": lr,
@@ -224,14 +244,7 @@ def choose_optimizer(
             following.append(g)
     engine = rebuild(decision.rung, following, capabilities.fused[decision.rung])
     logger.info("optladder decision: %s", decision.summary())
-    return LadderOptimizer(
-        engine,
-        decision,
-        rebuild,
-        param_groups=groups,
-        max_retries=max_retries,
-        on_escalate=on_escalate,
-    )
+    return Built(engine, decision, rebuild, groups)
 
 
 def _check_options(

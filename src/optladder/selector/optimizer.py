@@ -11,7 +11,7 @@ commits, so ranks never differ in rung or step count.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +153,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         max_retries: escalations allowed within one ``step()`` call, ``>= 0``.
         on_escalate: called with each :class:`Escalation`, after the move and before the
             retry.
+        defaults: the optimizer's ``defaults`` (torch's meaning: what ``add_param_group``
+            fills in), fixed here for the whole run whatever rung the state moves to;
+            default a copy of ``engine.defaults``.
 
     Raises:
         ValueError: if ``param_groups`` lacks a group of ``engine``, or holds a group
@@ -165,14 +168,40 @@ class LadderOptimizer(torch.optim.Optimizer):
         engine: their optimizer.
         pinned_engines: per pinned rung, the optimizer of the groups that pin it.
         escalations: the moves made so far.
-        last_step_skipped: whether the last ``step()`` was skipped by
-            ``torch.amp.GradScaler`` for an inf/NaN grad (keep an LR scheduler in step
-            with ``if not opt.last_step_skipped: scheduler.step()``).
+        last_step_skipped: whether the last ``torch.amp.GradScaler.step(opt)`` skipped
+            the step for an inf/NaN grad (keep an LR scheduler in step with
+            ``if not opt.last_step_skipped: scheduler.step()``).
     """
 
-    _step_supports_amp_scaling = True
-    """torch.amp.GradScaler hands ``grad_scale``/``found_inf`` to :meth:`step` instead of
-    stepping only when no grad overflowed, so the optimizer knows a step was skipped."""
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """False: ``torch.amp.GradScaler`` unscales and checks the grads itself and calls
+        :meth:`step` only when every grad is finite, as for torch's foreach AdamW.
+
+        So a skipped step is visible to whatever watches ``step()`` being called:
+        accelerate's ``AcceleratedOptimizer.step_was_skipped`` (and with it the Hugging
+        Face Trainer's scheduler), and torch's LR-scheduler order check; and Lightning
+        clips AMP grads (it refuses to for optimizers that unscale in ``step()``). The
+        fused alternative (True, as torch's fused AdamW) runs ``step()`` on an overflow
+        too, which those wrappers count as a step (huggingface/accelerate#4242).
+
+        ``GradScaler.step`` reads this attribute once, before it decides whether to
+        step; the read records that a scaler step began, and :attr:`last_step_skipped`
+        is True until :meth:`step` runs.
+        """
+        self._scaler_step_began = True
+        return False
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``GradScaler.step(opt)`` skipped the step (an inf/NaN grad),
+        or the last :meth:`step` was handed a nonzero ``found_inf``."""
+        return self._skipped or self._scaler_step_began
+
+    @last_step_skipped.setter
+    def last_step_skipped(self, value: bool) -> None:
+        self._skipped = bool(value)
+        self._scaler_step_began = False
 
     def __init__(
         self,
@@ -183,6 +212,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         param_groups: Sequence[dict[str, Any]] | None = None,
         max_retries: int = 2,
         on_escalate: Callable[[Escalation], None] | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> None:
         check_max_retries(max_retries)
         self._engine: torch.optim.Optimizer | None = None
@@ -211,6 +241,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 pinned.setdefault(pin, []).append((gi, group))
         self._mark_groups(engine.param_groups, decision)
         super().__init__(engine.param_groups, engine.defaults)
+        self.defaults = dict(engine.defaults if defaults is None else defaults)
         self.param_groups = order
         self.state = engine.state
         self._attach(engine)
@@ -280,7 +311,6 @@ class LadderOptimizer(torch.optim.Optimizer):
     def _attach(self, engine: torch.optim.Optimizer) -> None:
         self._engine = engine
         self._share_state(engine)
-        self.defaults = engine.defaults
 
     @staticmethod
     def _mark_groups(groups: list[dict[str, Any]], decision: Decision) -> None:
@@ -334,7 +364,13 @@ class LadderOptimizer(torch.optim.Optimizer):
             return
         group = check_new_group(param_group)
         params = group["params"]
-        decoupled = decoupled_mode(self._engine)
+        if ("param_names" in group) != ("param_names" in self.param_groups[0]):
+            have = "named" if "param_names" in self.param_groups[0] else "unnamed"
+            raise ValueError(
+                f"this optimizer's params are {have}; the new group's must be too (torch's "
+                "rule: named params in every group or in none)"
+            )
+        decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
         check_groups([*self.param_groups, group], decoupled)
         gi = len(self.param_groups)
         pin = group_pin(group, f"param group {gi}")
@@ -362,11 +398,12 @@ class LadderOptimizer(torch.optim.Optimizer):
 
         The closure (optional) runs once, before the step; a retry reuses its grads.
 
-        Under ``torch.amp.GradScaler`` (this optimizer sets ``_step_supports_amp_scaling``,
-        as torch's fused optimizers do): the scaler hands over ``grad_scale`` and
-        ``found_inf``; on an overflow the step is skipped and nothing changes, step counts
-        included (``last_step_skipped`` becomes True); otherwise the grads are unscaled in
-        place after the prepare phase, and the step commits.
+        Under ``torch.amp.GradScaler`` the scaler unscales the grads and calls this only
+        when they are finite (see :attr:`_step_supports_amp_scaling`). A caller that sets
+        ``grad_scale``/``found_inf`` on the optimizer itself, as the scaler does for
+        torch's fused optimizers, gets them honoured: on a nonzero ``found_inf`` nothing
+        changes, step counts included (``last_step_skipped`` becomes True); otherwise the
+        grads are unscaled in place after the prepare phase, and the step commits.
 
         Returns:
             The closure's loss, or None.
@@ -758,18 +795,23 @@ class LadderOptimizer(torch.optim.Optimizer):
             TypeError: always (``pickle``, ``copy.deepcopy``).
         """
         raise TypeError(
-            "a LadderOptimizer cannot be pickled or deep-copied; save opt.state_dict() and "
-            "load it into a new one from choose_optimizer (load_state_dict)"
+            f"an optladder {type(self).__name__} cannot be pickled or deep-copied; save "
+            "opt.state_dict() and load it into a new one (load_state_dict)"
         )
 
     def __repr__(self) -> str:
+        """torch's optimizer repr (every group's options but ``params``, keys sorted,
+        ``rung`` among them) after a header with the rung, whether it is fused, and the
+        engines."""
         fused = "fused" if self.decision.fused else "not fused"
         engine = type(self.engine).__name__
         pinned = "".join(
             f", pinned {rung}: {type(e).__name__} ({len(e.param_groups)} groups)"
             for rung, e in self._pinned.items()
         )
-        return f"{type(self).__name__}(rung={self.rung!r}, {fused}, engine={engine}{pinned})"
+        name = type(self).__name__
+        groups = super().__repr__().removeprefix(f"{name} (")
+        return f"{name} (rung={self.rung!r}, {fused}, engine={engine}{pinned}{groups}"
 
 
 def _move_refused(decision: Decision, rung: Rung) -> str | None:
