@@ -4,6 +4,7 @@ never-stepped params in state_dict() and DCP, and optimizers over meta params.""
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 
 import pytest
@@ -53,7 +54,7 @@ def _row_form(codes: torch.Tensor, absmaxes: list[torch.Tensor], row_starts: lis
     rows, per_row = codes.shape
     bounds = [*row_starts, rows]
     tables, phases = [[], []], []
-    for s, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+    for s, (lo, hi) in enumerate(itertools.pairwise(bounds)):
         phases += [((r - lo) * per_row) % 256 for r in range(lo, hi)]
         for i in (0, 1):
             tables[i].append(_reference_table(absmaxes[i][s].tolist(), hi - lo, per_row))
@@ -75,7 +76,7 @@ def _shard_scales(rows: int, per_row: int, starts: list[int], seed: int) -> list
     bounds = [*starts, rows]
     return [
         torch.rand(-(-(hi - lo) * per_row // 256), generator=gen) + 0.1
-        for lo, hi in zip(bounds, bounds[1:])
+        for lo, hi in itertools.pairwise(bounds)
     ]
 
 
@@ -118,12 +119,14 @@ def test_row_form_with_missing_or_misshapen_tensors_is_refused() -> None:
     codes = torch.zeros(64, 96, dtype=torch.uint8)
     scales = [_shard_scales(64, 96, [0], 1), _shard_scales(64, 96, [0], 2)]
     form = _row_form(codes, scales, [0])
-    with pytest.raises(ValueError, match="param 3: the row form .* 'block_absmax2'"):
-        from_checkpoint_form({k: v for k, v in form.items() if k != "block_absmax2"},
-                             torch.zeros(64, 96), "param 3")
+    with pytest.raises(ValueError, match=r"param 3: the row form .* 'block_absmax2'"):
+        from_checkpoint_form(
+            {k: v for k, v in form.items() if k != "block_absmax2"}, torch.zeros(64, 96), "param 3"
+        )
     with pytest.raises(ValueError, match=r"param 3: block_phase has shape \(63,\)"):
-        from_checkpoint_form({**form, PHASE_KEY: form[PHASE_KEY][1:]}, torch.zeros(64, 96),
-                             "param 3")
+        from_checkpoint_form(
+            {**form, PHASE_KEY: form[PHASE_KEY][1:]}, torch.zeros(64, 96), "param 3"
+        )
 
 
 # ---------------------------------------------------------------- never-stepped params
@@ -180,8 +183,10 @@ def test_dcp_resume_with_a_never_stepped_param_equals_the_uninterrupted_run(rung
     _step(model, opt, 0)
     _step(model, opt, 1)
     with tempfile.TemporaryDirectory() as path:
-        dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
-                 checkpoint_id=path)
+        dcp.save(
+            {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+            checkpoint_id=path,
+        )
         saved = snapshot(opt)
         for s in range(2, 5):
             _step(model, opt, s)
@@ -212,7 +217,7 @@ def test_an_optimizer_over_meta_params_is_refused_at_the_first_step(rung: str) -
     nn.init.zeros_(model.weight)
     nn.init.zeros_(model.bias)
     model(torch.ones(2, 64)).sum().backward()
-    with pytest.raises(ValueError, match="param 0 of group 0 .* meta device.*after materializing"):
+    with pytest.raises(ValueError, match=r"param 0 of group 0 .* meta device.*after materializing"):
         opt.step()
     assert all(len(s) == 0 for s in opt.state.values())
     # built after materializing, it steps: AdamW's first step moves by lr * g / (|g| + eps)

@@ -27,6 +27,17 @@ The cases:
   the sharded run matches an unsharded one bit for bit, through a migration back to
   fp32; a state_dict round trip, a step on FSDP's own grads, and a ``Partial`` grad
   (reduced in the update) work too.
+- ``dcp_same_world``: the README's DCP recipe under FSDP2 on 2 ranks, on the fp32 and
+  8bit rungs, after an escalation (an OOM on rank 1 while the state exists) and with a
+  pinned group, with a head that never stepped before the save: the loaded state equals
+  the saved one bit for bit (8-bit codes and block scales included), the head has no
+  state, and 3 more steps equal the uninterrupted run's.
+- ``dcp_full_state_dict``: ``full_state_dict=True`` on the 8bit rung holds whole codes
+  and every element's block scale (checked against each rank's live state); broadcast
+  back from rank 0 it resumes bit for bit; in one unsharded optimizer, the params whose
+  blocks are unchanged resume bit for bit and the others stay within the 8-bit rounding.
+- ``dcp_reshard``: 2 ranks -> 1 and 1 -> 2 (1-rank meshes over 1-rank process groups):
+  fp32 exact; 8bit exact where the blocks are unchanged, else within the rounding.
 """
 
 from __future__ import annotations
@@ -165,7 +176,6 @@ def test_fsdp2_dcp_reshards_2_to_1_and_1_to_2_within_the_8bit_rounding(
     outcomes: list[dict[str, str]],
 ) -> None:
     _check(outcomes, "dcp_reshard")
-
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -507,21 +517,13 @@ def _build(config: str, mesh: Any) -> tuple[_Net, LadderOptimizer]:
 def _set_dcp_grads(model: _Net, step: int) -> None:
     """The same full grads on every world size; each rank takes its rows (FSDP2's
     ``torch.chunk`` split of dim 0)."""
-    from torch.distributed.tensor import DTensor
-
     for i, (name, (shape, first)) in enumerate(_DCP_PARAMS.items()):
         p = getattr(model, name)
         if step < first:
             p.grad = None
             continue
         g = torch.randn(shape, generator=torch.Generator().manual_seed(100 * step + i))
-        if isinstance(p, DTensor):
-            size, r = p.device_mesh.size(), p.device_mesh.get_local_rank()
-            rows = -(-shape[0] // size)
-            start = min(r * rows, shape[0])
-            local = g[start : min(start + rows, shape[0])].contiguous()
-            g = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-        p.grad = g
+        p.grad = _shard_of(g, p) if is_dtensor(p) else g
 
 
 def _run(model: _Net, opt: LadderOptimizer, steps: range, oom_at: int | None = None) -> None:
@@ -667,7 +669,11 @@ def _assert_within_8bit_rounding(
 
 def _dcp_steps(opt: LadderOptimizer) -> list[int]:
     """Each param's step count; 0 for a param without state."""
-    return [read_step(opt.state[p]) if opt.state.get(p) else 0 for g in opt.param_groups for p in g["params"]]
+    return [
+        read_step(opt.state[p]) if opt.state.get(p) else 0
+        for g in opt.param_groups
+        for p in g["params"]
+    ]
 
 
 def _case_dcp_same_world(rank: int) -> None:
@@ -749,7 +755,9 @@ def _case_dcp_full_state_dict(rank: int) -> None:
 
     # Broadcast from rank 0 into a fresh 2-rank optimizer: exact.
     model2, opt2 = _build("8bit", mesh)
-    model2.load_state_dict({n: _shard_of(params_at_save[n], p) for n, p in model2.named_parameters()})
+    model2.load_state_dict(
+        {n: _shard_of(params_at_save[n], p) for n, p in model2.named_parameters()}
+    )
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_optimizer_state_dict(model2, opt2, full if rank == 0 else {}, options=options)
     _assert_same_states(_local_states(opt2), saved)
@@ -769,8 +777,7 @@ def _case_dcp_full_state_dict(rank: int) -> None:
     sd = {
         "state": {names.index(k): v for k, v in full["state"].items()},
         "param_groups": [
-            {**g, "params": [names.index(k) for k in g["params"]]}
-            for g in full["param_groups"]
+            {**g, "params": [names.index(k) for k in g["params"]]} for g in full["param_groups"]
         ],
     }
     single.load_state_dict(sd)

@@ -576,17 +576,35 @@ class LadderOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The engine's ``state_dict`` (torch's layout over all groups when some pin
         their rung); each param group records its rung, how it was reached and why.
+
+        Each param's state is in its checkpoint form
+        (:mod:`optladder.optimizers.checkpoint`): the engine's layout for plain params;
+        for DTensor params (FSDP2), DTensors whose global shapes do not depend on the
+        world size (8-bit codes laid out like the param, block scales per row), so
+        ``torch.distributed.checkpoint`` saves every rank's shard and
+        ``get_optimizer_state_dict(..., full_state_dict=True)`` gathers whole moments.
+        Once any param has state, a trainable param without state (no grad yet) is
+        saved as a zero state with ``step`` 0, which loads as no state.
+
         Hooks registered with ``register_state_dict_pre_hook``/``_post_hook`` run as
-        torch runs them."""
+        torch runs them.
+
+        Raises:
+            ValueError: for 8-bit state of a DTensor param not sharded on dim 0.
+        """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        state_dict: dict[str, Any]
         if self._pinned:  # torch's layout over every group
             params = [p for g in self.param_groups for p in g["params"]]
             index = {id(p): i for i, p in enumerate(params)}
             state_dict = {
                 "state": {index[id(p)]: st for p, st in self.state.items() if id(p) in index},
                 "param_groups": [
-                    {**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+                    {
+                        **{k: v for k, v in g.items() if k != "params"},
+                        "params": [index[id(p)] for p in g["params"]],
+                    }
                     for g in self.param_groups
                 ],
             }
@@ -637,7 +655,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         optimizer's rung. Groups that pin their rung keep it: their state is converted
         into it, whatever the checkpoint had. bf16 moments stay bfloat16, 8-bit state
         stays uint8 codes with float32 absmax, ``step`` lands where the engine keeps it,
-        and this optimizer's engine flags (``fused``, ``foreach``) are kept.
+        and this optimizer's engine flags (``fused``, ``foreach``) are kept. Sharded
+        8-bit state saved per row (by :meth:`state_dict` under FSDP2) loads exactly
+        when its blocks are this rank's blocks, and is requantized otherwise (another
+        world size; see :mod:`optladder.optimizers.checkpoint`). A saved state with
+        ``step`` 0 (a param that had not stepped) loads as no state.
         Hyperparameters (lr, betas, eps, weight_decay, a scheduler's ``initial_lr``, the
         bf16 seed) come from the checkpoint.
 
