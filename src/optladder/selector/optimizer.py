@@ -20,10 +20,13 @@ import torch
 from optladder.optimizers.adamw import unscale_grads_
 from optladder.optimizers.build import ENGINE_KEYS, dtype_names
 from optladder.optimizers.capabilities import probe_capabilities
+from optladder.optimizers.checkpoint import from_checkpoint_form, to_checkpoint_form, zero_state
 from optladder.optimizers.migrate import (
+    BNB_WRAPPED_KEY,
     check_param_state,
     convert_param_state,
     migrate_engine,
+    read_step,
     state_target,
 )
 from optladder.optimizers.transaction import commit_step, prepare_step, rollback_step
@@ -411,7 +414,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         Raises:
             OptimizerOutOfMemoryError: out of memory with no rung left to move to (the
                 original error chained), the rung pinned, or ``max_retries`` used up.
+            ValueError: at a step before any committed, if a param is on the meta device
+                (the optimizer was built before ``model.to_empty()`` made new params).
         """
+        if self._steps == 0:  # until a step commits: params cannot become meta later
+            _refuse_meta_params(self.param_groups)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -604,18 +611,74 @@ class LadderOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The engine's ``state_dict`` (torch's layout over all groups when some pin
         their rung); each param group records its rung, how it was reached and why.
+
+        Each param's state is in its checkpoint form
+        (:mod:`optladder.optimizers.checkpoint`): the engine's layout for plain params;
+        for DTensor params (FSDP2), DTensors whose global shapes do not depend on the
+        world size (8-bit codes laid out like the param, block scales per row), so
+        ``torch.distributed.checkpoint`` saves every rank's shard and
+        ``get_optimizer_state_dict(..., full_state_dict=True)`` gathers whole moments.
+        Once any param has state, a trainable param without state (no grad yet) is
+        saved as a zero state with ``step`` 0, which loads as no state.
+
         Hooks registered with ``register_state_dict_pre_hook``/``_post_hook`` run as
-        torch runs them."""
-        if self._pinned:
-            return super().state_dict()  # runs the hooks
+        torch runs them.
+
+        Raises:
+            ValueError: for 8-bit state of a DTensor param not sharded on dim 0.
+        """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = self.engine.state_dict()  # bitsandbytes wraps its state for FSDP
+        state_dict: dict[str, Any]
+        if self._pinned:  # torch's layout over every group
+            params = [p for g in self.param_groups for p in g["params"]]
+            index = {id(p): i for i, p in enumerate(params)}
+            state_dict = {
+                "state": {index[id(p)]: st for p, st in self.state.items() if id(p) in index},
+                "param_groups": [
+                    {
+                        **{k: v for k, v in g.items() if k != "params"},
+                        "params": [index[id(p)] for p in g["params"]],
+                    }
+                    for g in self.param_groups
+                ],
+            }
+        else:
+            state_dict = self.engine.state_dict()  # bitsandbytes wraps its state for FSDP
+        state_dict["state"] = self._checkpoint_states(state_dict["state"])
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
                 state_dict = result
         return state_dict
+
+    def _checkpoint_states(self, states: dict[Any, Any]) -> dict[Any, Any]:
+        """Each param's saved state in its checkpoint form
+        (:func:`optladder.optimizers.checkpoint.to_checkpoint_form`: sharded 8-bit state
+        as DTensors), and, once any param has state, a zero state with ``step`` 0 for
+        each trainable param that has none yet (it never had a grad), so every
+        checkpoint of the run has the same keys."""
+        if not states:
+            return states
+        owner = {id(g): e for e in self._engines() for g in e.param_groups}
+        out: dict[Any, Any] = {}
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                where = f"param {index}"
+                st = states.get(index)
+                if st:
+                    out[index] = to_checkpoint_form(st, p, where)
+                elif p.requires_grad:
+                    engine = owner[id(group)]
+                    zero = zero_state(state_target(engine, group, p), p)
+                    # as the engine's own state_dict() lays it out (bitsandbytes wraps)
+                    wrapped = set(getattr(engine, "non_castable_tensor_keys", ()))
+                    if not self._pinned and wrapped & zero.keys():
+                        zero[BNB_WRAPPED_KEY] = {k: zero.pop(k) for k in wrapped & zero.keys()}
+                    out[index] = to_checkpoint_form(zero, p, where)
+                index += 1
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict`` saved from any rung into this optimizer.
@@ -627,7 +690,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         optimizer's rung. Groups that pin their rung keep it: their state is converted
         into it, whatever the checkpoint had. bf16 moments stay bfloat16, 8-bit state
         stays uint8 codes with float32 absmax, ``step`` lands where the engine keeps it,
-        and this optimizer's engine flags (``fused``, ``foreach``) are kept.
+        and this optimizer's engine flags (``fused``, ``foreach``) are kept. Sharded
+        8-bit state saved per row (by :meth:`state_dict` under FSDP2) loads exactly
+        when its blocks are this rank's blocks, and is requantized otherwise (another
+        world size; see :mod:`optladder.optimizers.checkpoint`). A saved state with
+        ``step`` 0 (a param that had not stepped) loads as no state.
         Hyperparameters (lr, betas, eps, weight_decay, a scheduler's ``initial_lr``, the
         bf16 seed) come from the checkpoint.
 
@@ -690,6 +757,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 f"the state_dict's state has entries for no param of its param groups: "
                 f"{sorted(map(repr, unknown))[:5]}{hint}"
             )
+        loaded: dict[Any, dict[str, Any]] = {}  # key -> state in a layout convert reads
         for pi, (key, p) in enumerate(pairs):
             st = saved_state.get(key)
             if st:
@@ -697,7 +765,10 @@ class LadderOptimizer(torch.optim.Optimizer):
                     raise ValueError(
                         f"param {pi}: its state must be a dict, got {type(st).__name__}"
                     )
+                st = from_checkpoint_form(st, p, f"param {pi}")
                 check_param_state(st, p, f"param {pi}")
+                if read_step(st) > 0:  # step 0: saved for a param that never stepped
+                    loaded[key] = st
         move_to = self._checkpoint_rung(groups)
         engine = self.engine
         saved_groups = [dict(g) for g in live_groups]
@@ -710,7 +781,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             new_state: dict[torch.Tensor, dict[str, Any]] = {}
             group_of_param = [g for g in live_groups for _ in g["params"]]
             for (key, p), group in zip(pairs, group_of_param):
-                saved_param_state = saved_state.get(key)
+                saved_param_state = loaded.get(key)
                 if saved_param_state:
                     target = state_target(owner[id(group)], group, p)
                     new_state[p] = convert_param_state(saved_param_state, p, target, copy=True)
@@ -836,3 +907,23 @@ def _restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -
     for group, items in zip(groups, saved):
         group.clear()
         group.update(items)
+
+
+def _refuse_meta_params(groups: list[dict[str, Any]]) -> None:
+    """Raise if a param is on the meta device: it holds no values, and materializing a
+    meta model (``model.to_empty(device=...)``) makes new Parameters, so the optimizer's
+    params would never move (torch's optimizers step them silently; we refuse).
+
+    Raises:
+        ValueError: naming the first such param by group and place.
+    """
+    for gi, group in enumerate(groups):
+        for pi, p in enumerate(group["params"]):
+            if p.is_meta:
+                raise ValueError(
+                    f"param {pi} of group {gi} (shape {tuple(p.shape)}) is on the meta device: "
+                    "it holds no values, and model.to_empty(device=...) makes new Parameters "
+                    "that this optimizer does not hold, so its steps would update nothing. "
+                    "Build the optimizer after materializing the model (choose_optimizer("
+                    "model, ...) after model.to_empty(...) and the weights' init)"
+                )
