@@ -51,14 +51,14 @@ def _refuse_dtensors(rung: Rung, param_groups: list[dict[str, Any]], fused: bool
     LadderAdamW keeps plain moments of the global shape and mixes them with DTensor
     params ("got mixed torch.Tensor and DTensor"); its C kernel reads raw pointers.
     """
-    eager_fp32 = rung == "fp32" and spec.fp32_engine(fused, dtype_names(param_groups)) == "eager"
-    if rung not in DTENSOR_UNSUPPORTED and not eager_fp32:
+    ladder_fp32 = rung == "fp32" and spec.fp32_engine(fused, dtype_names(param_groups)) == "ladder"
+    if rung not in DTENSOR_UNSUPPORTED and not ladder_fp32:
         return
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
             if not is_dtensor(p):
                 continue
-            if eager_fp32:
+            if ladder_fp32:
                 raise ValueError(
                     f"rung='fp32' cannot take param {pi} of group {gi}, a {p.dtype} DTensor: "
                     "the fp32 rung keeps float32 moments for bfloat16/float16 params with "
@@ -117,8 +117,8 @@ def build_engine(
         param_groups: param groups; the dicts are used as given (their hyperparameters
             override the defaults per group) after :data:`ENGINE_KEYS` are cleared.
         fused: whether the rung runs fused here (``Decision.fused``); for the fp32 rung it
-            selects torch's fused AdamW over foreach (or optladder's eager AdamW for
-            bf16/fp16 params, see :func:`optladder.optimizers.spec.fp32_engine`).
+            selects torch's fused AdamW over foreach (or optladder's AdamW with float32
+            moments for bf16/fp16 params, see :func:`optladder.optimizers.spec.fp32_engine`).
         lr, betas, eps, weight_decay: AdamW hyperparameters (torch's meaning).
         seed: the bf16 rung's stochastic-rounding seed, ``0 <= seed < 2**64``.
         rounding: the bf16 rung's rounding, ``"stochastic"`` or ``"nearest"``.

@@ -25,9 +25,9 @@ def build_fp32(
     Args:
         param_groups: the param groups (each dict's other keys override the defaults).
         engine: ``"fused"`` -> ``torch.optim.AdamW(fused=True)``; ``"foreach"`` ->
-            ``torch.optim.AdamW(foreach=True)``; ``"eager"`` -> :class:`LadderAdamW` with
+            ``torch.optim.AdamW(foreach=True)``; ``"ladder"`` -> :class:`LadderAdamW` with
             float32 moments (for bf16/fp16 params, whose moments torch keeps in their
-            own dtype). See :mod:`optladder.optimizers.spec`.
+            own dtype; its fused kernels where they run). See :mod:`optladder.optimizers.spec`.
         lr, betas, eps, weight_decay: AdamW hyperparameters.
         decoupled_weight_decay: True for AdamW, False for Adam (``grad += wd * param``):
             ``torch.optim.Adam`` then, with the same fused/foreach choice.
@@ -35,7 +35,7 @@ def build_fp32(
     Returns:
         The optimizer over ``param_groups``.
     """
-    if engine == "eager":
+    if engine == "ladder":
         return LadderAdamW(
             param_groups,
             lr=lr,
