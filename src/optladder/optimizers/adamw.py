@@ -21,6 +21,7 @@ from typing import Any, Literal, cast
 import torch
 from torch.optim.optimizer import ParamsT
 
+from optladder.optimizers.eager import step_scalars
 from optladder.optimizers.rounding import (
     Rounding,
     check_param_rounding,
@@ -510,6 +511,7 @@ class LadderAdamW(torch.optim.Optimizer):
         group's prepared table: the step counts are read and bumped together, and the
         bias corrections and the random bits' key prefix are computed once per distinct
         step count (one, when the group's params stepped together)."""
+        from optladder.optimizers import eager
         from optladder.optimizers.kernels import cpu
 
         lr = float(group["lr"])
@@ -519,11 +521,7 @@ class LadderAdamW(torch.optim.Optimizer):
         torch.stack(steps, out=table.steps)
         new_steps = [s + 1.0 for s in table.steps.tolist()]
         scalars = {
-            s: (
-                step_key(seed, int(s)),
-                -lr / (1.0 - beta1 ** int(s)),
-                math.sqrt(1.0 - beta2 ** int(s)),
-            )
+            s: (step_key(seed, int(s)), *eager.step_scalars(lr, beta1, beta2, int(s)))
             for s in set(new_steps)
         }
         table.set_step([cast(torch.Tensor, p.grad) for p, _ in items], new_steps, scalars)
@@ -548,17 +546,18 @@ class LadderAdamW(torch.optim.Optimizer):
         grad_scale: torch.Tensor | None,
         found_inf: torch.Tensor | None,
     ) -> None:
-        """Step params with the Triton custom op: one launch per (device, grad dtype)."""
+        """Step params with the Triton custom op: one launch per (device, param dtype,
+        grad dtype)."""
         from optladder.optimizers.kernels import ops
 
-        batches: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
+        batches: dict[tuple[object, ...], list[tuple[torch.Tensor, int]]] = {}
         for p, i in items:
             grad = p.grad
             assert grad is not None
-            batches.setdefault((p.device, grad.dtype), []).append((p, i))
+            batches.setdefault((p.device, p.dtype, grad.dtype), []).append((p, i))
         beta1, beta2 = group["betas"]
         lr = group["lr"]
-        for (device, _), batch in batches.items():
+        for (device, _, _), batch in batches.items():
             states = [self._init_state(p) for p, _ in batch]
             for st in states:
                 if st["step"].device != device:
@@ -582,6 +581,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 bool(group["decoupled_weight_decay"]),
                 bool(group["maximize"]),
                 group["rounding"] == "stochastic",
+                group.get("param_rounding", "stochastic") == "stochastic",
                 ops.seed_prefix(group["seed"]),
                 None if grad_scale is None else grad_scale.to(device),
                 None if found_inf is None else found_inf.to(device),
@@ -609,11 +609,10 @@ class LadderAdamW(torch.optim.Optimizer):
         exp_avg_sq = state["exp_avg_sq"].to(torch.float32, copy=True)
         exp_avg.lerp_(grad, 1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        bias_correction1 = 1.0 - beta1**step
-        bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+        step_size, bias_correction2_sqrt = step_scalars(lr, beta1, beta2, step)
         root = exp_avg_sq.double().sqrt().float()  # the IEEE float32 root (see eager.py)
         denom = (root / bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        param.addcdiv_(exp_avg, denom, value=step_size)
         key = element_key(group["seed"], step, param_index)
         if self.moment_dtype == torch.bfloat16:
             new_avg, new_avg_sq = round_moments(exp_avg, exp_avg_sq, key, group["rounding"])

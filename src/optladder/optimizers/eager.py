@@ -68,6 +68,32 @@ class EagerScratch:
         )
 
 
+def power(base: float, n: int) -> float:
+    """``base ** n`` by binary powering over the 32 bits of ``0 <= n < 2**32``.
+
+    Every backend computes the bias corrections with exactly these float64
+    multiplications (the Triton kernel on the device), so their bits agree everywhere;
+    Python's ``**`` calls the C library's ``pow``, whose last bit differs between
+    libraries.
+    """
+    r, b = 1.0, base
+    for k in range(32):
+        if (n >> k) & 1:
+            r = r * b
+        b = b * b
+    return r
+
+
+def step_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    """``(step_size, bias_correction2_sqrt)`` of a 1-based ``step``, in float64.
+
+    ``step_size = -lr / (1 - beta1**step)`` and ``sqrt(1 - beta2**step)``, with
+    :func:`power` (Kingma & Ba, "Adam", ICLR 2015, Algorithm 1, bias corrections folded
+    into the step size and the denominator as torch's ``_single_tensor_adam`` does).
+    """
+    return -lr / (1.0 - power(beta1, step)), math.sqrt(1.0 - power(beta2, step))
+
+
 def scratch_length(p: torch.Tensor) -> int:
     """Scratch elements :func:`eager_step` needs for ``p``: a chunk, or the whole param
     when it (or its grad) is not contiguous."""
@@ -182,8 +208,7 @@ def eager_step(
     beta1, beta2 = group["betas"]
     eps, wd = group["eps"], group["weight_decay"]
     step = int(state["step"].item()) + 1
-    bias_correction1 = 1.0 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+    step_size, bias_correction2_sqrt = step_scalars(lr, beta1, beta2, step)
     stochastic = moment_dtype == torch.bfloat16 and group["rounding"] == "stochastic"
     round_param = (
         p.dtype in LOW_PRECISION_PARAMS and group.get("param_rounding", "stochastic") == "stochastic"
@@ -225,7 +250,7 @@ def eager_step(
         root.sqrt_()
         denom.copy_(root)  # the IEEE float32 square root (see the module docstring)
         denom.div_(bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        param.addcdiv_(exp_avg, denom, value=step_size)
         flat = (param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1))
         bits, tmp = scratch.i64[0][:n], scratch.i64[1][:n]
         if round_param:
