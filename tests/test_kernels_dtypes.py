@@ -285,3 +285,24 @@ def test_kernel_table_is_built_once_and_rebuilt_when_the_params_change() -> None
     opt.step()
     assert opt._cpu_tables[0].n_params == 1
     assert [opt.state[p]["step"].item() for p in params] == [4.0, 3.0]
+
+
+def test_choose_optimizer_takes_param_rounding_on_both_rungs() -> None:
+    from optladder import choose_optimizer
+
+    with pytest.raises(ValueError, match=r"param_rounding must be .* got 'round'"):
+        choose_optimizer([torch.nn.Parameter(torch.randn(4))], param_rounding="round")  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(9)
+    start = torch.randn(300, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(300, generator=gen).to(torch.bfloat16)
+    for rung in ("fp32", "bf16"):
+        p = torch.nn.Parameter(start.clone())
+        opt = choose_optimizer([p], rung=rung, free_memory="1GiB", param_rounding="nearest")
+        assert opt.param_groups[0]["param_rounding"] == "nearest"
+        p.grad = grad.clone()
+        opt.step()
+        ref = torch.nn.Parameter(start.float())
+        ref_opt = LadderAdamW([ref], backend="eager", moment_dtype=MOMENTS[rung])
+        ref.grad = grad.float()
+        ref_opt.step()
+        assert torch.equal(_bits(p), _bits(ref.detach().to(torch.bfloat16)))

@@ -108,6 +108,7 @@ def build_engine(
     weight_decay: float = 1e-2,
     seed: int = 0,
     rounding: Rounding = "stochastic",
+    param_rounding: Rounding = "stochastic",
     decoupled_weight_decay: bool = True,
 ) -> torch.optim.Optimizer:
     """Build the optimizer that runs ``rung`` over ``param_groups``.
@@ -122,6 +123,8 @@ def build_engine(
         lr, betas, eps, weight_decay: AdamW hyperparameters (torch's meaning).
         seed: the bf16 rung's stochastic-rounding seed, ``0 <= seed < 2**64``.
         rounding: the bf16 rung's rounding, ``"stochastic"`` or ``"nearest"``.
+        param_rounding: how optladder's AdamW writes bfloat16/float16 params,
+            ``"stochastic"`` or ``"nearest"`` (bf16 rung, and fp32 rung for such params).
         decoupled_weight_decay: True for AdamW (``param *= 1 - lr * wd``), False for Adam
             (``grad += wd * param``), kept on every rung: ``torch.optim.Adam`` on fp32,
             :class:`LadderAdamW` in Adam mode on bf16, and on 8bit bitsandbytes run with
@@ -150,10 +153,15 @@ def build_engine(
     clear_engine_keys(param_groups)
     if rung == "fp32":
         engine = spec.fp32_engine(fused, dtype_names(param_groups))
-        return build_fp32(param_groups, engine=engine, **hyper)
+        return build_fp32(param_groups, engine=engine, param_rounding=param_rounding, **hyper)
     if rung == "bf16":
         return LadderAdamW(
-            param_groups, moment_dtype=torch.bfloat16, seed=seed, rounding=rounding, **hyper
+            param_groups,
+            moment_dtype=torch.bfloat16,
+            seed=seed,
+            rounding=rounding,
+            param_rounding=param_rounding,
+            **hyper,
         )
     if rung == "8bit":
         return build_8bit(param_groups, **hyper)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.rounding import Rounding
 from optladder.optimizers.spec import Fp32Engine
 
 
@@ -19,6 +20,7 @@ def build_fp32(
     eps: float,
     weight_decay: float,
     decoupled_weight_decay: bool = True,
+    param_rounding: Rounding = "stochastic",
 ) -> torch.optim.Optimizer:
     """Build the fp32 rung's optimizer.
 
@@ -31,6 +33,7 @@ def build_fp32(
         lr, betas, eps, weight_decay: AdamW hyperparameters.
         decoupled_weight_decay: True for AdamW, False for Adam (``grad += wd * param``):
             ``torch.optim.Adam`` then, with the same fused/foreach choice.
+        param_rounding: how the ``"ladder"`` engine writes bfloat16/float16 params.
 
     Returns:
         The optimizer over ``param_groups``.
@@ -44,6 +47,7 @@ def build_fp32(
             weight_decay=weight_decay,
             decoupled_weight_decay=decoupled_weight_decay,
             moment_dtype=torch.float32,
+            param_rounding=param_rounding,
         )
     flags = {"fused": True} if engine == "fused" else {"foreach": True}
     cls = torch.optim.AdamW if decoupled_weight_decay else torch.optim.Adam

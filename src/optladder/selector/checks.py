@@ -10,7 +10,7 @@ import torch
 
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
 from optladder.optimizers.eightbit import check_8bit_param
-from optladder.optimizers.rounding import check_rounding, check_seed
+from optladder.optimizers.rounding import check_param_rounding, check_rounding, check_seed
 from optladder.policies.decision import Decision, allowed_rungs
 from optladder.policies.footprint import storage_key
 from optladder.rungs import Rung, group_pin
@@ -18,7 +18,7 @@ from optladder.rungs import Rung, group_pin
 
 def check_group_options(group: Mapping[str, Any]) -> None:
     """Refuse per-group options that no rung keeps (instead of silently dropping them),
-    and an out-of-range bf16 seed or rounding mode.
+    and an out-of-range bf16 seed, rounding or param_rounding mode.
 
     Raises:
         ValueError: naming the option, its value and what is allowed.
@@ -28,6 +28,7 @@ def check_group_options(group: Mapping[str, Any]) -> None:
             raise ValueError(f"{flag}=True is not supported by optladder's rungs")
     check_seed(group.get("seed", 0))
     check_rounding(group.get("rounding", "stochastic"))
+    check_param_rounding(group.get("param_rounding", "stochastic"))
 
 
 def check_max_retries(max_retries: object) -> None:
