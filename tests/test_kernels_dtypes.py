@@ -306,3 +306,26 @@ def test_choose_optimizer_takes_param_rounding_on_both_rungs() -> None:
         ref.grad = grad.float()
         ref_opt.step()
         assert torch.equal(_bits(p), _bits(ref.detach().to(torch.bfloat16)))
+
+
+@needs_gcc
+@pytest.mark.parametrize("param_dtype", DTYPES)
+def test_nan_and_inf_write_the_same_bits_in_kernel_and_eager(param_dtype: torch.dtype) -> None:
+    """NaN and infinite grads, params and moments: stochastic writes keep NaN a NaN
+    (quiet, its sign and high payload bits kept; float16: 0x7E00 with the sign) and the
+    C kernel writes the eager bits, the NaN patterns included."""
+    inputs = _inputs((64,), param_dtype, torch.float32, seed=3)
+    x = inputs[0]
+    x["g"][:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 0.0, 3.0, -2.0])
+    x["p"][8:12] = torch.tensor([float("nan"), float("inf"), -float("inf"), -float("nan")]).to(param_dtype)
+    x["m"][12:14] = torch.tensor([float("nan"), float("inf")])
+    x["v"][14:16] = torch.tensor([float("nan"), float("inf")])
+    for rung in MOMENTS:
+        got, got_opt = _one_step("cpu", rung, inputs)
+        ref, ref_opt = _one_step("eager", rung, inputs)
+        assert torch.equal(_bits(ref[0]), _bits(got[0]))
+        for name in ("exp_avg", "exp_avg_sq"):
+            a, b = ref_opt.state[ref[0]][name], got_opt.state[got[0]][name]
+            assert torch.equal(_bits(a), _bits(b)), name
+            assert bool(torch.isnan(b[[0, 12 if name == "exp_avg" else 14]]).all())
+        assert bool(torch.isnan(got[0].detach()[[0, 8, 11]]).all())
