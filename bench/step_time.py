@@ -1,7 +1,10 @@
 """Optimizer step time and state bytes per param: optladder's bf16 rung against baselines.
 
-Every implementation steps one float32 param of N elements with a float32 grad (stochastic
-rounding on for optladder), its state allocated by warm-up steps before timing. Reported:
+Every implementation steps one param of N elements with a grad of the same dtype (float32,
+or bfloat16 with ``--param-dtype bfloat16``; stochastic rounding on for optladder), its
+state allocated by warm-up steps before timing. With bfloat16 params the baseline is
+torch's fused AdamW on the same params (it keeps bfloat16 moments), and optladder's fp32
+rung (float32 moments on its own kernel) is measured too. Reported:
 the median of ``--reps`` timed steps, the state bytes per param summed over the real state
 tensors, the speed ratio to torch's fused fp32 AdamW (``t_fused / t_impl``: above 1 is
 faster) and, given ``--peak-gbps``, the memory bandwidth reached against the peak.
@@ -11,6 +14,7 @@ Usage::
     python bench/step_time.py                       # 1M, 16M, 64M params on CPU (or CUDA)
     python bench/step_time.py --sizes 1M,16M --reps 9 --json out.json --png out.png
     python bench/step_time.py --device cuda --peak-gbps 4800   # H200 HBM3e
+    python bench/step_time.py --param-dtype bfloat16 --sizes 16M
 
 Not a test: numbers depend on the machine. The README carries the CPU table.
 """
@@ -20,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -33,16 +36,25 @@ from optladder.optimizers.adamw import LadderAdamW
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
-TRAFFIC_BYTES_PER_PARAM = {
-    "torch-fused-fp32": 28,  # param r/w 8, grad r 4, two fp32 moments r/w 16
-    "torch-foreach-fp32": 28,  # the same data, over several passes
-    "optladder-bf16-cpu": 20,  # param r/w 8, grad r 4, two bf16 moments r/w 8
-    "optladder-bf16-triton": 20,
-    "optladder-bf16-eager": 20,
-    "bnb-adamw8bit": 14,  # param r/w 8, grad r 4, two uint8 codes r/w 4 (+ absmax)
-    "torchao-adamw8bit": 14,
-}
-"""Least bytes a step must move per param (one pass), for the bandwidth column."""
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def moment_bytes(impl: str, param_dtype: torch.dtype) -> int:
+    """Bytes of one moment element of ``impl`` (torch keeps the param's dtype)."""
+    if impl.startswith("torch-"):
+        return param_dtype.itemsize
+    if "8bit" in impl:
+        return 1
+    return 4 if impl.startswith("optladder-fp32") else 2
+
+
+def traffic_bytes_per_param(impl: str, param_dtype: torch.dtype) -> int:
+    """Least bytes a step must move per param (one pass), for the bandwidth column:
+    param read and write, grad read (the param's dtype), two moments read and written
+    (float32 params: 28 for torch fused, 20 for the bf16 rung, 14 for 8-bit codes;
+    bfloat16 params: 14 for torch fused and the bf16 rung, 22 for the fp32 rung)."""
+    p = param_dtype.itemsize
+    return 3 * p + 4 * moment_bytes(impl, param_dtype)
 
 
 @dataclass
@@ -73,13 +85,26 @@ def parse_size(text: str) -> int:
         ) from None
 
 
-def implementations(device: torch.device) -> dict[str, Factory | str]:
-    """Name -> optimizer factory, or the reason it cannot run here."""
+def dtype_tag(param_dtype: torch.dtype) -> str:
+    """``fp32`` / ``bf16``: the suffix of torch's implementations (their moment dtype)."""
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[param_dtype]
+
+
+def implementations(
+    device: torch.device, param_dtype: torch.dtype = torch.float32
+) -> dict[str, Factory | str]:
+    """Name -> optimizer factory, or the reason it cannot run here. The first name is
+    the baseline: torch's fused AdamW (moments in the param dtype)."""
+    tag = dtype_tag(param_dtype)
     impls: dict[str, Factory | str] = {
-        "torch-fused-fp32": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
-        "torch-foreach-fp32": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+        f"torch-fused-{tag}": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+        f"torch-foreach-{tag}": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
     }
     fused_backend = "triton" if device.type == "cuda" else "cpu"
+    if param_dtype != torch.float32:  # the fp32 rung of low-precision params: our kernel
+        impls[f"optladder-fp32-{fused_backend}"] = lambda ps: LadderAdamW(
+            ps, lr=1e-3, backend=fused_backend, moment_dtype=torch.float32
+        )
     impls[f"optladder-bf16-{fused_backend}"] = lambda ps: LadderAdamW(
         ps, lr=1e-3, backend=fused_backend
     )
@@ -167,16 +192,22 @@ def median_step_seconds(
 
 
 def measure_size(
-    impls: dict[str, Factory], n: int, device: torch.device, reps: int, warmup: int
+    impls: dict[str, Factory],
+    n: int,
+    device: torch.device,
+    reps: int,
+    warmup: int,
+    param_dtype: torch.dtype = torch.float32,
 ) -> list[Result]:
-    """Median step time of every implementation on one float32 param of ``n`` elements
-    (:func:`median_step_seconds`). One that fails is reported and left out.
+    """Median step time of every implementation on one param of ``n`` elements and
+    ``param_dtype`` (grad likewise) (:func:`median_step_seconds`). One that fails is
+    reported and left out.
     """
     live: dict[str, torch.optim.Optimizer] = {}
     for name, factory in impls.items():
         gen = torch.Generator(device=device).manual_seed(0)
-        p = torch.nn.Parameter(torch.randn(n, device=device, generator=gen))
-        p.grad = torch.randn(n, device=device, generator=gen) * 1e-3
+        p = torch.nn.Parameter(torch.randn(n, device=device, generator=gen).to(param_dtype))
+        p.grad = (torch.randn(n, device=device, generator=gen) * 1e-3).to(param_dtype)
         opt = warmed_up(lambda: factory([p]), device, warmup, f"{name:<24}{n:>10}")  # noqa: B023
         if opt is not None:
             live[name] = opt
@@ -189,7 +220,7 @@ def measure_size(
     return results
 
 
-def plot(results: list[Result], path: Path) -> None:
+def plot(results: list[Result], path: Path, param_dtype: torch.dtype = torch.float32) -> None:
     """Bar chart of step time per size and implementation (log scale)."""
     import matplotlib
 
@@ -213,7 +244,8 @@ def plot(results: list[Result], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("median optimizer step (ms)")
     ax.legend(fontsize=8)
-    ax.set_title("AdamW step time, float32 params and grads")
+    name = str(param_dtype).removeprefix("torch.")
+    ax.set_title(f"AdamW step time, {name} params and grads")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -236,12 +268,20 @@ def main(argv: list[str] | None = None) -> list[Result]:
         help="write the plot here ('' for none)",
     )
     ap.add_argument("--peak-gbps", type=float, default=None, help="memory bandwidth peak")
+    ap.add_argument(
+        "--param-dtype",
+        choices=sorted(PARAM_DTYPES),
+        default="float32",
+        help="dtype of the params and grads (baseline: torch's fused AdamW on them)",
+    )
     args = ap.parse_args(argv)
     if args.reps < 5:
         ap.error(f"--reps must be >= 5, got {args.reps}")
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     device = torch.device(args.device)
-    impls = implementations(device)
+    param_dtype = PARAM_DTYPES[args.param_dtype]
+    impls = implementations(device, param_dtype)
+    baseline = next(iter(impls))
     if args.impls:
         wanted = args.impls.split(",")
         unknown = sorted(set(wanted) - set(impls))
@@ -249,8 +289,12 @@ def main(argv: list[str] | None = None) -> list[Result]:
             ap.error(f"--impls: unknown {unknown}; choose from {sorted(impls)}")
         impls = {k: v for k, v in impls.items() if k in wanted}
     threads = torch.get_num_threads() if device.type == "cpu" else None
-    print(f"device={device} threads={threads} torch={torch.__version__} reps={args.reps}")
-    print("torch's own bf16-moment fused AdamW: none in this torch (fused keeps param dtype)")
+    print(
+        f"device={device} threads={threads} torch={torch.__version__} reps={args.reps} "
+        f"params={args.param_dtype}"
+    )
+    if param_dtype == torch.float32:
+        print("torch's own bf16-moment fused AdamW: none in this torch (fused keeps param dtype)")
     for name, f in impls.items():
         if isinstance(f, str):
             print(f"skip {name}: {f}")
@@ -262,12 +306,12 @@ def main(argv: list[str] | None = None) -> list[Result]:
     warm_process(device)
     for n in sizes:
         base: float | None = None
-        for r in measure_size(runnable, n, device, args.reps, args.warmup):
+        for r in measure_size(runnable, n, device, args.reps, args.warmup, param_dtype):
             results.append(r)
-            if r.impl == "torch-fused-fp32":
+            if r.impl == baseline:
                 base = r.median_s
             ratio = f"{base / r.median_s:10.2f}" if base else f"{'-':>10}"
-            gbps = TRAFFIC_BYTES_PER_PARAM.get(r.impl, math.nan) * n / r.median_s / 1e9
+            gbps = traffic_bytes_per_param(r.impl, param_dtype) * n / r.median_s / 1e9
             line = f"{r.impl:<24}{n:>10}{r.median_s * 1e3:12.3f}{r.state_bytes_per_param:15.3f}"
             line += f"{ratio}{gbps:9.1f}"
             if args.peak_gbps:
@@ -287,7 +331,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         args.json.write_text(json.dumps(records, indent=1))
     if results and args.png:
         try:
-            plot(results, args.png)
+            plot(results, args.png, param_dtype)
             print(f"plot: {args.png}")
         except ImportError as exc:
             print(f"no plot: matplotlib is not importable ({exc})")
