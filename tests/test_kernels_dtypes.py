@@ -71,7 +71,9 @@ def _one_step(
 ) -> tuple[list[torch.nn.Parameter], LadderAdamW]:
     moment_dtype = MOMENTS[rung]
     params = [torch.nn.Parameter(x["p"].clone()) for x in inputs]
-    opt = LadderAdamW(params, backend=backend, moment_dtype=moment_dtype, seed=5, **{**HYPER, **options})  # type: ignore[arg-type]
+    opt = LadderAdamW(
+        params, backend=backend, moment_dtype=moment_dtype, seed=5, **{**HYPER, **options}
+    )  # type: ignore[arg-type]
     for p, x in zip(params, inputs, strict=True):
         opt.state[p] = {
             "step": x["step"].clone(),
@@ -145,7 +147,12 @@ CPU_CASES = list(itertools.product(MOMENTS, DTYPES, DTYPES))
 def test_c_kernel_matches_float64_and_eager_bits(
     rung: str, param_dtype: torch.dtype, grad_dtype: torch.dtype
 ) -> None:
-    inputs = _inputs((1, 17, 4099, 70_001), param_dtype, grad_dtype, seed=hash((rung, str(param_dtype), str(grad_dtype))) % 1000)
+    inputs = _inputs(
+        (1, 17, 4099, 70_001),
+        param_dtype,
+        grad_dtype,
+        seed=hash((rung, str(param_dtype), str(grad_dtype))) % 1000,
+    )
     got, got_opt = _one_step("cpu", rung, inputs)
     ref, ref_opt = _one_step("eager", rung, inputs)
     for a, b in zip(ref, got, strict=True):
@@ -194,9 +201,7 @@ def _float32_result() -> float:
     return float(_write_many("eager", torch.float32, seed=0)[0])
 
 
-@pytest.mark.parametrize(
-    "backend", [pytest.param("cpu", marks=needs_gcc), "eager"]
-)
+@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_gcc), "eager"])
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
 def test_stochastic_param_writes_are_unbiased_and_reproducible(
     backend: str, param_dtype: torch.dtype
@@ -207,8 +212,16 @@ def test_stochastic_param_writes_are_unbiased_and_reproducible(
     values = written.double()
     assert set(values.unique().tolist()) <= {
         lo,
-        float(torch.nextafter(torch.tensor(lo, dtype=param_dtype), torch.tensor(-1.0, dtype=param_dtype))),
-        float(torch.nextafter(torch.tensor(lo, dtype=param_dtype), torch.tensor(2.0, dtype=param_dtype))),
+        float(
+            torch.nextafter(
+                torch.tensor(lo, dtype=param_dtype), torch.tensor(-1.0, dtype=param_dtype)
+            )
+        ),
+        float(
+            torch.nextafter(
+                torch.tensor(lo, dtype=param_dtype), torch.tensor(2.0, dtype=param_dtype)
+            )
+        ),
     }
     assert values.unique().numel() == 2  # both neighbours occur
     sigma = values.std().item() / math.sqrt(values.numel())
@@ -217,9 +230,7 @@ def test_stochastic_param_writes_are_unbiased_and_reproducible(
     assert not torch.equal(_bits(written), _bits(_write_many(backend, param_dtype, seed=2)))
 
 
-@pytest.mark.parametrize(
-    "backend", [pytest.param("cpu", marks=needs_gcc), "eager"]
-)
+@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_gcc), "eager"])
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
 def test_nearest_param_writes_are_round_to_nearest_even(
     backend: str, param_dtype: torch.dtype
@@ -240,11 +251,15 @@ def test_nearest_param_writes_are_round_to_nearest_even(
 def test_param_rounding_is_validated_exactly_and_saved() -> None:
     p = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))
     for bad in ("Stochastic", "nearest ", None, True):
-        with pytest.raises(ValueError, match=r"param_rounding must be 'stochastic' or 'nearest', got"):
+        with pytest.raises(
+            ValueError, match=r"param_rounding must be 'stochastic' or 'nearest', got"
+        ):
             LadderAdamW([p], param_rounding=bad)  # type: ignore[arg-type]
     opt = LadderAdamW([p], backend="eager", param_rounding="nearest")
     with pytest.raises(ValueError, match="param_rounding"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "param_rounding": "sr"})
+        opt.add_param_group(
+            {"params": [torch.nn.Parameter(torch.randn(2))], "param_rounding": "sr"}
+        )
     saved = opt.state_dict()
     assert saved["param_groups"][0]["param_rounding"] == "nearest"
     # set on a group after construction: refused at the step, nothing changes
@@ -316,8 +331,12 @@ def test_nan_and_inf_write_the_same_bits_in_kernel_and_eager(param_dtype: torch.
     C kernel writes the eager bits, the NaN patterns included."""
     inputs = _inputs((64,), param_dtype, torch.float32, seed=3)
     x = inputs[0]
-    x["g"][:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 0.0, 3.0, -2.0])
-    x["p"][8:12] = torch.tensor([float("nan"), float("inf"), -float("inf"), -float("nan")]).to(param_dtype)
+    x["g"][:8] = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 0.0, 3.0, -2.0]
+    )
+    x["p"][8:12] = torch.tensor([float("nan"), float("inf"), -float("inf"), -float("nan")]).to(
+        param_dtype
+    )
     x["m"][12:14] = torch.tensor([float("nan"), float("inf")])
     x["v"][14:16] = torch.tensor([float("nan"), float("inf")])
     for rung in MOMENTS:

@@ -7,9 +7,8 @@ import logging
 import pytest
 import torch
 
-from optladder.optimizers import kernels
-
 from optladder import adopt, choose_optimizer
+from optladder.optimizers import kernels
 from optladder.optimizers.adamw import LadderAdamW
 from optladder.optimizers.spec import FusedOptimizerConfig, to_fused_config
 
@@ -202,7 +201,9 @@ def test_bf16_and_f16_params_are_fused_on_both_rungs() -> None:
     if kernels.cpu_unavailable_reason() is not None:
         pytest.skip(str(kernels.cpu_unavailable_reason()))
     for rung, moment_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        params = [torch.nn.Parameter(torch.randn(64, dtype=d)) for d in (torch.bfloat16, torch.float16)]
+        params = [
+            torch.nn.Parameter(torch.randn(64, dtype=d)) for d in (torch.bfloat16, torch.float16)
+        ]
         opt = choose_optimizer(params, rung=rung, free_memory="1GiB")
         assert opt.decision.fused and opt.decision.unfused_reason is None
         for p in params:
@@ -213,7 +214,9 @@ def test_bf16_and_f16_params_are_fused_on_both_rungs() -> None:
     # float64 beside bf16 on the fp32 rung: the kernels do not step float64
     mixed = [torch.nn.Parameter(torch.randn(8, dtype=d)) for d in (torch.bfloat16, torch.float64)]
     decision = choose_optimizer(mixed, rung="fp32", free_memory="1GiB").decision
-    assert not decision.fused and "float64 params run the eager path" in str(decision.unfused_reason)
+    assert not decision.fused and "float64 params run the eager path" in str(
+        decision.unfused_reason
+    )
 
 
 # ----------------------------------------------------------------------- growth

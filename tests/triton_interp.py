@@ -23,9 +23,7 @@ import numpy as np
 
 def exact_fma(x: np.ndarray, y: np.ndarray, z: np.ndarray) -> np.ndarray:
     """float32 ``x * y + z`` rounded once (round to nearest even), elementwise."""
-    x64, y64, z64 = np.broadcast_arrays(
-        *(np.asarray(a, dtype=np.float64) for a in (x, y, z))
-    )
+    x64, y64, z64 = np.broadcast_arrays(*(np.asarray(a, dtype=np.float64) for a in (x, y, z)))
     prod = x64 * y64  # exact: 24 + 24 bits
     s = np.asarray(prod + z64)
     bb = s - prod

@@ -550,7 +550,9 @@ class LadderAdamW(torch.optim.Optimizer):
         grad dtype)."""
         from optladder.optimizers.kernels import ops
 
-        batches: dict[tuple[object, ...], list[tuple[torch.Tensor, int]]] = {}
+        batches: dict[
+            tuple[torch.device, torch.dtype, torch.dtype], list[tuple[torch.Tensor, int]]
+        ] = {}
         for p, i in items:
             grad = p.grad
             assert grad is not None

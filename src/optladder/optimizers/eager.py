@@ -211,7 +211,8 @@ def eager_step(
     step_size, bias_correction2_sqrt = step_scalars(lr, beta1, beta2, step)
     stochastic = moment_dtype == torch.bfloat16 and group["rounding"] == "stochastic"
     round_param = (
-        p.dtype in LOW_PRECISION_PARAMS and group.get("param_rounding", "stochastic") == "stochastic"
+        p.dtype in LOW_PRECISION_PARAMS
+        and group.get("param_rounding", "stochastic") == "stochastic"
     )
     key = element_key(group["seed"], step, param_index) if stochastic or round_param else 0
     n_total = p.numel()

@@ -95,7 +95,11 @@ static inline uint16_t ol_bf16_ne(float x) {
     return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
 }
 
-static inline uint16_t ol_f16_bits(_Float16 h) { union { _Float16 h; uint16_t u; } c; c.h = h; return c.u; }
+static inline uint16_t ol_f16_bits(_Float16 h) {
+    union { _Float16 h; uint16_t u; } c;
+    c.h = h;
+    return c.u;
+}
 
 /* float32 -> float16, stochastic with 32 random bits r (rounding.stochastic_round_f16):
    |x| >= 2**-14 drops 13 bits, 2**-24 <= |x| < 2**-14 drops 126 - exponent bits (the

@@ -226,9 +226,7 @@ def load(path: Path) -> ctypes.CDLL:
     except OSError as exc:
         raise KernelBuildError(f"loading the bf16 CPU kernel {path} failed: {exc}") from exc
     if lib.ol_abi_version() != _ABI_VERSION:
-        raise KernelBuildError(
-            f"{path} has ABI {lib.ol_abi_version()}, expected {_ABI_VERSION}"
-        )
+        raise KernelBuildError(f"{path} has ABI {lib.ol_abi_version()}, expected {_ABI_VERSION}")
     _declare_signature(lib)
     return lib
 
