@@ -401,7 +401,10 @@ class LadderAdamW(torch.optim.Optimizer):
             )
             table = self._cpu_tables.get(gi)
             if table is None or table.signature != cpu.table_signature(*args):
-                self._cpu_tables[gi] = cpu.KernelTable(*args)
+                table = self._cpu_tables[gi] = cpu.KernelTable(*args)
+            step_dtype = states[0]["step"].dtype
+            if table.steps.dtype != step_dtype:  # the stacked step counts, in their dtype
+                table.steps = torch.empty(len(params), dtype=step_dtype)
 
     def commit_step(
         self, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
@@ -537,7 +540,7 @@ class LadderAdamW(torch.optim.Optimizer):
             stochastic=group["rounding"] == "stochastic",
             param_stochastic=group.get("param_rounding", "stochastic") == "stochastic",
         )
-        torch._foreach_add_(steps, 1.0)
+        torch._foreach_add_(steps, 1)
 
     def _step_triton(
         self,

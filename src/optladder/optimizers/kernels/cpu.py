@@ -314,7 +314,8 @@ class KernelTable:
         self.moment_dtype = moment_dtype
         self.rows = (_Param * max(n, 1))()
         self.offsets = (ctypes.c_int64 * (n + 1))()
-        self.steps = torch.empty(n, dtype=torch.float32)  # stacked step counts, per step
+        self.steps = torch.empty(n, dtype=torch.float32)  # stacked step counts (the caller
+        # reallocates it, in prepare, for step tensors of another dtype)
         self.signature = table_signature(params, exp_avgs, exp_avg_sqs, param_indices)
         total = 0
         for k, (p, m, v, i) in enumerate(
