@@ -112,15 +112,19 @@ def _direct_step(threads: int, library: Any = None) -> torch.Tensor:
     _grads(params, 0, torch.float32)
     params = [p for p in params if p.grad is not None]
     moments = [torch.zeros_like(p, dtype=torch.bfloat16) for p in params for _ in range(2)]
+    steps = [torch.tensor(float(k)) for k in range(len(params))]
     table = cpu.KernelTable(
-        [p.detach() for p in params], moments[0::2], moments[1::2], list(range(len(params)))
+        [p.detach() for p in params], moments[0::2], moments[1::2], steps, list(range(len(params)))
     )
+    assert table.read_steps(library) == [float(k) for k in range(len(params))]
     table.set_step([p.grad for p in params], [1.0] * len(params), {1.0: (99, -1e-2, 0.03)})
     cpu.adamw_step(
         table, beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2, weight_decay=0.01,
         decoupled_weight_decay=True, maximize=False, stochastic=True, param_stochastic=True,
         num_threads=threads, library=library,
     )  # fmt: skip
+    table.bump_steps(library)
+    assert [s.item() for s in steps] == [k + 1.0 for k in range(len(params))]
     parts = [t.detach().reshape(-1).float() for t in [*params, *moments[0::2]]]
     return torch.cat(parts)
 

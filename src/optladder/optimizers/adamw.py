@@ -397,14 +397,12 @@ class LadderAdamW(torch.optim.Optimizer):
                 params,
                 [st["exp_avg"] for st in states],
                 [st["exp_avg_sq"] for st in states],
+                [st["step"] for st in states],
                 [i for _, i in items],
             )
             table = self._cpu_tables.get(gi)
             if table is None or table.signature != cpu.table_signature(*args):
-                table = self._cpu_tables[gi] = cpu.KernelTable(*args)
-            step_dtype = states[0]["step"].dtype
-            if table.steps.dtype != step_dtype:  # the stacked step counts, in their dtype
-                table.steps = torch.empty(len(params), dtype=step_dtype)
+                self._cpu_tables[gi] = cpu.KernelTable(*args)
 
     def commit_step(
         self, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
@@ -520,9 +518,7 @@ class LadderAdamW(torch.optim.Optimizer):
         lr = float(group["lr"])
         beta1, beta2 = group["betas"]
         seed = group["seed"]
-        steps = [self.state[p]["step"] for p, _ in items]
-        torch.stack(steps, out=table.steps)
-        new_steps = [s + 1.0 for s in table.steps.tolist()]
+        new_steps = [s + 1.0 for s in table.read_steps()]
         scalars = {
             s: (step_key(seed, int(s)), *eager.step_scalars(lr, beta1, beta2, int(s)))
             for s in set(new_steps)
@@ -540,7 +536,7 @@ class LadderAdamW(torch.optim.Optimizer):
             stochastic=group["rounding"] == "stochastic",
             param_stochastic=group.get("param_rounding", "stochastic") == "stochastic",
         )
-        torch._foreach_add_(steps, 1)
+        table.bump_steps()
 
     def _step_triton(
         self,

@@ -69,6 +69,7 @@ class _Param(ctypes.Structure):
         ("grad", ctypes.c_void_p),
         ("exp_avg", ctypes.c_void_p),
         ("exp_avg_sq", ctypes.c_void_p),
+        ("step", ctypes.c_void_p),
         ("numel", ctypes.c_int64),
         ("param_index", ctypes.c_int64),
         ("grad_dtype", ctypes.c_int32),
@@ -231,7 +232,7 @@ def load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 """``ol_abi_version()`` of the source: the layout of ``ol_param_t``/``ol_hyper_t``."""
 
 
@@ -245,6 +246,14 @@ def _declare_signature(lib: ctypes.CDLL) -> None:
         ctypes.c_int32,
     )
     lib.ol_adamw_step.restype = ctypes.c_int
+    lib.ol_read_steps.argtypes = (
+        ctypes.POINTER(_Param),
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_float),
+    )
+    lib.ol_read_steps.restype = None
+    lib.ol_bump_steps.argtypes = (ctypes.POINTER(_Param), ctypes.c_int64)
+    lib.ol_bump_steps.restype = None
 
 
 def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
@@ -272,13 +281,14 @@ def table_signature(
     params: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
     param_indices: Sequence[int],
 ) -> tuple[object, ...]:
     """What a :class:`KernelTable` depends on: storage addresses, sizes, dtypes and
     indices. Equal signatures mean a table can be reused as it is."""
     return tuple(
-        (p.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), p.dtype, m.dtype, i)
-        for p, m, v, i in zip(params, exp_avgs, exp_avg_sqs, param_indices, strict=True)
+        (p.data_ptr(), m.data_ptr(), v.data_ptr(), s.data_ptr(), p.numel(), p.dtype, m.dtype, i)
+        for p, m, v, s, i in zip(params, exp_avgs, exp_avg_sqs, steps, param_indices, strict=True)
     )
 
 
@@ -287,13 +297,15 @@ class KernelTable:
 
     Holds one C row per param (pointers, element count, dtypes, index) and the prefix
     sums of the element counts, so a step allocates nothing: :meth:`set_step` rewrites
-    only what changes between steps (grad pointers and dtypes, the per-step scalars).
+    only what changes between steps (grad pointers and dtypes, the per-step scalars), and
+    :meth:`read_steps` / :meth:`bump_steps` read and bump every step count in one call.
 
     Args:
         params: float32/bfloat16/float16 CPU tensors, contiguous (see
             :func:`param_unsupported_reason`).
         exp_avgs, exp_avg_sqs: their moments, all float32 or all bfloat16, contiguous,
             the params' shapes.
+        steps: their step counts, 0-d float32 CPU tensors.
         param_indices: each param's index over all param groups (for the random bits).
 
     Raises:
@@ -305,6 +317,7 @@ class KernelTable:
         params: Sequence[torch.Tensor],
         exp_avgs: Sequence[torch.Tensor],
         exp_avg_sqs: Sequence[torch.Tensor],
+        steps: Sequence[torch.Tensor],
         param_indices: Sequence[int],
     ) -> None:
         n = len(params)
@@ -314,13 +327,17 @@ class KernelTable:
         self.moment_dtype = moment_dtype
         self.rows = (_Param * max(n, 1))()
         self.offsets = (ctypes.c_int64 * (n + 1))()
-        self.steps = torch.empty(n, dtype=torch.float32)  # stacked step counts (the caller
-        # reallocates it, in prepare, for step tensors of another dtype)
-        self.signature = table_signature(params, exp_avgs, exp_avg_sqs, param_indices)
+        self.step_values = (ctypes.c_float * max(n, 1))()
+        self.signature = table_signature(params, exp_avgs, exp_avg_sqs, steps, param_indices)
         total = 0
-        for k, (p, m, v, i) in enumerate(
-            zip(params, exp_avgs, exp_avg_sqs, param_indices, strict=True)
+        for k, (p, m, v, s, i) in enumerate(
+            zip(params, exp_avgs, exp_avg_sqs, steps, param_indices, strict=True)
         ):
+            if s.dtype != torch.float32 or s.device.type != "cpu" or s.numel() != 1:
+                raise ValueError(
+                    f"steps[{k}] must be a one-element float32 CPU tensor, got {s.dtype} "
+                    f"{tuple(s.shape)} on {s.device}"
+                )
             if p.dtype not in DTYPE_CODES or p.device.type != "cpu" or not p.is_contiguous():
                 raise ValueError(
                     f"params[{k}] must be a contiguous float32/bfloat16/float16 CPU tensor, "
@@ -336,6 +353,7 @@ class KernelTable:
             row.param = p.data_ptr()
             row.exp_avg = m.data_ptr()
             row.exp_avg_sq = v.data_ptr()
+            row.step = s.data_ptr()
             row.numel = p.numel()
             row.param_index = i
             row.param_dtype = DTYPE_CODES[p.dtype]
@@ -343,6 +361,17 @@ class KernelTable:
             self.offsets[k + 1] = total
         self.n_params = n
         self.total = total
+
+    def read_steps(self, library: ctypes.CDLL | None = None) -> list[float]:
+        """Every param's step count (before this step), in one C call."""
+        lib = load_library() if library is None else library
+        lib.ol_read_steps(self.rows, self.n_params, self.step_values)
+        return self.step_values[: self.n_params]
+
+    def bump_steps(self, library: ctypes.CDLL | None = None) -> None:
+        """Add one to every param's step count, in one C call."""
+        lib = load_library() if library is None else library
+        lib.ol_bump_steps(self.rows, self.n_params)
 
     def set_step(
         self,
