@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from decimal import Decimal
 
@@ -33,7 +34,8 @@ def parse_bytes(value: object, name: str = "free_memory") -> int:
     allowed and rounded down to whole bytes (``"1.5KiB"`` is 1536).
 
     Args:
-        value: an ``int``/``float`` number of bytes or a string.
+        value: a number of bytes (``int``, ``float``, NumPy integers and floats) or a
+            string.
         name: the argument or variable it came from, for the error message.
 
     Returns:
@@ -47,6 +49,10 @@ def parse_bytes(value: object, name: str = "free_memory") -> int:
     error = ValueError(f"{name}={value!r} is not a byte count; expected {allowed}")
     if isinstance(value, bool):
         raise error
+    if isinstance(value, numbers.Integral) and not isinstance(value, int):
+        value = int(value)  # NumPy integers, as NumPy floats are taken below
+    elif isinstance(value, numbers.Real) and not isinstance(value, int | float):
+        value = float(value)
     if isinstance(value, int):  # before float(): a huge int does not fit a float
         if not 0 <= value <= MAX_BYTES:
             raise error

@@ -32,6 +32,7 @@ from optladder.optimizers.rounding import (
     round_param,
     step_key,
 )
+from optladder.rungs import FLOAT32_MATH_DTYPES
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -76,6 +77,11 @@ def validate_hyperparams(
             raise ValueError(
                 f"lr as a tensor must have one real element, got shape {tuple(lr.shape)}"
             )
+        if lr.device.type == "meta":
+            raise ValueError(
+                "lr is a tensor on the meta device, which holds no value; pass a number or "
+                "a one-element tensor on the CPU or the params' device"
+            )
         lr_value = _real(float(lr.item()))
     else:
         lr_value = _real(lr)
@@ -95,12 +101,22 @@ def validate_hyperparams(
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
 
 
+UNSUPPORTED_GROUP_FLAGS = ("amsgrad", "maximize", "differentiable")
+"""torch AdamW options no rung keeps: a group may hold them only as False."""
+
+
 def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
-    """:func:`validate_hyperparams` on the values a param group sets; a key the group
-    leaves out takes the optimizer's default, which is checked where it is given.
+    """:func:`validate_hyperparams` on the values a param group sets, and its options:
+    ``seed``, ``rounding`` and ``param_rounding`` (exactly ``"stochastic"`` or
+    ``"nearest"``) where set, and
+    :data:`UNSUPPORTED_GROUP_FLAGS` only False. A key the group leaves out takes the
+    optimizer's default, which is checked where it is given.
+
+    Called wherever a group's values can come in: construction, ``add_param_group``,
+    checkpoint loads, and before every step (a group dict edited by hand).
 
     Raises:
-        ValueError: naming the hyperparameter, its value and the allowed range.
+        ValueError: naming the hyperparameter or option, its value and what is allowed.
     """
     validate_hyperparams(
         group.get("lr", 0.0),
@@ -108,6 +124,15 @@ def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
         group.get("eps", 0.0),
         group.get("weight_decay", 0.0),
     )
+    for flag in UNSUPPORTED_GROUP_FLAGS:
+        if group.get(flag):
+            raise ValueError(f"{flag}={group[flag]!r} is not supported by optladder's rungs")
+    if "seed" in group:
+        check_seed(group["seed"])
+    if "rounding" in group:
+        check_rounding(group["rounding"])
+    if "param_rounding" in group:
+        check_param_rounding(group["param_rounding"])
 
 
 def unscale_grads_(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
@@ -214,8 +239,10 @@ class LadderAdamW(torch.optim.Optimizer):
         """Add a param group, refusing params this optimizer cannot step.
 
         Raises:
-            ValueError: if a param is complex or not floating point, or the group's
-                ``rounding``, ``param_rounding`` or ``seed`` is not allowed.
+            ValueError: if a param's dtype is not one this optimizer steps exactly in
+                float32 math (:data:`optladder.rungs.FLOAT32_MATH_DTYPES`: float64 would be
+                rounded to float32 precision; complex and non-float dtypes are refused),
+                or the group's ``rounding``, ``param_rounding`` or ``seed`` is not allowed.
         """
         check_rounding(param_group.get("rounding", "stochastic"))
         check_param_rounding(param_group.get("param_rounding", "stochastic"))
@@ -228,8 +255,12 @@ class LadderAdamW(torch.optim.Optimizer):
                     "optladder's AdamW take real params only: use the fp32 rung "
                     "(rung='fp32') for complex params"
                 )
-            if not p.is_floating_point():
-                raise ValueError(f"param {i} of the new group has dtype {p.dtype}; need floating")
+            if str(p.dtype).removeprefix("torch.") not in FLOAT32_MATH_DTYPES:
+                raise ValueError(
+                    f"param {i} of the new group has dtype {p.dtype}; optladder's AdamW "
+                    f"computes in float32 and takes {', '.join(FLOAT32_MATH_DTYPES)} params "
+                    "(float64 params run on the fp32 rung's torch AdamW)"
+                )
         param_group["params"] = params
         super().add_param_group(param_group)
 

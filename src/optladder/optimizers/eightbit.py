@@ -23,10 +23,9 @@ from typing import Any, cast
 
 import torch
 
-from optladder.rungs import BNB_DTYPES, BNB_MIN_8BIT_SIZE
+from optladder.rungs import BNB_MIN_8BIT_SIZE, param_refusal
 from optladder.sharding import is_dtensor, local_tensor
 
-_BNB_DTYPES = tuple(getattr(torch, name) for name in BNB_DTYPES)
 _NOISY_LOGGER = "bitsandbytes.backends.cpu.ops"
 
 
@@ -77,6 +76,12 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
     optimizer rather than in bitsandbytes' process-wide manager. Plain params take
     bitsandbytes' path unchanged.
 
+    A non-contiguous plain param is stepped through a contiguous copy (allocated by
+    :meth:`prepare_contiguous` in the prepare phase of a two-phase step, dropped after
+    the step), and the result is copied back into the param's own memory; its state is
+    kept contiguous, in the param's logical order. bitsandbytes alone would run
+    ``p.data = p.data.contiguous()`` and move the param to new storage.
+
     Created on first use, so bitsandbytes is imported only when the 8-bit rung is built.
 
     Raises:
@@ -91,7 +96,50 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
 
         def __init__(self, *args: Any, coupled_weight_decay: bool = False, **kwargs: Any) -> None:
             self.coupled_weight_decay = coupled_weight_decay
+            # non-contiguous param -> (contiguous copy, contiguous grad or None), made in
+            # prepare_contiguous and dropped after the step or by release_scratch
+            self._contiguous: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]] = {}
             super().__init__(*args, **kwargs)
+
+        def get_state_buffer(self, p: torch.Tensor, dtype: torch.dtype = torch.float32) -> Any:
+            # bitsandbytes' zeros_like keeps a non-contiguous param's strides, while its
+            # kernels index state by memory order: keep the state in the param's logical
+            # (row-major) order, as the contiguous copy is stepped.
+            if not p.is_contiguous() and not self.is_paged:
+                return torch.zeros(p.shape, dtype=dtype, device=p.device)
+            return super().get_state_buffer(p, dtype=dtype)
+
+        def prepare_contiguous(self) -> None:
+            """Allocate a contiguous copy of every non-contiguous plain param that has a
+            grad (and of its grad when that is not contiguous), for the next step; the
+            commit then allocates nothing for them. On failure (an OOM) nothing is kept.
+            """
+            try:
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is None or is_dtensor(p) or p in self._contiguous:
+                            continue
+                        if p.is_contiguous():
+                            continue
+                        work = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                        grad = None
+                        if not p.grad.is_contiguous():
+                            grad = torch.empty(p.shape, dtype=p.grad.dtype, device=p.device)
+                        self._contiguous[p] = (work, grad)
+            except BaseException:
+                self.release_scratch()
+                raise
+
+        def release_scratch(self) -> None:
+            """Drop the contiguous copies :meth:`prepare_contiguous` made."""
+            self._contiguous.clear()
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            try:
+                return super().step(closure)
+            finally:
+                self.release_scratch()
 
         def get_config(self, gindex: int, pindex: int, group: dict[str, Any]) -> dict[str, Any]:
             config: dict[str, Any] = super().get_config(gindex, pindex, group)
@@ -151,6 +199,9 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int
         ) -> None:
             wd = group["weight_decay"] if self.coupled_weight_decay else 0.0
+            if not is_dtensor(p) and not p.is_contiguous():
+                self._update_noncontiguous(group, p, gindex, pindex, wd)
+                return
             if not is_dtensor(p):
                 if wd:
                     cast(torch.Tensor, p.grad).add_(p, alpha=wd)
@@ -161,11 +212,49 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
                     cast(torch.Tensor, shard.grad).add_(shard, alpha=wd)
                 super().update_step(group, shard, gindex, pindex)
 
+        def _update_noncontiguous(
+            self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int, wd: float
+        ) -> None:
+            """Step a non-contiguous param through a contiguous copy, written back in
+            place: bitsandbytes would otherwise run ``p.data = p.data.contiguous()`` and
+            move the param to new storage, untying every tensor that views it."""
+            grad = cast(torch.Tensor, p.grad)
+            prepared = self._contiguous.pop(p) if p in self._contiguous else None
+            work, work_grad = prepared or (  # stepped without prepare_contiguous: made here
+                torch.empty(p.shape, dtype=p.dtype, device=p.device),
+                None
+                if grad.is_contiguous()
+                else torch.empty_like(grad, memory_format=torch.contiguous_format),
+            )
+            work.copy_(p)
+            if work_grad is not None:
+                work_grad.copy_(grad)
+            else:
+                work_grad = grad
+            if wd:
+                work_grad.add_(work, alpha=wd)
+            work.grad = work_grad
+            self.state[work] = self.state[p]
+            try:
+                super().update_step(group, work, gindex, pindex)
+            finally:
+                del self.state[work]
+                work.grad = None
+            p.copy_(work)
+
     return LadderAdamW8bit
 
 
+def steps_noncontiguous(engine: torch.optim.Optimizer) -> bool:
+    """Whether ``engine`` (an 8bit engine) steps non-contiguous params in place, through
+    a contiguous copy (:func:`ladder_adamw8bit_class`); bitsandbytes' plain
+    ``AdamW8bit`` would move them to new storage."""
+    return hasattr(engine, "prepare_contiguous")
+
+
 def check_8bit_param(p: torch.Tensor, where: str) -> None:
-    """Raise unless the 8-bit rung can take ``p``: real float32, bfloat16 or float16.
+    """Raise unless the 8-bit rung can take ``p`` (:data:`optladder.rungs.RUNG_ACCEPTS`:
+    real float32, bfloat16 or float16).
 
     Args:
         p: the param.
@@ -174,14 +263,10 @@ def check_8bit_param(p: torch.Tensor, where: str) -> None:
     Raises:
         ValueError: naming the param, its dtype and what is allowed.
     """
-    if p.is_complex():
-        raise ValueError(
-            f"{where} is complex ({p.dtype}); the 8bit rung takes real params only: use rung='fp32'"
-        )
-    if p.dtype not in _BNB_DTYPES:
-        raise ValueError(
-            f"{where} has dtype {p.dtype}; the 8bit rung takes float32, bfloat16 or float16 params"
-        )
+    refusal = param_refusal("8bit", str(p.dtype).removeprefix("torch."), sharded=is_dtensor(p))
+    if refusal is not None:
+        kind = f"is complex ({p.dtype})" if p.is_complex() else f"has dtype {p.dtype}"
+        raise ValueError(f"{where} {kind}; {refusal}")
 
 
 def build_8bit(
@@ -199,16 +284,21 @@ def build_8bit(
     larger ones keep uint8 codes with one float32 absmax per 256-element block. When any
     param is a DTensor (FSDP2), the optimizer is :func:`ladder_adamw8bit_class`: each
     rank steps its local shard, and the 4,096-element rule follows the global count.
-    ``decoupled_weight_decay=False`` (Adam) uses it too, to decay the Adam way.
+    ``decoupled_weight_decay=False`` (Adam) uses it too, to decay the Adam way, and so
+    does a non-contiguous param (a transposed view, a column slice), which it steps
+    through a contiguous copy written back in place: bitsandbytes' own ``update_step``
+    runs ``p.data = p.data.contiguous()``, which gives the param new storage and unties
+    every tensor that views it.
 
     Raises:
         ImportError: if bitsandbytes does not import (install ``optladder[8bit]``).
         ValueError: for complex params or dtypes bitsandbytes does not take.
     """
-    sharded = False
+    sharded = noncontiguous = False
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
             sharded = sharded or is_dtensor(p)
+            noncontiguous = noncontiguous or not local_tensor(p).is_contiguous()
             check_8bit_param(p, f"param {pi} of group {gi}")
     try:
         bnb = import_bitsandbytes()
@@ -219,7 +309,7 @@ def build_8bit(
         ) from exc
     kwargs: dict[str, Any] = {}
     engine: Any = bnb.optim.AdamW8bit
-    if sharded or not decoupled_weight_decay:
+    if sharded or noncontiguous or not decoupled_weight_decay:
         engine = ladder_adamw8bit_class()
         kwargs["coupled_weight_decay"] = not decoupled_weight_decay
     return engine(

@@ -340,14 +340,83 @@ def migrate_engine(
         raise
 
 
-def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> None:
-    """Check one param's saved state before anything is converted or loaded.
+FOREIGN_GROUP_KEYS: dict[str, str] = {
+    "momentum_decay": "torch.optim.NAdam",
+    "lr_decay": "torch.optim.Adagrad",
+    "initial_accumulator_value": "torch.optim.Adagrad",
+    "rho": "torch.optim.Adadelta",
+    "etas": "torch.optim.Rprop",
+    "step_sizes": "torch.optim.Rprop",
+    "lambd": "torch.optim.ASGD",
+    "t0": "torch.optim.ASGD",
+    "nesterov": "torch.optim.SGD",
+    "dampening": "torch.optim.SGD",
+    "centered": "torch.optim.RMSprop",
+}
+"""Param-group keys that only other optimizers write (torch 2.13's group defaults), and
+which optimizer: a checkpoint with them holds another update rule."""
 
-    Accepts the Adam layout (``step``, ``exp_avg``, ``exp_avg_sq``: floating tensors of
-    the param's element count) and the bitsandbytes layout (``step``, ``state1``/
-    ``state2``: uint8 codes with float32 ``absmax1``/``absmax2`` of one value per
-    started 256-element block and 256-entry ``qmap1``/``qmap2``, or float32 moments).
-    Checked against the param's local shard for a DTensor param.
+ADAM_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
+"""Per-param state keys of the Adam layout (torch's Adam/AdamW, LadderAdamW)."""
+BNB_STATE_KEYS = frozenset(
+    {"step", "state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2", "unorm_vec"}
+)
+"""Per-param state keys of bitsandbytes' 2-state layout (``Optimizer2State.init_state``;
+``unorm_vec`` only with ``max_unorm > 0``)."""
+
+
+def foreign_group_reason(group: Mapping[str, Any]) -> str | None:
+    """Why a checkpoint's param group was written by an optimizer whose update is not
+    Adam/AdamW's, or None.
+
+    Two signs: a key only another optimizer writes (:data:`FOREIGN_GROUP_KEYS`, e.g.
+    NAdam's ``momentum_decay``), and torch's own group layout without ``amsgrad``: torch's
+    Adam and AdamW always write ``amsgrad`` (and ``capturable``), while RAdam, NAdam and
+    Adamax write ``capturable`` only. optladder's groups (LadderAdamW, bitsandbytes)
+    write neither.
+    """
+    for key, owner in FOREIGN_GROUP_KEYS.items():
+        if key in group:
+            return (
+                f"it has the key {key!r}, which {owner} writes: its update is not AdamW's, "
+                "so its state cannot be carried; optladder loads checkpoints of torch's "
+                "Adam/AdamW, LadderAdamW and bitsandbytes' AdamW8bit"
+            )
+    if "capturable" in group and "amsgrad" not in group:
+        return (
+            "it has torch's 'capturable' key but no 'amsgrad', as torch.optim.RAdam, NAdam "
+            "and Adamax write their groups (torch's Adam and AdamW always write 'amsgrad'): "
+            "its update is not AdamW's, so its state cannot be carried"
+        )
+    return None
+
+
+def _finite_number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.device.type == "meta":
+            return None
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> None:
+    """Check one param's saved state before anything is converted or loaded: refuse what
+    no rung can carry exactly.
+
+    Accepts the Adam layout (``step``, ``exp_avg``, ``exp_avg_sq``: dense floating
+    tensors of the param's element count) and the bitsandbytes layout (``step``,
+    ``state1``/``state2``: uint8 codes with float32 ``absmax1``/``absmax2`` of one value
+    per started 256-element block and 256-entry ``qmap1``/``qmap2``, or float32
+    moments). Checked against the param's local shard for a DTensor param. Refused:
+    keys of other optimizers' state (NAdam's ``mu_product``, amsgrad's
+    ``max_exp_avg_sq``, Adamax's ``exp_inf``, ...), a ``step`` that is not a whole number
+    ``>= 0`` (``2.5`` would be truncated), sparse or meta tensors, NaN or infinite
+    moments or block scales (the 8-bit format would turn them finite), and a negative
+    ``exp_avg_sq`` (a sum of squares, which the 8-bit format's unsigned code book
+    cannot hold).
 
     Args:
         state: the saved state of one param.
@@ -364,21 +433,31 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
         raise ValueError(
             f"{where}: the state holds max_exp_avg_sq (amsgrad), which no optladder rung keeps"
         )
+    bnb = "state1" in state
+    known = BNB_STATE_KEYS if bnb else ADAM_STATE_KEYS
+    other = sorted(str(k) for k in state if k not in known)
+    if other:
+        raise ValueError(
+            f"{where}: the state holds {', '.join(map(repr, other))}, which the "
+            f"{'bitsandbytes' if bnb else 'Adam'} layout has no place for (state of another "
+            f"optimizer, e.g. NAdam's 'mu_product'); allowed keys: {', '.join(sorted(known))}"
+        )
     for name, t in state.items():
         if isinstance(t, torch.Tensor) and t.device.type == "meta":
             raise ValueError(f"{where}: {name} is on the meta device, so it holds no values")
+        if isinstance(t, torch.Tensor) and local_tensor(t).layout != torch.strided:
+            raise ValueError(
+                f"{where}: {name} is a sparse tensor (layout {local_tensor(t).layout}); "
+                "allowed: dense (torch.strided) tensors"
+            )
     step = state.get("step")
-    value: float | None = None
-    if isinstance(step, torch.Tensor):
-        if step.numel() == 1 and not step.is_complex():
-            value = float(step.item())
-    elif isinstance(step, int | float) and not isinstance(step, bool):
-        value = float(step)
-    if value is None or not math.isfinite(value) or value < 0:
+    value = _finite_number(step)
+    if value is None or value < 0 or not value.is_integer():
         raise ValueError(
-            f"{where}: 'step' must be a finite number >= 0 (or a 0-d tensor), got {step!r}"
+            f"{where}: 'step' must be a finite whole number >= 0 (an int or a one-element "
+            "tensor), "
+            f"got {step!r}"
         )
-    bnb = "state1" in state
     names = ("state1", "state2") if bnb else ("exp_avg", "exp_avg_sq")
     for name in names:
         t = state.get(name)
@@ -407,6 +486,30 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
                 )
             if not (isinstance(qmap, torch.Tensor) and qmap.numel() == 256):
                 raise ValueError(f"{where}: 8-bit {name} needs a 256-entry qmap{i} tensor")
+            _check_values(local_tensor(absmax), f"absmax{i}", where, nonnegative=True)
+            _check_values(local_tensor(qmap), f"qmap{i}", where, nonnegative=False)
         elif not t.is_floating_point():
             allowed = "uint8 codes or float32" if bnb else "a floating dtype"
             raise ValueError(f"{where}: {name} has dtype {t.dtype}; allowed: {allowed}")
+        else:
+            _check_values(t, name, where, nonnegative=name in ("exp_avg_sq", "state2"))
+
+
+def _check_values(t: torch.Tensor, name: str, where: str, *, nonnegative: bool) -> None:
+    """Refuse NaN or infinite values in ``t`` (and negative ones when ``nonnegative``)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        raise ValueError(
+            f"{where}: {name} holds {bad} NaN or infinite values; a rung would carry them "
+            "as other values (the 8-bit format turns them finite), so the checkpoint is "
+            "refused: allowed are finite values"
+        )
+    if nonnegative:
+        negative = int((t < 0).sum())
+        if negative:
+            raise ValueError(
+                f"{where}: {name} holds {negative} negative values; it is a running average "
+                "of squared grads (or a block's largest magnitude), so allowed are values >= 0"
+            )

@@ -122,6 +122,8 @@ def prepare_step(
                         engine.init_state(group, p, gi, pi)  # type: ignore[attr-defined]
                     else:
                         engine.state[p].update(_torch_adam_init(group, p))
+            if bnb and hasattr(engine, "prepare_contiguous"):
+                engine.prepare_contiguous()  # copies of non-contiguous params, see eightbit
     except BaseException:
         rollback_step(engine, created)
         raise
@@ -132,7 +134,7 @@ def rollback_step(engine: torch.optim.Optimizer, created: list[torch.Tensor]) ->
     """Drop the state :func:`prepare_step` created and any scratch it holds."""
     for p in created:
         engine.state.pop(p, None)
-    if isinstance(engine, LadderAdamW):
+    if hasattr(engine, "release_scratch"):  # LadderAdamW, the 8bit engine's copies
         engine.release_scratch()
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numbers
+
 from pydantic import BaseModel, ConfigDict
 
 from optladder.policies.footprint import Footprint
 from optladder.policies.overrides import Overrides
 from optladder.policies.policy import Policy
-from optladder.rungs import BNB_DTYPES, RUNGS, Capabilities, Origin, Rung
+from optladder.rungs import RUNGS, Capabilities, Origin, Rung, rung_refusal
 from optladder.units import format_bytes
 
 
@@ -70,7 +72,13 @@ class Decision(BaseModel):
 def allowed_rungs(
     footprint: Footprint, capabilities: Capabilities, overrides: Overrides
 ) -> tuple[dict[Rung, bool], dict[Rung, str]]:
-    """Which rungs the policy may pick, and why each excluded one is excluded."""
+    """Which rungs the policy may pick, and why each excluded one is excluded.
+
+    A rung is excluded when the user disabled it (``=0``), the device cannot run it, or
+    it cannot step the params that follow the decision (their dtypes, complex or
+    sharded), by the table :data:`optladder.rungs.RUNG_ACCEPTS`: float64 params only on
+    fp32, complex params only on fp32, DTensor params not on bf16.
+    """
     why: dict[Rung, str] = {}
     for rung in RUNGS:
         if rung in overrides.disabled:
@@ -79,13 +87,11 @@ def allowed_rungs(
             why[rung] = f"{rung} is disabled by {source or 'an override'}"
         elif not capabilities.available.get(rung, True):
             why[rung] = capabilities.unavailable_reasons.get(rung, f"{rung} is unavailable")
-        elif rung != "fp32" and footprint.has_complex:
-            why[rung] = f"{rung} takes real params only and the model has complex params"
-        elif rung == "8bit" and set(footprint.dtypes) - set(BNB_DTYPES):
-            other = ", ".join(sorted(set(footprint.dtypes) - set(BNB_DTYPES)))
-            why[rung] = (
-                f"8bit takes {', '.join(BNB_DTYPES)} params and the model has {other} params"
-            )
+        else:
+            dtypes = (*footprint.dtypes, *(("complex64",) if footprint.has_complex else ()))
+            refusal = rung_refusal(rung, dtypes, sharded=footprint.sharded)
+            if refusal is not None:
+                why[rung] = refusal
     return {r: r not in why for r in RUNGS}, why
 
 
@@ -125,13 +131,34 @@ def decide(
         The :class:`Decision`.
 
     Raises:
-        ValueError: if ``free_memory`` is negative, or a pinned/forced rung cannot be
-            built (disabled is impossible here; unavailable, or params it cannot take).
+        ValueError: if ``free_memory`` is not an integer ``>= 0`` (NumPy integers are
+            accepted), or a pinned/forced rung cannot be built (disabled is impossible
+            here; unavailable, or params it cannot take).
+        TypeError: if ``footprint``, ``capabilities``, ``policy`` or ``overrides`` is not
+            of its optladder type (a plain dict is not a :class:`Policy`).
     """
+    for name, value, kind in (
+        ("footprint", footprint, Footprint),
+        ("capabilities", capabilities, Capabilities),
+        ("policy", policy, Policy),
+        ("overrides", overrides, Overrides),
+    ):
+        if not isinstance(value, kind) and not (value is None and name in ("policy", "overrides")):
+            raise TypeError(
+                f"{name} must be an optladder {kind.__name__}, got {type(value).__name__}"
+                + (f" (build it with {kind.__name__}(**...))" if isinstance(value, dict) else "")
+            )
     policy = policy or Policy()
     overrides = overrides or Overrides()
-    if isinstance(free_memory, bool) or not isinstance(free_memory, int) or free_memory < 0:
-        raise ValueError(f"free_memory must be an int number of bytes >= 0, got {free_memory!r}")
+    if (
+        isinstance(free_memory, bool)
+        or not isinstance(free_memory, numbers.Integral)
+        or free_memory < 0
+    ):
+        raise ValueError(
+            f"free_memory must be an integer number of bytes >= 0, got {free_memory!r}"
+        )
+    free_memory = int(free_memory)
     budget = int(policy.memory_fraction * free_memory)
     state = footprint.state_bytes
     allowed, excluded = allowed_rungs(footprint, capabilities, overrides)

@@ -28,10 +28,12 @@ from optladder.policies import (
     read_overrides,
     trainable_params,
 )
+from optladder.policies.decision import allowed_rungs
 from optladder.rungs import RUNGS, Rung, group_pin
 from optladder.selector.checks import (
     check_groups,
     check_max_retries,
+    check_param_collections,
     check_params_for_rung,
     check_pins,
 )
@@ -56,11 +58,13 @@ class InsufficientMemoryError(RuntimeError):
         self.needed_bytes = decision.state_bytes[decision.rung]
         self.free_bytes = decision.free_memory
         self.budget_bytes = decision.budget_bytes
+        _, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
+        skipped = "".join(f" Not allowed: {why}." for why in excluded.values())
         super().__init__(
             f"optimizer state does not fit: the cheapest allowed rung ({decision.rung}) needs "
             f"{self.needed_bytes:,} bytes ({format_bytes(self.needed_bytes)}), but only "
             f"{self.budget_bytes:,} bytes may be used "
-            f"({decision.policy.memory_fraction:.0%} of {self.free_bytes:,} bytes free). "
+            f"({decision.policy.memory_fraction:.0%} of {self.free_bytes:,} bytes free).{skipped} "
             "Pass strict=False to build it anyway, raise Policy(memory_fraction=...), or "
             "free memory."
         )
@@ -161,8 +165,9 @@ def choose_optimizer(
             trainable params; a rung that cannot take the params; a group pinning a
             disabled or unavailable rung, or pins that leave no trainable param to follow
             the decision.
-        TypeError: ``policy``, ``environ``, ``on_escalate`` or ``decoupled_weight_decay``
-            of the wrong type.
+        TypeError: ``policy``, ``environ``, ``on_escalate``, ``strict`` or
+            ``decoupled_weight_decay`` of the wrong type (``strict`` and
+            ``decoupled_weight_decay`` take a bool only); params given in a set.
         optladder.OverrideError: an unknown or contradictory override variable.
         InsufficientMemoryError: ``strict=True`` and no allowed rung passes the gate.
         ImportError: the 8bit rung without bitsandbytes.
@@ -171,11 +176,17 @@ def choose_optimizer(
     check_seed(seed)
     check_rounding(rounding)
     check_param_rounding(param_rounding)
-    _check_options(policy, environ, max_retries, on_escalate, decoupled_weight_decay)
+    _check_options(policy, environ, max_retries, on_escalate, decoupled_weight_decay, strict)
+    check_param_collections(model_or_params)
     groups = normalize_param_groups(model_or_params)
     check_groups(groups, decoupled_weight_decay)
     footprint = measure_footprint(groups)
     overrides = read_overrides(rung, environ)
+    asked = overrides.pinned or overrides.forced
+    if asked is not None:  # name the first param the asked rung cannot take
+        for gi, g in enumerate(groups):
+            if group_pin(g, f"param group {gi}") is None:
+                check_params_for_rung(g["params"], asked, None, f"group {gi}")
     target = _target_device(groups, device)
     if free_memory is None:
         probe = probe_free_memory(target)
@@ -243,8 +254,14 @@ def _check_options(
     max_retries: object,
     on_escalate: object,
     decoupled_weight_decay: object,
+    strict: object = True,
 ) -> None:
     """Type checks of choose_optimizer's options, each naming the argument."""
+    if not isinstance(strict, bool):
+        raise TypeError(
+            f"strict must be True (raise when nothing fits) or False (build the cheapest "
+            f"allowed rung and warn), got {strict!r}"
+        )
     if policy is not None and not isinstance(policy, Policy):
         raise TypeError(f"policy must be an optladder.Policy, got {type(policy).__name__}")
     if environ is not None and not isinstance(environ, Mapping):

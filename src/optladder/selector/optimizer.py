@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from optladder.optimizers.adamw import unscale_grads_, validate_group_hyperparams
+from optladder.optimizers.adamw import unscale_grads_
 from optladder.optimizers.build import ENGINE_KEYS, dtype_names
 from optladder.optimizers.capabilities import probe_capabilities
 from optladder.optimizers.migrate import (
@@ -39,11 +39,13 @@ from optladder.rungs import (
     group_pin,
 )
 from optladder.selector.checks import (
-    check_group_options,
+    check_checkpoint_groups,
     check_groups,
     check_max_retries,
+    check_new_group,
     check_params_for_rung,
     check_pins,
+    decoupled_mode,
 )
 from optladder.selector.oom import describe_error, is_oom
 from optladder.units import format_bytes
@@ -330,13 +332,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         if self._engine is None:  # called by torch.optim.Optimizer.__init__
             super().add_param_group(param_group)
             return
-        group = dict(param_group)
-        params = group.get("params")
-        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
-        if not params or not all(isinstance(p, torch.Tensor) for p in params):
-            raise ValueError("param_group['params'] must be a non-empty list of tensors")
-        group["params"] = params
-        decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
+        group = check_new_group(param_group)
+        params = group["params"]
+        decoupled = decoupled_mode(self._engine)
         check_groups([*self.param_groups, group], decoupled)
         gi = len(self.param_groups)
         pin = group_pin(group, f"param group {gi}")
@@ -602,8 +600,13 @@ class LadderOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: if the checkpoint does not fit the params (group count, param
                 count, element count or shape), its state is malformed (missing keys,
-                wrong dtypes, absmax of the wrong length, amsgrad state), or its
-                hyperparameters are out of range; the optimizer is left unchanged.
+                wrong dtypes, absmax of the wrong length, sparse tensors) or cannot be
+                carried exactly (NaN or infinite moments, a step that is not a whole
+                number, state keys of another optimizer such as amsgrad's or NAdam's),
+                its groups were written by another optimizer (NAdam, RAdam, ...) or decay
+                the other way (Adam into AdamW or the reverse, with weight decay), or its
+                hyperparameters or options are out of range; the optimizer is left
+                unchanged.
         """
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # shallow, as torch does before its hooks
@@ -622,9 +625,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         saved_state = state_dict.get("state")
         if not isinstance(groups, list) or not isinstance(saved_state, dict):
             raise ValueError("state_dict must have a 'param_groups' list and a 'state' dict")
-        for gi, saved in enumerate(groups):
-            if not (isinstance(saved, dict) and isinstance(saved.get("params"), list)):
-                raise ValueError(f"param group {gi} of the state_dict has no 'params' list")
+        check_checkpoint_groups(groups, decoupled_mode(self.engine))
         live_groups = self.param_groups
         if len(groups) != len(live_groups):
             raise ValueError(
@@ -660,13 +661,6 @@ class LadderOptimizer(torch.optim.Optimizer):
                         f"param {pi}: its state must be a dict, got {type(st).__name__}"
                     )
                 check_param_state(st, p, f"param {pi}")
-        for gi, saved in enumerate(groups):
-            try:
-                validate_group_hyperparams(saved)
-                check_group_options(saved)
-                group_pin(saved, "its")
-            except ValueError as exc:
-                raise ValueError(f"param group {gi} of the state_dict: {exc}") from None
         move_to = self._checkpoint_rung(groups)
         engine = self.engine
         saved_groups = [dict(g) for g in live_groups]
@@ -733,7 +727,9 @@ class LadderOptimizer(torch.optim.Optimizer):
 
         Raises:
             ValueError: if ``param_groups`` is not a list of dicts, one per group of this
-                optimizer; nothing moves then.
+                optimizer, or a group is malformed (a ``"rung"`` that is not a rung, an
+                unknown ``"rung_origin"``, options out of range, another optimizer's
+                groups, weight decay of the other mode); nothing moves then.
         """
         if not isinstance(param_groups, Sequence) or not all(
             isinstance(g, dict) for g in param_groups
@@ -747,6 +743,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 f"the checkpoint has {len(param_groups)} param groups; this optimizer has "
                 f"{len(self.param_groups)}"
             )
+        check_checkpoint_groups(list(param_groups), decoupled_mode(self.engine), need_params=False)
         target = self._checkpoint_rung(list(param_groups))
         if target is not None:
             reason = f"the checkpoint had escalated to {target}"
