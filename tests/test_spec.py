@@ -211,12 +211,12 @@ def test_bf16_and_f16_params_are_fused_on_both_rungs() -> None:
         opt.step()
         assert opt.engine.eager_reasons == {}  # type: ignore[attr-defined]
         assert all(opt.state[p]["exp_avg"].dtype == moment_dtype for p in params)
-    # float64 beside bf16 on the fp32 rung: the kernels do not step float64
-    mixed = [torch.nn.Parameter(torch.randn(8, dtype=d)) for d in (torch.bfloat16, torch.float64)]
-    decision = choose_optimizer(mixed, rung="fp32", free_memory="1GiB").decision
-    assert not decision.fused and "float64 params run the eager path" in str(
-        decision.unfused_reason
-    )
+    # the kernels step float32, bfloat16 and float16; other dtypes are named
+    from optladder.optimizers.spec import bf16_fused_miss, fp32_fused_miss
+
+    assert "float64 params run the eager path" in str(bf16_fused_miss("cpu", ("float64",)))
+    why = fp32_fused_miss(True, "cpu", ("bfloat16", "float64"), False)
+    assert why is not None and "float64 params run the eager path" in why
 
 
 # ----------------------------------------------------------------------- growth
