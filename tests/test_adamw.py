@@ -156,6 +156,7 @@ def test_defaults_fixed_across_escalations() -> None:
         "decoupled_weight_decay": False,
         "seed": 7,
         "rounding": "stochastic",
+        "param_rounding": "stochastic",
     }
     assert opt.defaults == expected
     for rung in ("bf16", "8bit"):

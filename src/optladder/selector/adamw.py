@@ -132,6 +132,9 @@ class AdamW(LadderOptimizer):
         seed: the bf16 rung's stochastic-rounding seed, ``0 <= seed < 2**64``; saved in
             ``state_dict``.
         rounding: the bf16 rung's rounding: ``"stochastic"`` (default) or ``"nearest"``.
+        param_rounding: how optladder's AdamW (the bf16 rung, and the fp32 rung of
+            bfloat16/float16 params) writes bfloat16/float16 params: ``"stochastic"``
+            (default) or ``"nearest"``; a group key, saved in ``state_dict``.
         strict: when not even the cheapest allowed rung passes the gate, raise (True) or
             build it with a warning (False).
         environ: the environment to read the overrides from; None means ``os.environ``.
@@ -179,6 +182,7 @@ class AdamW(LadderOptimizer):
         policy: Policy | None = None,
         seed: int = 0,
         rounding: Rounding = "stochastic",
+        param_rounding: Rounding = "stochastic",
         strict: bool = True,
         environ: Mapping[str, str] | None = None,
         max_retries: int = 2,
@@ -203,6 +207,7 @@ class AdamW(LadderOptimizer):
             policy=policy,
             seed=seed,
             rounding=rounding,
+            param_rounding=param_rounding,
             strict=strict,
             environ=environ,
             max_retries=max_retries,
@@ -229,6 +234,7 @@ class AdamW(LadderOptimizer):
             "decoupled_weight_decay": decoupled_weight_decay,
             "seed": seed,
             "rounding": rounding,
+            "param_rounding": param_rounding,
         }
         super().__init__(
             built.engine,
@@ -260,8 +266,8 @@ def choose_optimizer(
             groups.
         lr, betas, eps, weight_decay, amsgrad: as in :class:`AdamW`.
         **options: :class:`AdamW`'s keyword arguments (``rung``, ``free_memory``,
-            ``device``, ``policy``, ``seed``, ``rounding``, ``strict``, ``environ``,
-            ``max_retries``, ``on_escalate``, ``decoupled_weight_decay`` and torch's flags).
+            ``device``, ``policy``, ``seed``, ``rounding``, ``param_rounding``, ``strict``,
+            ``environ``, ``max_retries``, ``on_escalate``, ``decoupled_weight_decay`` and torch's flags).
 
     Returns:
         The :class:`AdamW`; ``.decision`` holds the :class:`optladder.Decision`.

@@ -27,8 +27,8 @@ from optladder.sharding import is_dtensor, local_tensor
 
 def check_group_options(group: Mapping[str, Any]) -> None:
     """Refuse per-group options that no rung keeps (instead of silently dropping them),
-    and an out-of-range bf16 seed or a rounding mode other than exactly ``"stochastic"``
-    or ``"nearest"``; see
+    and an out-of-range bf16 seed or a ``rounding`` / ``param_rounding`` mode other than
+    exactly ``"stochastic"`` or ``"nearest"``; see
     :func:`optladder.optimizers.adamw.validate_group_hyperparams`, which also runs
     before every step.
 

@@ -13,7 +13,12 @@ import torch
 from optladder.errors import OptladderWarning  # re-exported: defined below policies
 from optladder.optimizers import build_engine, probe_capabilities, validate_hyperparams
 from optladder.optimizers.build import without_dtensor_unsupported
-from optladder.optimizers.rounding import Rounding, check_rounding, check_seed
+from optladder.optimizers.rounding import (
+    Rounding,
+    check_param_rounding,
+    check_rounding,
+    check_seed,
+)
 from optladder.policies import (
     Decision,
     Footprint,
@@ -113,6 +118,7 @@ def decide_and_build(
     policy: Policy | None = None,
     seed: int = 0,
     rounding: Rounding = "stochastic",
+    param_rounding: Rounding = "stochastic",
     strict: bool = True,
     environ: Mapping[str, str] | None = None,
     max_retries: int = 2,
@@ -147,6 +153,9 @@ def decide_and_build(
         seed: the bf16 rung's stochastic-rounding seed, ``0 <= seed < 2**64``; saved in
             ``state_dict``.
         rounding: the bf16 rung's rounding: ``"stochastic"`` (default) or ``"nearest"``.
+        param_rounding: how optladder's AdamW (the bf16 rung, and the fp32 rung of
+            bfloat16/float16 params) writes bfloat16/float16 params: ``"stochastic"``
+            (default) or ``"nearest"``; a group key, saved in ``state_dict``.
         strict: when not even the cheapest allowed rung passes the gate, raise (True) or
             build it with a warning (False).
         environ: the environment to read the overrides from; None means ``os.environ``.
@@ -183,6 +192,7 @@ def decide_and_build(
     validate_hyperparams(lr, betas, eps, weight_decay)
     check_seed(seed)
     check_rounding(rounding)
+    check_param_rounding(param_rounding)
     _check_options(policy, environ, max_retries, on_escalate, decoupled_weight_decay, strict)
     check_param_collections(model_or_params)
     groups = normalize_param_groups(model_or_params)
@@ -229,6 +239,7 @@ def decide_and_build(
         "weight_decay": weight_decay,
         "seed": seed,
         "rounding": rounding,
+        "param_rounding": param_rounding,
         "decoupled_weight_decay": decoupled_weight_decay,
     }
 
