@@ -267,7 +267,8 @@ def choose_optimizer(
         lr, betas, eps, weight_decay, amsgrad: as in :class:`AdamW`.
         **options: :class:`AdamW`'s keyword arguments (``rung``, ``free_memory``,
             ``device``, ``policy``, ``seed``, ``rounding``, ``param_rounding``, ``strict``,
-            ``environ``, ``max_retries``, ``on_escalate``, ``decoupled_weight_decay`` and torch's flags).
+            ``environ``, ``max_retries``, ``on_escalate``, ``decoupled_weight_decay`` and
+            torch's flags).
 
     Returns:
         The :class:`AdamW`; ``.decision`` holds the :class:`optladder.Decision`.
