@@ -32,7 +32,7 @@ from optladder.optimizers.rounding import (
     round_param,
     step_key,
 )
-from optladder.rungs import FLOAT32_MATH_DTYPES
+from optladder.rungs import FLOAT32_MATH_DTYPES, LADDER_DTYPES
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -239,9 +239,11 @@ class LadderAdamW(torch.optim.Optimizer):
         """Add a param group, refusing params this optimizer cannot step.
 
         Raises:
-            ValueError: if a param's dtype is not one this optimizer steps exactly in
-                float32 math (:data:`optladder.rungs.FLOAT32_MATH_DTYPES`: float64 would be
-                rounded to float32 precision; complex and non-float dtypes are refused),
+            ValueError: if a param's dtype is not one this optimizer steps without
+                rounding the param (:data:`optladder.rungs.LADDER_DTYPES` with bfloat16
+                moments; with float32 moments, the fp32 rung of bfloat16/float16 params,
+                not float64, which keeps float64 moments on torch's AdamW; complex and
+                non-float dtypes are refused),
                 or the group's ``rounding``, ``param_rounding`` or ``seed`` is not allowed.
         """
         check_rounding(param_group.get("rounding", "stochastic"))
@@ -255,11 +257,13 @@ class LadderAdamW(torch.optim.Optimizer):
                     "optladder's AdamW take real params only: use the fp32 rung "
                     "(rung='fp32') for complex params"
                 )
-            if str(p.dtype).removeprefix("torch.") not in FLOAT32_MATH_DTYPES:
+            dtypes = LADDER_DTYPES if self.moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
+            if str(p.dtype).removeprefix("torch.") not in dtypes:
                 raise ValueError(
-                    f"param {i} of the new group has dtype {p.dtype}; optladder's AdamW "
-                    f"computes in float32 and takes {', '.join(FLOAT32_MATH_DTYPES)} params "
-                    "(float64 params run on the fp32 rung's torch AdamW)"
+                    f"param {i} of the new group has dtype {p.dtype}; optladder's AdamW with "
+                    f"{str(self.moment_dtype).removeprefix('torch.')} moments takes "
+                    f"{', '.join(dtypes)} params (float64 params keep float64 moments on the "
+                    "fp32 rung's torch AdamW)"
                 )
         param_group["params"] = params
         super().add_param_group(param_group)

@@ -194,7 +194,9 @@ def eager_step(
 
     Args:
         p: the param (float32, bfloat16, float16 or float64); ``p.grad`` is a dense
-            tensor of any floating dtype.
+            tensor of any floating dtype. A float64 param gets the float32 update added
+            in float64 (and decoupled decay applied in float64): it is never rounded to
+            float32, so a step with ``lr=0`` leaves it bit for bit.
         state: its state (``step``, ``exp_avg``, ``exp_avg_sq``), already allocated.
         group: its param group (lr, betas, eps, weight_decay, decoupled_weight_decay,
             maximize, rounding, param_rounding, seed).
@@ -215,6 +217,9 @@ def eager_step(
         and group.get("param_rounding", "stochastic") == "stochastic"
     )
     key = element_key(group["seed"], step, param_index) if stochastic or round_param else 0
+    # float64 params: the update is computed in float32 and added to the param in float64
+    # (decoupled decay too), so the param itself is never rounded to float32.
+    wide = p.dtype == torch.float64
     n_total = p.numel()
     chunked = p.is_contiguous() and grad_in.is_contiguous()
     if chunked:
@@ -239,10 +244,14 @@ def eager_step(
             grad.neg_()
         param.copy_(cut(views[0]))
         if wd != 0:
-            if group["decoupled_weight_decay"]:
-                param.mul_(1.0 - lr * wd)
-            else:
+            if not group["decoupled_weight_decay"]:
                 grad.add_(param, alpha=wd)
+            elif wide:
+                cut(views[0]).mul_(1.0 - lr * wd)  # in float64: the param is not rounded
+            else:
+                param.mul_(1.0 - lr * wd)
+        if wide:
+            param.zero_()  # below, param holds the float32 update, added in float64
         exp_avg.copy_(cut(moments[0]))
         exp_avg_sq.copy_(cut(moments[1]))
         exp_avg.lerp_(grad, 1.0 - beta1)
@@ -261,6 +270,8 @@ def eager_step(
                 _round_bf16_into(cut(views[0]), flat[0], bits, scratch, n)
             else:
                 _round_f16_into(cut(views[0]), flat[0], bits, scratch, n)
+        elif wide:
+            cut(views[0]).add_(param)
         else:
             cut(views[0]).copy_(param)
         if stochastic:
