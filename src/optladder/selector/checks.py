@@ -326,3 +326,26 @@ def check_params_for_rung(
 
 def _contiguous(p: torch.Tensor) -> bool:
     return local_tensor(p).is_contiguous()
+
+
+def refuse_meta_params(groups: list[dict[str, Any]], first_group: int = 0) -> None:
+    """Raise if a param is on the meta device: it holds no values, and materializing a
+    meta model (``model.to_empty(device=...)``) makes new Parameters, so the optimizer's
+    params would never move (torch's optimizers step them silently; we refuse at
+    construction and in ``add_param_group``).
+    To plan for a meta model, use :func:`optladder.measure_footprint` and
+    :func:`optladder.decide` (or ``optladder plan``), which allocate nothing.
+
+    Raises:
+        ValueError: naming the first such param by group and place.
+    """
+    for gi, group in enumerate(groups, start=first_group):
+        for pi, p in enumerate(group["params"]):
+            if p.is_meta:
+                raise ValueError(
+                    f"param {pi} of group {gi} (shape {tuple(p.shape)}) is on the meta device: "
+                    "it holds no values, and model.to_empty(device=...) makes new Parameters "
+                    "that this optimizer does not hold, so its steps would update nothing. "
+                    "Build the optimizer after materializing the model (choose_optimizer("
+                    "model, ...) after model.to_empty(...) and the weights' init)"
+                )

@@ -38,6 +38,7 @@ from optladder.selector.checks import (
     check_param_collections,
     check_params_for_rung,
     check_pins,
+    refuse_meta_params,
 )
 from optladder.selector.optimizer import EngineBuilder, Escalation
 from optladder.units import format_bytes, parse_bytes
@@ -197,6 +198,7 @@ def decide_and_build(
     check_param_collections(model_or_params)
     groups = normalize_param_groups(model_or_params)
     check_groups(groups, decoupled_weight_decay)
+    refuse_meta_params(groups)
     footprint = measure_footprint(groups)
     overrides = read_overrides(rung, environ)
     asked = overrides.pinned or overrides.forced

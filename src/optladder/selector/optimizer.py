@@ -49,6 +49,7 @@ from optladder.selector.checks import (
     check_params_for_rung,
     check_pins,
     decoupled_mode,
+    refuse_meta_params,
 )
 from optladder.selector.oom import describe_error, is_oom
 from optladder.units import format_bytes
@@ -375,6 +376,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             )
         decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
         check_groups([*self.param_groups, group], decoupled)
+        refuse_meta_params([group], first_group=len(self.param_groups))
         gi = len(self.param_groups)
         pin = group_pin(group, f"param group {gi}")
         if pin is None:
@@ -414,11 +416,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         Raises:
             OptimizerOutOfMemoryError: out of memory with no rung left to move to (the
                 original error chained), the rung pinned, or ``max_retries`` used up.
-            ValueError: at a step before any committed, if a param is on the meta device
-                (the optimizer was built before ``model.to_empty()`` made new params).
         """
-        if self._steps == 0:  # until a step commits: params cannot become meta later
-            _refuse_meta_params(self.param_groups)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -907,23 +905,3 @@ def _restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -
     for group, items in zip(groups, saved):
         group.clear()
         group.update(items)
-
-
-def _refuse_meta_params(groups: list[dict[str, Any]]) -> None:
-    """Raise if a param is on the meta device: it holds no values, and materializing a
-    meta model (``model.to_empty(device=...)``) makes new Parameters, so the optimizer's
-    params would never move (torch's optimizers step them silently; we refuse).
-
-    Raises:
-        ValueError: naming the first such param by group and place.
-    """
-    for gi, group in enumerate(groups):
-        for pi, p in enumerate(group["params"]):
-            if p.is_meta:
-                raise ValueError(
-                    f"param {pi} of group {gi} (shape {tuple(p.shape)}) is on the meta device: "
-                    "it holds no values, and model.to_empty(device=...) makes new Parameters "
-                    "that this optimizer does not hold, so its steps would update nothing. "
-                    "Build the optimizer after materializing the model (choose_optimizer("
-                    "model, ...) after model.to_empty(...) and the weights' init)"
-                )
