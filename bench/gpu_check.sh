@@ -61,7 +61,8 @@ unset TRITON_INTERPRET  # compiled kernels, not the interpreter
 echo "== kernel tests on CUDA"
 tests_rc=0
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/test_kernels_triton.py tests/test_stochastic_rounding.py tests/test_kernels_cpu.py \
+    tests/test_kernels_triton.py tests/test_kernels_dtypes.py tests/test_stochastic_rounding.py \
+    tests/test_kernels_cpu.py \
     || tests_rc=$?
 
 echo "== step time (GB/s against ${PEAK_GBPS} GB/s HBM peak)"

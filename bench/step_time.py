@@ -3,12 +3,15 @@ kernel is ``optladder-8bit-cpu``: bitsandbytes' state format) against baselines.
 
 Every implementation steps the same params (one float32 tensor of N elements, or a
 transformer-like list of tensors adding up to about N elements: ``--layouts``) with
-float32 grads (stochastic rounding on for optladder), its state allocated by warm-up
-steps before timing. All implementations live in one process and are timed in turns,
+grads of the params' dtype (float32, or bfloat16 with ``--param-dtype bfloat16``;
+stochastic rounding on for optladder), its state allocated by warm-up steps before
+timing. With bfloat16 params the baseline is torch's fused AdamW on the same params (it
+keeps bfloat16 moments), and optladder's fp32 rung (float32 moments on its own kernel)
+is measured beside the bf16 rung. All implementations live in one process and are timed in turns,
 the order rotated by one every rep, so that drifts of the machine hit all alike.
 Reported per (threads, layout, size, implementation): the median of ``--reps`` timed
 steps with the min-max over reps, the state bytes per param summed over the real state
-tensors, the speed ratio to torch's fused fp32 AdamW (``t_fused / t_impl`` of the
+tensors, the speed ratio to torch's fused AdamW (``t_fused / t_impl`` of the
 medians: above 1 is faster) and, given ``--peak-gbps``, the memory bandwidth reached
 against the peak. ``--threads 1,2`` repeats everything at each torch thread count.
 
@@ -17,6 +20,7 @@ Usage::
     python bench/step_time.py                       # 1M, 16M, 64M params on CPU (or CUDA)
     python bench/step_time.py --sizes 16M,64M --threads 1,2 --layouts one,list --reps 9
     python bench/step_time.py --device cuda --peak-gbps 4800   # H200 HBM3e
+    python bench/step_time.py --param-dtype bfloat16 --sizes 16M,64M
 
 Not a test: numbers depend on the machine. The README carries the CPU table.
 """
@@ -42,17 +46,25 @@ from optladder.optimizers.kernels import cpu_unavailable_reason as cpu_kernel_un
 
 Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
-TRAFFIC_BYTES_PER_PARAM = {
-    "torch-fused-fp32": 28,  # param r/w 8, grad r 4, two fp32 moments r/w 16
-    "torch-foreach-fp32": 28,  # the same data, over several passes
-    "optladder-bf16-cpu": 20,  # param r/w 8, grad r 4, two bf16 moments r/w 8
-    "optladder-bf16-triton": 20,
-    "optladder-bf16-eager": 20,
-    "bnb-adamw8bit": 14,  # param r/w 8, grad r 4, two uint8 codes r/w 4 (+ absmax)
-    "optladder-8bit-cpu": 14,
-    "torchao-adamw8bit": 14,
-}
-"""Least bytes a step must move per param (one pass), for the bandwidth column."""
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def moment_bytes(impl: str, param_dtype: torch.dtype) -> int:
+    """Bytes of one moment element of ``impl`` (torch keeps the param's dtype)."""
+    if impl.startswith("torch-"):
+        return param_dtype.itemsize
+    if "8bit" in impl:
+        return 1
+    return 4 if impl.startswith("optladder-fp32") else 2
+
+
+def traffic_bytes_per_param(impl: str, param_dtype: torch.dtype) -> int:
+    """Least bytes a step must move per param (one pass), for the bandwidth column:
+    param read and write, grad read (the param's dtype), two moments read and written
+    (float32 params: 28 for torch fused, 20 for the bf16 rung, 14 for 8-bit codes plus
+    their absmax; bfloat16 params: 14 for torch fused and the bf16 rung, 22 for the fp32
+    rung)."""
+    return 3 * param_dtype.itemsize + 4 * moment_bytes(impl, param_dtype)
 
 
 @dataclass
@@ -111,13 +123,21 @@ def parse_size(text: str) -> int:
         ) from None
 
 
-def implementations(device: torch.device) -> dict[str, Factory | str]:
-    """Name -> optimizer factory, or the reason it cannot run here."""
+def implementations(
+    device: torch.device, param_dtype: torch.dtype = torch.float32
+) -> dict[str, Factory | str]:
+    """Name -> optimizer factory, or the reason it cannot run here. The first name is
+    the baseline: torch's fused AdamW (moments in the param dtype, hence its suffix)."""
+    tag = {torch.float32: "fp32", torch.bfloat16: "bf16"}[param_dtype]
     impls: dict[str, Factory | str] = {
-        "torch-fused-fp32": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
-        "torch-foreach-fp32": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+        f"torch-fused-{tag}": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+        f"torch-foreach-{tag}": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
     }
     fused_backend = "triton" if device.type == "cuda" else "cpu"
+    if param_dtype != torch.float32:  # the fp32 rung of low-precision params: our kernel
+        impls[f"optladder-fp32-{fused_backend}"] = lambda ps: LadderAdamW(
+            ps, lr=1e-3, backend=fused_backend, moment_dtype=torch.float32
+        )
     impls[f"optladder-bf16-{fused_backend}"] = lambda ps: LadderAdamW(
         ps, lr=1e-3, backend=fused_backend
     )
@@ -230,10 +250,11 @@ def measure_size(
     reps: int,
     warmup: int,
     layout: str = "one",
+    param_dtype: torch.dtype = torch.float32,
 ) -> list[Result]:
-    """Step times of every implementation on float32 params of about ``n`` elements in
-    the given layout (:func:`layout_numels`, :func:`step_seconds`): median and min-max.
-    One that fails is reported and left out.
+    """Step times of every implementation on params of ``param_dtype`` (grads likewise)
+    of about ``n`` elements in the given layout (:func:`layout_numels`,
+    :func:`step_seconds`): median and min-max. One that fails is reported and left out.
     """
     numels = layout_numels(n, layout)
     n = sum(numels)
@@ -242,8 +263,8 @@ def measure_size(
         gen = torch.Generator(device=device).manual_seed(0)
         ps = []
         for k in numels:
-            p = torch.nn.Parameter(torch.randn(k, device=device, generator=gen))
-            p.grad = torch.randn(k, device=device, generator=gen) * 1e-3
+            p = torch.nn.Parameter(torch.randn(k, device=device, generator=gen).to(param_dtype))
+            p.grad = (torch.randn(k, device=device, generator=gen) * 1e-3).to(param_dtype)
             ps.append(p)
         opt = warmed_up(lambda: factory(ps), device, warmup, f"{name:<24}{n:>10}")  # noqa: B023
         if opt is not None:
@@ -270,7 +291,7 @@ def measure_size(
     return results
 
 
-def plot(results: list[Result], path: Path) -> None:
+def plot(results: list[Result], path: Path, param_dtype: torch.dtype = torch.float32) -> None:
     """Bar chart of step time per size and implementation (log scale)."""
     import matplotlib
 
@@ -299,7 +320,8 @@ def plot(results: list[Result], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("optimizer step (ms): median, min-max")
     ax.legend(fontsize=8)
-    ax.set_title("AdamW step time, float32 params and grads")
+    dtype_name = str(param_dtype).removeprefix("torch.")
+    ax.set_title(f"AdamW step time, {dtype_name} params and grads")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -324,6 +346,12 @@ def main(argv: list[str] | None = None) -> list[Result]:
     ap.add_argument("--peak-gbps", type=float, default=None, help="memory bandwidth peak")
     ap.add_argument("--threads", default="", help="CPU thread counts, e.g. 1,2 (default: torch's)")
     ap.add_argument("--layouts", default="one", help="one (one tensor), list (transformer-like)")
+    ap.add_argument(
+        "--param-dtype",
+        choices=sorted(PARAM_DTYPES),
+        default="float32",
+        help="dtype of the params and grads (baseline: torch's fused AdamW on them)",
+    )
     args = ap.parse_args(argv)
     if args.reps < 5:
         ap.error(f"--reps must be >= 5, got {args.reps}")
@@ -339,15 +367,21 @@ def main(argv: list[str] | None = None) -> list[Result]:
     if min(thread_counts) < 1:
         ap.error(f"--threads must be >= 1, got {args.threads!r}")
     device = torch.device(args.device)
-    impls = implementations(device)
+    param_dtype = PARAM_DTYPES[args.param_dtype]
+    impls = implementations(device, param_dtype)
+    baseline = next(iter(impls))
     if args.impls:
         wanted = args.impls.split(",")
         unknown = sorted(set(wanted) - set(impls))
         if unknown:
             ap.error(f"--impls: unknown {unknown}; choose from {sorted(impls)}")
         impls = {k: v for k, v in impls.items() if k in wanted}
-    print(f"device={device} torch={torch.__version__} reps={args.reps} (order rotated each rep)")
-    print("torch's own bf16-moment fused AdamW: none in this torch (fused keeps param dtype)")
+    print(
+        f"device={device} torch={torch.__version__} reps={args.reps} (order rotated each rep) "
+        f"params={args.param_dtype}"
+    )
+    if param_dtype == torch.float32:
+        print("torch's own bf16-moment fused AdamW: none in this torch (fused keeps param dtype)")
     for name, f in impls.items():
         if isinstance(f, str):
             print(f"skip {name}: {f}")
@@ -364,12 +398,15 @@ def main(argv: list[str] | None = None) -> list[Result]:
             print(header)
             for n in sizes:
                 base: float | None = None
-                for r in measure_size(runnable, n, device, args.reps, args.warmup, layout):
+                measured = measure_size(
+                    runnable, n, device, args.reps, args.warmup, layout, param_dtype
+                )
+                for r in measured:
                     results.append(r)
-                    if r.impl == "torch-fused-fp32":
+                    if r.impl == baseline:
                         base = r.median_s
                     ratio = f"{base / r.median_s:10.2f}" if base else f"{'-':>10}"
-                    gbps = TRAFFIC_BYTES_PER_PARAM.get(r.impl, math.nan) * r.params / r.median_s
+                    gbps = traffic_bytes_per_param(r.impl, param_dtype) * r.params / r.median_s
                     gbps /= 1e9
                     spread = f"{r.min_s * 1e3:.3f}-{r.max_s * 1e3:.3f}"
                     line = f"{r.impl:<24}{r.params:>10}{r.median_s * 1e3:12.3f}{spread:>18}"
@@ -383,7 +420,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     one = [r for r in results if r.layout == "one" and r.threads in (None, thread_counts[-1])]
     if one and args.png:
         try:
-            plot(one, args.png)
+            plot(one, args.png, param_dtype)
             print(f"plot: {args.png}")
         except ImportError as exc:
             print(f"no plot: matplotlib is not importable ({exc}); pip install 'matplotlib>=3.7'")

@@ -508,10 +508,21 @@ def test_probe_cpu() -> None:
 
 
 @pytest.mark.parametrize("dtypes", [("bfloat16",), ("float16", "float32")])
-def test_probe_cpu_low_precision_params_miss_the_fused_fp32(dtypes: tuple[str, ...]) -> None:
+def test_probe_cpu_low_precision_params_fused_on_optladders_kernel(
+    dtypes: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's fused AdamW would keep bf16/fp16 moments: the fp32 rung keeps float32
+    moments on optladder's C kernel (fused), or eagerly with the reason without gcc."""
+    from optladder.optimizers.kernels import cpu_unavailable_reason
+
     c = probe_capabilities("cpu", dtypes=dtypes)
-    assert c.fused["fp32"] is False
+    assert c.fused["fp32"] is (cpu_unavailable_reason() is None)
+    assert c.fused["bf16"] is (cpu_unavailable_reason() is None)
+    monkeypatch.setenv("CC", "optladder-no-such-compiler")
+    c = probe_capabilities("cpu", dtypes=dtypes)
+    assert c.fused["fp32"] is False and c.fused["bf16"] is False
     assert "float32 moments" in c.unfused_reasons["fp32"]
+    assert "no C compiler" in c.unfused_reasons["fp32"]
 
 
 def test_probe_cpu_complex_params_miss_the_fused_fp32() -> None:

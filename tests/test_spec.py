@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from optladder import adopt, choose_optimizer
+from optladder.optimizers import kernels
 from optladder.optimizers.adamw import LadderAdamW
 from optladder.optimizers.spec import FusedOptimizerConfig, to_fused_config
 
@@ -174,7 +175,10 @@ def test_changing_betas_mid_run_takes_effect_on_the_fused_kernel() -> None:
 
 
 # --------------------------------------------------------------------------- warnings
-def test_one_warning_per_distinct_reason(caplog: pytest.LogCaptureFixture) -> None:
+def test_one_warning_per_distinct_reason(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", "optladder-no-such-compiler")  # no C kernel: the eager path
     params = [torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16)) for _ in range(3)]
     caplog.set_level(logging.WARNING, logger="optladder")
     opt = choose_optimizer(params, rung="bf16", free_memory="1GiB")
@@ -186,8 +190,33 @@ def test_one_warning_per_distinct_reason(caplog: pytest.LogCaptureFixture) -> No
     # 3 params x 4 steps, two distinct reasons (the decision's, and the CPU kernel's per
     # param), each logged once
     assert len(lines) == len(set(lines)) == 2, lines
-    assert "bfloat16 params run the eager path" in lines[0]
-    assert "the CPU kernel steps float32 params only" in lines[1]
+    assert "no C compiler" in lines[0] and "the bf16 rung runs the eager path" in lines[0]
+    assert "no C compiler" in lines[1] and "bf16 rung runs" not in lines[1]
+
+
+def test_bf16_and_f16_params_are_fused_on_both_rungs() -> None:
+    """bfloat16/float16 params: the fp32 rung keeps float32 moments on optladder's
+    kernel (torch's fused AdamW would keep them in bf16), the bf16 rung bf16 moments;
+    every param is stepped by the C kernel, none eagerly."""
+    if kernels.cpu_unavailable_reason() is not None:
+        pytest.skip(str(kernels.cpu_unavailable_reason()))
+    for rung, moment_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        params = [
+            torch.nn.Parameter(torch.randn(64, dtype=d)) for d in (torch.bfloat16, torch.float16)
+        ]
+        opt = choose_optimizer(params, rung=rung, free_memory="1GiB")
+        assert opt.decision.fused and opt.decision.unfused_reason is None
+        for p in params:
+            p.grad = torch.randn(64).to(p.dtype)
+        opt.step()
+        assert opt.engine.eager_reasons == {}  # type: ignore[attr-defined]
+        assert all(opt.state[p]["exp_avg"].dtype == moment_dtype for p in params)
+    # the kernels step float32, bfloat16 and float16; other dtypes are named
+    from optladder.optimizers.spec import bf16_fused_miss, fp32_fused_miss
+
+    assert "float64 params run the eager path" in str(bf16_fused_miss("cpu", ("float64",)))
+    why = fp32_fused_miss(True, "cpu", ("bfloat16", "float64"), False)
+    assert why is not None and "float64 params run the eager path" in why
 
 
 # ----------------------------------------------------------------------- growth

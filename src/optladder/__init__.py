@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     )
     from optladder.rungs import RUNGS, Capabilities, Rung
     from optladder.selector import (
+        AdamW,
         Escalation,
         InsufficientMemoryError,
         Ladder,
@@ -47,6 +48,7 @@ __version__ = "0.1.0"
 """The package's version; pyproject.toml reads it from here (one place)."""
 
 _WHERE = {
+    "AdamW": "optladder.selector",
     "RUNGS": "optladder.rungs",
     "Capabilities": "optladder.rungs",
     "Rung": "optladder.rungs",
@@ -74,6 +76,7 @@ _WHERE = {
 
 __all__ = [
     "RUNGS",
+    "AdamW",
     "Capabilities",
     "Decision",
     "Escalation",

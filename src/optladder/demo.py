@@ -17,7 +17,7 @@ from torch import nn
 from optladder.optimizers.state import measure_state_bytes
 from optladder.policies.footprint import measure_footprint
 from optladder.rungs import RUNGS, Rung
-from optladder.selector.choose import choose_optimizer
+from optladder.selector.adamw import choose_optimizer
 from optladder.units import format_bytes
 
 

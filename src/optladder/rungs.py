@@ -32,6 +32,10 @@ FLOAT32_MATH_DTYPES = ("float32", "bfloat16", "float16")
 two narrower float types, whose values float32 holds exactly. A float64 param stepped in
 float32 math is rounded to float32 precision on every write, even with ``lr=0``."""
 
+LADDER_DTYPES = (*FLOAT32_MATH_DTYPES, "float64")
+"""Param dtypes optladder's AdamW (LadderAdamW) steps without rounding the param: those
+of :data:`FLOAT32_MATH_DTYPES`, and float64, whose float32 update it adds to the param in
+float64 (so a step with ``lr=0`` leaves a float64 param bit for bit)."""
 BNB_DTYPES = FLOAT32_MATH_DTYPES
 """Param dtypes bitsandbytes' 8-bit optimizers step (``Optimizer2State.update_step``)."""
 
@@ -126,14 +130,17 @@ RUNG_ACCEPTS: dict[Rung, RungAccepts] = {
         ),
     ),
     "bf16": RungAccepts(
-        dtypes=FLOAT32_MATH_DTYPES,
+        dtypes=LADDER_DTYPES,
         complex=False,
         sharded=False,
         sharded_reason=(
             "the bf16 rung's AdamW (LadderAdamW) steps plain tensors only, not DTensor "
             "(FSDP2) params"
         ),
-        engine="optladder's LadderAdamW: bfloat16 moments, float32 math",
+        engine=(
+            "optladder's LadderAdamW: bfloat16 moments, float32 math; a float64 param gets "
+            "the float32 update added in float64 (the param is never rounded)"
+        ),
     ),
     "8bit": RungAccepts(
         dtypes=BNB_DTYPES,

@@ -21,14 +21,18 @@ from typing import Any, Literal, cast
 import torch
 from torch.optim.optimizer import ParamsT
 
+from optladder.optimizers.eager import step_scalars
 from optladder.optimizers.rounding import (
     Rounding,
+    check_param_rounding,
     check_rounding,
     check_seed,
     element_key,
     round_moments,
+    round_param,
+    step_key,
 )
-from optladder.rungs import FLOAT32_MATH_DTYPES
+from optladder.rungs import FLOAT32_MATH_DTYPES, LADDER_DTYPES
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -103,7 +107,8 @@ UNSUPPORTED_GROUP_FLAGS = ("amsgrad", "maximize", "differentiable")
 
 def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
     """:func:`validate_hyperparams` on the values a param group sets, and its options:
-    ``seed`` and ``rounding`` (exactly ``"stochastic"`` or ``"nearest"``) where set, and
+    ``seed``, ``rounding`` and ``param_rounding`` (exactly ``"stochastic"`` or
+    ``"nearest"``) where set, and
     :data:`UNSUPPORTED_GROUP_FLAGS` only False. A key the group leaves out takes the
     optimizer's default, which is checked where it is given.
 
@@ -126,6 +131,8 @@ def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
         check_seed(group["seed"])
     if "rounding" in group:
         check_rounding(group["rounding"])
+    if "param_rounding" in group:
+        check_param_rounding(group["param_rounding"])
 
 
 def unscale_grads_(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
@@ -159,10 +166,14 @@ class LadderAdamW(torch.optim.Optimizer):
         maximize: ascend instead of descend.
         moment_dtype: ``torch.bfloat16`` or ``torch.float32``.
         rounding: ``"stochastic"`` or ``"nearest"``; used only for bfloat16 moments.
+        param_rounding: how bfloat16/float16 params are written: ``"stochastic"``
+            (default; its own stream of the same hash, see
+            :mod:`optladder.optimizers.rounding`) or ``"nearest"`` (round-to-nearest-even,
+            as ``Tensor.copy_``). A group key like ``rounding``, so in ``state_dict``.
         seed: ``0 <= seed < 2**64``; with the step, param index and element index it
             fixes every random bit. Stored in each param group, so in ``state_dict``.
-        backend: see :data:`Backend`. All backends write the same random bits; the C
-            kernel matches the eager loop bit for bit, Triton to float32 rounding.
+        backend: see :data:`Backend`. All backends write the same bits: the kernels
+            match the eager loop bit for bit (params, moments and step counts).
             After each step, ``eager_reasons`` maps the index of every param that
             stepped eagerly to the reason.
 
@@ -188,6 +199,7 @@ class LadderAdamW(torch.optim.Optimizer):
         maximize: bool = False,
         moment_dtype: torch.dtype = torch.bfloat16,
         rounding: Rounding = "stochastic",
+        param_rounding: Rounding = "stochastic",
         seed: int = 0,
         backend: Backend = "auto",
     ) -> None:
@@ -199,6 +211,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 f"moment_dtype must be torch.bfloat16 or torch.float32, got {moment_dtype}"
             )
         check_rounding(rounding)
+        check_param_rounding(param_rounding)
         check_seed(seed)
         defaults: dict[str, Any] = {
             "lr": lr,
@@ -208,6 +221,7 @@ class LadderAdamW(torch.optim.Optimizer):
             "decoupled_weight_decay": decoupled_weight_decay,
             "maximize": maximize,
             "rounding": rounding,
+            "param_rounding": param_rounding,
             "seed": seed,
         }
         self.moment_dtype = moment_dtype
@@ -216,6 +230,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self._cpu_kernel_error: str | None = None
         self._plan: Any = None
         self._scratch: dict[torch.device, Any] = {}
+        self._cpu_tables: dict[int, Any] = {}  # group position -> cpu.KernelTable
         super().__init__(params, defaults)
 
     _step_supports_amp_scaling = True
@@ -224,10 +239,15 @@ class LadderAdamW(torch.optim.Optimizer):
         """Add a param group, refusing params this optimizer cannot step.
 
         Raises:
-            ValueError: if a param's dtype is not one this optimizer steps exactly in
-                float32 math (:data:`optladder.rungs.FLOAT32_MATH_DTYPES`: float64 would be
-                rounded to float32 precision; complex and non-float dtypes are refused).
+            ValueError: if a param's dtype is not one this optimizer steps without
+                rounding the param (:data:`optladder.rungs.LADDER_DTYPES` with bfloat16
+                moments; with float32 moments, the fp32 rung of bfloat16/float16 params,
+                not float64, which keeps float64 moments on torch's AdamW; complex and
+                non-float dtypes are refused),
+                or the group's ``rounding``, ``param_rounding`` or ``seed`` is not allowed.
         """
+        check_rounding(param_group.get("rounding", "stochastic"))
+        check_param_rounding(param_group.get("param_rounding", "stochastic"))
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         for i, p in enumerate(params):
@@ -237,11 +257,13 @@ class LadderAdamW(torch.optim.Optimizer):
                     "optladder's AdamW take real params only: use the fp32 rung "
                     "(rung='fp32') for complex params"
                 )
-            if str(p.dtype).removeprefix("torch.") not in FLOAT32_MATH_DTYPES:
+            dtypes = LADDER_DTYPES if self.moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
+            if str(p.dtype).removeprefix("torch.") not in dtypes:
                 raise ValueError(
-                    f"param {i} of the new group has dtype {p.dtype}; optladder's AdamW "
-                    f"computes in float32 and takes {', '.join(FLOAT32_MATH_DTYPES)} params "
-                    "(float64 params run on the fp32 rung's torch AdamW)"
+                    f"param {i} of the new group has dtype {p.dtype}; optladder's AdamW with "
+                    f"{str(self.moment_dtype).removeprefix('torch.')} moments takes "
+                    f"{', '.join(dtypes)} params (float64 params keep float64 moments on the "
+                    "fp32 rung's torch AdamW)"
                 )
         param_group["params"] = params
         super().add_param_group(param_group)
@@ -265,6 +287,8 @@ class LadderAdamW(torch.optim.Optimizer):
             },
         }
         super().load_state_dict(stripped)
+        for group in self.param_groups:  # checkpoints from before param_rounding existed
+            group.setdefault("param_rounding", self.defaults.get("param_rounding", "stochastic"))
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         live = [p for g in self.param_groups for p in g["params"]]
         for saved_id, p in zip(saved_ids, live):
@@ -325,7 +349,13 @@ class LadderAdamW(torch.optim.Optimizer):
         env: dict[str, str | None] = {}
         reasons: dict[int, str] = {}
         param_index = -1
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
+            try:  # keys may be set on a group after construction
+                check_rounding(group["rounding"])
+                check_param_rounding(group.get("param_rounding", "stochastic"))
+                check_seed(group["seed"])
+            except ValueError as exc:
+                raise ValueError(f"param group {gi}: {exc}") from None
             routes: dict[str, list[tuple[torch.Tensor, int]]] = {
                 "eager": [],
                 "cpu": [],
@@ -360,6 +390,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 if routes["cpu"] and not self._load_cpu_kernel(routes["cpu"], reasons):
                     routes["eager"] += routes["cpu"]
                     routes["cpu"] = []
+            self._prepare_cpu_tables(plan)
             need: dict[torch.device, int] = {}
             for _, routes in plan:
                 for p, _ in routes["eager"]:
@@ -378,9 +409,35 @@ class LadderAdamW(torch.optim.Optimizer):
         return created
 
     def release_scratch(self) -> None:
-        """Drop the prepared plan and the eager path's scratch buffers."""
+        """Drop the prepared plan, the eager path's scratch buffers and the kernel tables."""
         self._plan = None
         self._scratch.clear()
+        self._cpu_tables.clear()
+
+    def _prepare_cpu_tables(
+        self, plan: list[tuple[dict[str, Any], dict[str, list[tuple[torch.Tensor, int]]]]]
+    ) -> None:
+        """Build the C kernel's table of each group whose param set changed (kept while
+        the params, their moments' storage and their indices stay the same)."""
+        from optladder.optimizers.kernels import cpu
+
+        for gi, (_, routes) in enumerate(plan):
+            items = routes["cpu"]
+            if not items:
+                self._cpu_tables.pop(gi, None)
+                continue
+            params = [p for p, _ in items]
+            states = [self.state[p] for p in params]
+            args = (
+                params,
+                [st["exp_avg"] for st in states],
+                [st["exp_avg_sq"] for st in states],
+                [st["step"] for st in states],
+                [i for _, i in items],
+            )
+            table = self._cpu_tables.get(gi)
+            if table is None or table.signature != cpu.table_signature(*args):
+                self._cpu_tables[gi] = cpu.KernelTable(*args)
 
     def commit_step(
         self, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
@@ -402,7 +459,7 @@ class LadderAdamW(torch.optim.Optimizer):
             raise RuntimeError("commit_step() needs prepare_step() first")
         self._plan = None
         skip_host: bool | None = None
-        for group, routes in plan:
+        for gi, (group, routes) in enumerate(plan):
             if routes["triton"]:
                 self._step_triton(group, routes["triton"], grad_scale, found_inf)
             host = routes["cpu"] + routes["eager"]
@@ -415,7 +472,7 @@ class LadderAdamW(torch.optim.Optimizer):
             if grad_scale is not None:
                 unscale_grads_([cast(torch.Tensor, p.grad) for p, _ in host], grad_scale)
             if routes["cpu"]:
-                self._step_cpu(group, routes["cpu"])
+                self._step_cpu(group, routes["cpu"], self._cpu_tables[gi])
             for p, i in routes["eager"]:
                 eager.eager_step(
                     p, self.state[p], group, i, self.moment_dtype, self._scratch[p.device]
@@ -436,8 +493,6 @@ class LadderAdamW(torch.optim.Optimizer):
         """
         from optladder.optimizers import kernels
 
-        if self.moment_dtype != torch.bfloat16:
-            return "eager", "float32 moments step eagerly (the fused kernels are bf16 only)"
         if self.backend == "eager":
             return "eager", "backend='eager' was asked for"
         grad = p.grad
@@ -449,7 +504,9 @@ class LadderAdamW(torch.optim.Optimizer):
             name = "triton"
             if "triton" not in env:
                 env["triton"] = kernels.triton_unavailable_reason()
-            reason = env["triton"] or kernels.triton_param_unsupported_reason(p, grad)
+            reason = env["triton"] or kernels.triton_param_unsupported_reason(
+                p, grad, self.moment_dtype
+            )
         elif p.device.type == "cpu":
             name = "cpu"
             if "cpu" not in env:
@@ -483,34 +540,27 @@ class LadderAdamW(torch.optim.Optimizer):
             return False
         return True
 
-    def _step_cpu(self, group: dict[str, Any], items: list[tuple[torch.Tensor, int]]) -> None:
-        """Step params with the C kernel (loaded by :meth:`_load_cpu_kernel`)."""
+    def _step_cpu(
+        self, group: dict[str, Any], items: list[tuple[torch.Tensor, int]], table: Any
+    ) -> None:
+        """Step params with the C kernel (loaded by :meth:`_load_cpu_kernel`), through the
+        group's prepared table: the step counts are read and bumped together, and the
+        bias corrections and the random bits' key prefix are computed once per distinct
+        step count (one, when the group's params stepped together)."""
+        from optladder.optimizers import eager
         from optladder.optimizers.kernels import cpu
 
         lr = float(group["lr"])
         beta1, beta2 = group["betas"]
-        stochastic = group["rounding"] == "stochastic"
-        jobs: list[cpu.ParamJob] = []
-        new_steps: list[int] = []
-        for p, i in items:
-            state = self._init_state(p)
-            step = int(state["step"].item()) + 1
-            grad = p.grad
-            assert grad is not None
-            jobs.append(
-                cpu.ParamJob(
-                    param=p.detach(),
-                    grad=grad.detach(),
-                    exp_avg=state["exp_avg"],
-                    exp_avg_sq=state["exp_avg_sq"],
-                    key=element_key(group["seed"], step, i) if stochastic else 0,
-                    step_size=-lr / (1.0 - beta1**step),
-                    bias_correction2_sqrt=math.sqrt(1.0 - beta2**step),
-                )
-            )
-            new_steps.append(step)
-        cpu.adamw_bf16_step(
-            jobs,
+        seed = group["seed"]
+        new_steps = [s + 1.0 for s in table.read_steps()]
+        scalars = {
+            s: (step_key(seed, int(s)), *eager.step_scalars(lr, beta1, beta2, int(s)))
+            for s in set(new_steps)
+        }
+        table.set_step([cast(torch.Tensor, p.grad) for p, _ in items], new_steps, scalars)
+        cpu.adamw_step(
+            table,
             beta1=beta1,
             beta2=beta2,
             eps=group["eps"],
@@ -518,10 +568,10 @@ class LadderAdamW(torch.optim.Optimizer):
             weight_decay=group["weight_decay"],
             decoupled_weight_decay=group["decoupled_weight_decay"],
             maximize=group["maximize"],
-            stochastic=stochastic,
+            stochastic=group["rounding"] == "stochastic",
+            param_stochastic=group.get("param_rounding", "stochastic") == "stochastic",
         )
-        for (p, _), step in zip(items, new_steps, strict=True):
-            self.state[p]["step"].fill_(float(step))
+        table.bump_steps()
 
     def _step_triton(
         self,
@@ -530,17 +580,20 @@ class LadderAdamW(torch.optim.Optimizer):
         grad_scale: torch.Tensor | None,
         found_inf: torch.Tensor | None,
     ) -> None:
-        """Step params with the Triton custom op: one launch per (device, grad dtype)."""
+        """Step params with the Triton custom op: one launch per (device, param dtype,
+        grad dtype)."""
         from optladder.optimizers.kernels import ops
 
-        batches: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
+        batches: dict[
+            tuple[torch.device, torch.dtype, torch.dtype], list[tuple[torch.Tensor, int]]
+        ] = {}
         for p, i in items:
             grad = p.grad
             assert grad is not None
-            batches.setdefault((p.device, grad.dtype), []).append((p, i))
+            batches.setdefault((p.device, p.dtype, grad.dtype), []).append((p, i))
         beta1, beta2 = group["betas"]
         lr = group["lr"]
-        for (device, _), batch in batches.items():
+        for (device, _, _), batch in batches.items():
             states = [self._init_state(p) for p, _ in batch]
             for st in states:
                 if st["step"].device != device:
@@ -564,6 +617,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 bool(group["decoupled_weight_decay"]),
                 bool(group["maximize"]),
                 group["rounding"] == "stochastic",
+                group.get("param_rounding", "stochastic") == "stochastic",
                 ops.seed_prefix(group["seed"]),
                 None if grad_scale is None else grad_scale.to(device),
                 None if found_inf is None else found_inf.to(device),
@@ -591,17 +645,18 @@ class LadderAdamW(torch.optim.Optimizer):
         exp_avg_sq = state["exp_avg_sq"].to(torch.float32, copy=True)
         exp_avg.lerp_(grad, 1.0 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-        bias_correction1 = 1.0 - beta1**step
-        bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        step_size, bias_correction2_sqrt = step_scalars(lr, beta1, beta2, step)
+        root = exp_avg_sq.double().sqrt().float()  # the IEEE float32 root (see eager.py)
+        denom = (root / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=step_size)
+        key = element_key(group["seed"], step, param_index)
         if self.moment_dtype == torch.bfloat16:
-            key = element_key(group["seed"], step, param_index)
             new_avg, new_avg_sq = round_moments(exp_avg, exp_avg_sq, key, group["rounding"])
         else:
             new_avg, new_avg_sq = exp_avg, exp_avg_sq
+        new_param = round_param(param, p.dtype, key, group.get("param_rounding", "stochastic"))
 
-        p.copy_(param)
+        p.copy_(new_param)
         state["exp_avg"].copy_(new_avg)
         state["exp_avg_sq"].copy_(new_avg_sq)
         state["step"].fill_(float(step))

@@ -50,14 +50,14 @@ def _refuse_dtensors(rung: Rung, param_groups: list[dict[str, Any]], fused: bool
     LadderAdamW keeps plain moments of the global shape and mixes them with DTensor
     params ("got mixed torch.Tensor and DTensor"); its C kernel reads raw pointers.
     """
-    eager_fp32 = rung == "fp32" and spec.fp32_engine(fused, dtype_names(param_groups)) == "eager"
-    if rung not in DTENSOR_UNSUPPORTED and not eager_fp32:
+    ladder_fp32 = rung == "fp32" and spec.fp32_engine(fused, dtype_names(param_groups)) == "ladder"
+    if rung not in DTENSOR_UNSUPPORTED and not ladder_fp32:
         return
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
             if not is_dtensor(p):
                 continue
-            if eager_fp32:
+            if ladder_fp32:
                 raise ValueError(
                     f"rung='fp32' cannot take param {pi} of group {gi}, a {p.dtype} DTensor: "
                     "the fp32 rung keeps float32 moments for bfloat16/float16 params with "
@@ -107,6 +107,7 @@ def build_engine(
     weight_decay: float = 1e-2,
     seed: int = 0,
     rounding: Rounding = "stochastic",
+    param_rounding: Rounding = "stochastic",
     decoupled_weight_decay: bool = True,
 ) -> torch.optim.Optimizer:
     """Build the optimizer that runs ``rung`` over ``param_groups``.
@@ -116,11 +117,13 @@ def build_engine(
         param_groups: param groups; the dicts are used as given (their hyperparameters
             override the defaults per group) after :data:`ENGINE_KEYS` are cleared.
         fused: whether the rung runs fused here (``Decision.fused``); for the fp32 rung it
-            selects torch's fused AdamW over foreach (or optladder's eager AdamW for
-            bf16/fp16 params, see :func:`optladder.optimizers.spec.fp32_engine`).
+            selects torch's fused AdamW over foreach (or optladder's AdamW with float32
+            moments for bf16/fp16 params, see :func:`optladder.optimizers.spec.fp32_engine`).
         lr, betas, eps, weight_decay: AdamW hyperparameters (torch's meaning).
         seed: the bf16 rung's stochastic-rounding seed, ``0 <= seed < 2**64``.
         rounding: the bf16 rung's rounding, ``"stochastic"`` or ``"nearest"``.
+        param_rounding: how optladder's AdamW writes bfloat16/float16 params,
+            ``"stochastic"`` or ``"nearest"`` (bf16 rung, and fp32 rung for such params).
         decoupled_weight_decay: True for AdamW (``param *= 1 - lr * wd``), False for Adam
             (``grad += wd * param``), kept on every rung: ``torch.optim.Adam`` on fp32,
             :class:`LadderAdamW` in Adam mode on bf16, and on 8bit bitsandbytes run with
@@ -149,10 +152,15 @@ def build_engine(
     clear_engine_keys(param_groups)
     if rung == "fp32":
         engine = spec.fp32_engine(fused, dtype_names(param_groups))
-        return build_fp32(param_groups, engine=engine, **hyper)
+        return build_fp32(param_groups, engine=engine, param_rounding=param_rounding, **hyper)
     if rung == "bf16":
         return LadderAdamW(
-            param_groups, moment_dtype=torch.bfloat16, seed=seed, rounding=rounding, **hyper
+            param_groups,
+            moment_dtype=torch.bfloat16,
+            seed=seed,
+            rounding=rounding,
+            param_rounding=param_rounding,
+            **hyper,
         )
     if rung == "8bit":
         return build_8bit(param_groups, **hyper)

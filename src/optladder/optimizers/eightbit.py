@@ -100,7 +100,9 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
     view of the DTensor's memory, so the update lands in the param) and its grad's
     local shard. The state is keyed by the DTensor param, as torch's optimizers key it,
     and holds plain tensors of the shard: uint8 codes of the shard's shape and one
-    float32 absmax per started 256-element block of the shard.
+    float32 absmax per started 256-element block of the shard (blocks never straddle a
+    shard boundary, so they depend on where the boundaries are; ``state_dict()`` saves
+    them per row of the param, see :mod:`optladder.optimizers.checkpoint`).
 
     The size rule follows the *global* element count (``p.numel()`` of the DTensor,
     equal on every rank): a param of at least ``min_8bit_size`` elements is quantized on

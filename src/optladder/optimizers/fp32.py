@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.rounding import Rounding
 from optladder.optimizers.spec import Fp32Engine
 
 
@@ -19,23 +20,25 @@ def build_fp32(
     eps: float,
     weight_decay: float,
     decoupled_weight_decay: bool = True,
+    param_rounding: Rounding = "stochastic",
 ) -> torch.optim.Optimizer:
     """Build the fp32 rung's optimizer.
 
     Args:
         param_groups: the param groups (each dict's other keys override the defaults).
         engine: ``"fused"`` -> ``torch.optim.AdamW(fused=True)``; ``"foreach"`` ->
-            ``torch.optim.AdamW(foreach=True)``; ``"eager"`` -> :class:`LadderAdamW` with
+            ``torch.optim.AdamW(foreach=True)``; ``"ladder"`` -> :class:`LadderAdamW` with
             float32 moments (for bf16/fp16 params, whose moments torch keeps in their
-            own dtype). See :mod:`optladder.optimizers.spec`.
+            own dtype; its fused kernels where they run). See :mod:`optladder.optimizers.spec`.
         lr, betas, eps, weight_decay: AdamW hyperparameters.
         decoupled_weight_decay: True for AdamW, False for Adam (``grad += wd * param``):
             ``torch.optim.Adam`` then, with the same fused/foreach choice.
+        param_rounding: how the ``"ladder"`` engine writes bfloat16/float16 params.
 
     Returns:
         The optimizer over ``param_groups``.
     """
-    if engine == "eager":
+    if engine == "ladder":
         return LadderAdamW(
             param_groups,
             lr=lr,
@@ -44,6 +47,7 @@ def build_fp32(
             weight_decay=weight_decay,
             decoupled_weight_decay=decoupled_weight_decay,
             moment_dtype=torch.float32,
+            param_rounding=param_rounding,
         )
     flags = {"fused": True} if engine == "fused" else {"foreach": True}
     cls = torch.optim.AdamW if decoupled_weight_decay else torch.optim.Adam

@@ -25,6 +25,17 @@ pattern and truncate the low half. A value that lies a fraction ``f`` of the way
 bf16 neighbour to the next rounds up with probability ``f``, so the rounding is unbiased.
 NaN stays NaN, infinities stay infinite, and values past the largest bf16 round to inf
 with the probability of their distance.
+
+Low-precision params (bfloat16, float16) are written back with stochastic rounding too
+(``param_rounding="stochastic"``, the default; ``"nearest"`` is round-to-nearest-even),
+from the same hash on a distinct stream::
+
+    pbits = hash32((i + param_key(key)) mod 2**32)     # param_key(key) = mix(key, PARAM_STREAM)
+    bfloat16 params round with pbits & 0xFFFF, float16 params with all 32 bits
+    (:func:`stochastic_round_f16`)
+
+Without it an update smaller than half a param ulp is lost every step (Zamirai et al.,
+"Revisiting BFloat16 Training", 2020; Gupta et al. above).
 """
 
 from __future__ import annotations
@@ -40,8 +51,11 @@ _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio, the usual Weyl-sequence increment
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B
 
+PARAM_STREAM = 0x1B873593
+"""Mixed into a param's moment key to give its param writes their own stream of bits."""
+
 Rounding = Literal["stochastic", "nearest"]
-"""How moments are written back to bfloat16."""
+"""How moments (``rounding``) and low-precision params (``param_rounding``) are written."""
 
 
 def hash32(x: int) -> int:
@@ -84,6 +98,18 @@ def check_rounding(rounding: object) -> None:
         raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
 
 
+def check_param_rounding(param_rounding: object) -> None:
+    """Raise unless ``param_rounding`` is ``"stochastic"`` or ``"nearest"`` (exactly).
+
+    Raises:
+        ValueError: naming ``param_rounding``, its value and the allowed values.
+    """
+    if not isinstance(param_rounding, str) or param_rounding not in ("stochastic", "nearest"):
+        raise ValueError(
+            f"param_rounding must be 'stochastic' or 'nearest', got {param_rounding!r}"
+        )
+
+
 def _mix(a: int, b: int) -> int:
     return hash32(((a * _GOLDEN) & MASK32) ^ (b & MASK32))
 
@@ -102,16 +128,34 @@ def element_key(seed: int, step: int, param_index: int) -> int:
     Raises:
         ValueError: if an argument is out of range.
     """
+    if param_index < 0:
+        raise ValueError(f"param_index must be >= 0, got {param_index}")
+    return index_key(step_key(seed, step), param_index)
+
+
+def step_key(seed: int, step: int) -> int:
+    """The part of :func:`element_key` shared by all params at one step (computed once per
+    step; the kernels finish the key per param with :func:`index_key`).
+
+    Raises:
+        ValueError: if ``seed`` or ``step`` is out of range.
+    """
     check_seed(seed)
     if not 0 <= step < 2**32:
         raise ValueError(f"step must be in [0, 2**32), got {step}")
-    if param_index < 0:
-        raise ValueError(f"param_index must be >= 0, got {param_index}")
     k = _mix(0x5EED, seed & MASK32)
     k = _mix(k, seed >> 32)
-    k = _mix(k, step)
-    k = _mix(k, param_index & MASK32)
-    return _mix(k, param_index >> 32)
+    return _mix(k, step)
+
+
+def index_key(step_key_: int, param_index: int) -> int:
+    """:func:`element_key` from its :func:`step_key` and the param's index (``>= 0``)."""
+    return _mix(_mix(step_key_, param_index & MASK32), param_index >> 32)
+
+
+def param_key(key: int) -> int:
+    """The key of a param's own writes (its stochastic rounding), from its moments' key."""
+    return _mix(key, PARAM_STREAM)
 
 
 def hash32_tensor(x: torch.Tensor) -> torch.Tensor:
@@ -165,10 +209,74 @@ def stochastic_round_bf16(x: torch.Tensor, bits16: torch.Tensor) -> torch.Tensor
         raise TypeError(f"x must be float32, got {x.dtype}")
     as_int = x.contiguous().view(torch.int32).reshape(-1)
     # int32 addition wraps; only NaN bit patterns (>= 0x7FFF0001) can carry into the sign.
-    rounded = (as_int + bits16.reshape(-1).to(torch.int32)) & -65536  # clear the low 16 bits
-    # Keep NaN payloads NaN: a carry could otherwise turn 0x7FFFxxxx into a negative zero.
-    rounded = torch.where(torch.isnan(x.reshape(-1)), as_int & -65536 | 0x00400000, rounded)
-    return rounded.view(torch.float32).to(torch.bfloat16).reshape(x.shape)
+    rounded = as_int + bits16.reshape(-1).to(torch.int32)
+    # Keep NaN payloads NaN: a carry could otherwise turn 0x7FFFxxxx into a negative zero,
+    # and clearing the low half could turn a NaN into an infinity.
+    rounded = torch.where(torch.isnan(x.reshape(-1)), as_int | 0x00400000, rounded)
+    # the high half, as bits: torch's float -> bfloat16 conversion would replace NaNs
+    return (rounded >> 16).to(torch.int16).view(torch.bfloat16).reshape(x.shape)
+
+
+def stochastic_round_f16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to float16 using 32 random bits per element.
+
+    The float16 grid is uniform within a binade and has the fixed quantum 2**-24 below
+    2**-14 (subnormals), so: ``|x| >= 2**-14`` adds the low 13 random bits to the low 13
+    bits of the float32 pattern and clears them; ``2**-24 <= |x| < 2**-14`` does the same
+    with ``126 - biased exponent`` bits (up to 23); a smaller ``|x|`` becomes ``2**-24``
+    when ``bits >> 8 < |x| * 2**48`` (probability ``|x| / 2**-24`` to 24 bits), else 0.
+    The rounded value is a float16 value, so the conversion is exact; values past 65504
+    round to inf with the probability of their distance, NaN becomes ``0x7E00`` with
+    its sign.
+
+    Args:
+        x: float32 tensor, any shape.
+        bits: integer tensor with ``x.numel()`` values in ``[0, 2**32)``, row-major.
+
+    Returns:
+        float16 tensor shaped like ``x`` (contiguous).
+
+    Raises:
+        TypeError: if ``x`` is not float32.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"x must be float32, got {x.dtype}")
+    r = bits.reshape(-1).to(torch.int64)
+    u = x.contiguous().view(torch.int32).reshape(-1).to(torch.int64) & MASK32
+    a, s = u & 0x7FFFFFFF, u & 0x80000000
+    e = a >> 23
+    mask = (torch.ones_like(e) << (126 - e).clamp(13, 23)) - 1
+    big = (a + (r & mask)) & ~mask
+    t = a.to(torch.int32).view(torch.float32) * 2.0**48  # exact: a power-of-two scale
+    tiny = torch.where((r >> 8).to(torch.float32) < t, 0x33800000, 0)
+    y = (s | torch.where(e >= 103, big, tiny)).to(torch.int32)  # wraps, as in C
+    h = y.view(torch.float32).to(torch.float16).view(torch.int16)
+    nan = ((s >> 16) | 0x7E00).to(torch.int16)
+    return torch.where(a > 0x7F800000, nan, h).view(torch.float16).reshape(x.shape)
+
+
+def round_param(
+    x: torch.Tensor, dtype: torch.dtype, key: int, param_rounding: Rounding
+) -> torch.Tensor:
+    """Round a param's new float32 value to its storage ``dtype`` (the oracle's write).
+
+    Args:
+        x: float32 tensor, the updated param.
+        dtype: the param's dtype; float32 (and wider) is returned unrounded.
+        key: :func:`element_key` of this (seed, step, param); the param's bits come from
+            :func:`param_key` of it.
+        param_rounding: ``"stochastic"`` or ``"nearest"`` (torch's ``.to(dtype)``,
+            round-to-nearest-even).
+
+    Returns:
+        A tensor of ``dtype`` shaped like ``x``.
+    """
+    if dtype not in (torch.bfloat16, torch.float16) or param_rounding == "nearest":
+        return x.to(dtype)
+    bits = random_bits(x.numel(), param_key(key), x.device)
+    if dtype == torch.bfloat16:
+        return stochastic_round_bf16(x, bits & 0xFFFF)
+    return stochastic_round_f16(x, bits)
 
 
 def round_moments(

@@ -18,9 +18,12 @@ from optladder.optimizers.migrate import is_bnb_engine
 
 LOW_PRECISION_DTYPES = ("bfloat16", "float16")
 
-Fp32Engine = Literal["fused", "foreach", "eager"]
+KERNEL_DTYPES = ("float32", "bfloat16", "float16")
+"""Param dtypes optladder's kernels (C on the CPU, Triton on CUDA) step."""
+
+Fp32Engine = Literal["fused", "foreach", "ladder"]
 """How the fp32 rung runs: torch's fused AdamW, torch's foreach AdamW, or optladder's
-eager AdamW with float32 moments (for bf16/fp16 params)."""
+AdamW with float32 moments (for bf16/fp16 params; its fused kernels where they run)."""
 
 
 def torch_fused_device_types() -> tuple[str, ...]:
@@ -53,14 +56,20 @@ def fp32_fused_miss(
             record, they never cause a miss).
     """
     del maximize, amsgrad
-    if not device_fused:
-        return f"torch {torch.__version__} has no fused AdamW kernel on {device}; foreach path"
     low = sorted(set(dtypes) & set(LOW_PRECISION_DTYPES))
-    if low:
+    if low and not has_complex:
+        # torch's fused AdamW would keep their moments in bf16/fp16: optladder's AdamW
+        # keeps float32 moments on its own kernels (see fp32_engine)
+        why = _kernel_miss(torch.device(device).type, dtypes)
+        if why is None:
+            return None
         return (
             f"torch's fused AdamW keeps moments in the param dtype ({', '.join(low)}); the fp32 "
-            "rung keeps float32 moments for them on optladder's eager AdamW"
+            f"rung keeps float32 moments for them on optladder's AdamW, which runs eagerly "
+            f"here: {why}"
         )
+    if not device_fused:
+        return f"torch {torch.__version__} has no fused AdamW kernel on {device}; foreach path"
     if has_complex:
         return "torch's fused AdamW takes real params only; complex params use the foreach path"
     return None
@@ -75,32 +84,40 @@ def fp32_engine(fused: bool, dtypes: Iterable[str]) -> Fp32Engine:
         dtypes: names of the trainable params' dtypes.
     """
     if set(dtypes) & set(LOW_PRECISION_DTYPES):
-        return "eager"  # torch would keep their moments in bf16/fp16
+        return "ladder"  # torch would keep their moments in bf16/fp16
     return "fused" if fused else "foreach"
+
+
+def _kernel_miss(device_type: str, dtypes: Iterable[str]) -> str | None:
+    """Why optladder's kernels cannot step params of ``dtypes`` on ``device_type``, or None."""
+    from optladder.optimizers import kernels
+
+    other = sorted(set(dtypes) - set(KERNEL_DTYPES))
+    if other:
+        return (
+            f"optladder's kernels step {', '.join(KERNEL_DTYPES)} params; "
+            f"{', '.join(other)} params run the eager path"
+        )
+    if device_type == "cpu":
+        return kernels.cpu_unavailable_reason()
+    if device_type == "cuda":
+        return kernels.triton_unavailable_reason()
+    return f"no fused kernel of optladder's AdamW for {device_type}"
 
 
 def bf16_fused_miss(device_type: str, dtypes: Iterable[str] = ("float32",)) -> str | None:
     """Why the bf16 rung is not on a fused kernel on ``device_type``, or None.
 
     The fused kernels (:mod:`optladder.optimizers.kernels`: C on the CPU, Triton on CUDA)
-    step float32 params; other params, and devices without a kernel, run the eager path
-    (:mod:`optladder.optimizers.eager`), bit-identical but several times slower.
+    step float32, bfloat16 and float16 params; other params, and devices without a
+    kernel, run the eager path (:mod:`optladder.optimizers.eager`), bit-identical but
+    several times slower.
 
     Args:
         device_type: ``"cpu"``, ``"cuda"``, ...
         dtypes: names of the trainable params' dtypes.
     """
-    from optladder.optimizers import kernels
-
-    other = sorted(set(dtypes) - {"float32"})
-    if other:
-        return f"the bf16 kernels step float32 params; {', '.join(other)} params run the eager path"
-    if device_type == "cpu":
-        why = kernels.cpu_unavailable_reason()
-    elif device_type == "cuda":
-        why = kernels.triton_unavailable_reason()
-    else:
-        why = f"no fused bf16 kernel for {device_type}"
+    why = _kernel_miss(device_type, dtypes)
     return None if why is None else f"{why}; the bf16 rung runs the eager path"
 
 

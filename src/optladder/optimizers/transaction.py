@@ -147,8 +147,17 @@ def rollback_step(engine: torch.optim.Optimizer, created: list[torch.Tensor]) ->
 
 
 def commit_step(engine: torch.optim.Optimizer) -> None:
-    """Run the engine's step on the state :func:`prepare_step` allocated."""
+    """Run the engine's step on the state :func:`prepare_step` allocated.
+
+    The engine's ``step`` runs without the wrapper ``torch.optim.Optimizer`` puts around
+    every optimizer class's ``step`` (which runs the global step hooks of
+    ``torch.optim.optimizer.register_optimizer_step_pre_hook``/``_post_hook``): the
+    optladder optimizer's own ``step`` already ran them, and they must run once per step.
+    """
     if isinstance(engine, LadderAdamW):
         engine.commit_step()
     else:
-        engine.step()
+        step: Any = type(engine).step
+        if getattr(step, "hooked", False):  # torch's profile_hook_step: unwrap it once
+            step = step.__wrapped__
+        step(engine)

@@ -134,16 +134,21 @@ def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
     """Turn a module, an iterable of params, or param groups into param groups.
 
     Args:
-        model_or_params: a ``torch.nn.Module``, a tensor, an iterable of tensors, or an
-            iterable of dicts each with a ``"params"`` entry (other keys are kept).
+        model_or_params: a ``torch.nn.Module``, a tensor, an iterable of tensors or of
+            ``(name, tensor)`` pairs (``model.named_parameters()``), or an iterable of
+            dicts each with a ``"params"`` entry of either kind (other keys are kept).
 
     Returns:
         A new list of new dicts; each ``"params"`` is a list of the given tensors in
-        order (a module's ``parameters()`` already lists a tied weight once).
+        order (a module's ``parameters()`` already lists a tied weight once). Named
+        params give their group a ``"param_names"`` list, as ``torch.optim.Optimizer``
+        (2.6 and later) keeps it.
 
     Raises:
-        TypeError: if an element is neither a tensor nor a param group dict.
-        ValueError: if there are no params at all.
+        TypeError: if an element is neither a tensor, a ``(str, tensor)`` pair nor a
+            param group dict.
+        ValueError: if there are no params at all; if some params are named and others
+            not (torch's rule: all or none, over all groups).
     """
     if isinstance(model_or_params, torch.nn.Module):
         items: list[Any] = list(model_or_params.parameters())
@@ -168,9 +173,9 @@ def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
                 raise ValueError(f"param group {i} has no 'params' key")
             params = g["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
-            groups.append({**g, "params": params})
-    elif all(isinstance(x, torch.Tensor) for x in items):
-        groups = [{"params": items}]
+            groups.append(_split_names({**g, "params": params}, f"param group {i}"))
+    elif all(isinstance(x, torch.Tensor) or _is_named(x) for x in items):
+        groups = [_split_names({"params": items}, "model_or_params")]
     else:
         bad = next((x for x in items if not isinstance(x, (torch.Tensor, Mapping))), None)
         found = "both" if bad is None else f"a {type(bad).__name__}"
@@ -181,7 +186,43 @@ def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
         for pi, p in enumerate(g["params"]):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"param {pi} of group {gi} is a {type(p).__name__}, not a tensor")
+    named = ["param_names" in g for g in groups]
+    if any(named) and not all(named):
+        raise ValueError(
+            f"param groups {[i for i, n in enumerate(named) if n]} name their params and "
+            f"groups {[i for i, n in enumerate(named) if not n]} do not; torch's optimizers "
+            "take named params in every group or in none"
+        )
     return groups
+
+
+def _is_named(x: object) -> bool:
+    """Whether ``x`` is a ``(name, tensor)`` pair, as ``named_parameters()`` yields."""
+    return (
+        isinstance(x, tuple)
+        and len(x) == 2
+        and isinstance(x[0], str)
+        and isinstance(x[1], torch.Tensor)
+    )
+
+
+def _split_names(group: dict[str, Any], where: str) -> dict[str, Any]:
+    """``group`` with ``(name, tensor)`` pairs in ``"params"`` split into tensors and a
+    ``"param_names"`` list (torch's ``add_param_group`` does the same).
+
+    Raises:
+        ValueError: if only some of the params are named.
+    """
+    params = group["params"]
+    named = [_is_named(p) for p in params]
+    if not any(named):
+        return group
+    if not all(named):
+        raise ValueError(
+            f"{where}: params {[i for i, n in enumerate(named) if not n][:5]} have no name "
+            "while others are (name, tensor) pairs; name all of them or none"
+        )
+    return {**group, "params": [p for _, p in params], "param_names": [n for n, _ in params]}
 
 
 def storage_key(p: torch.Tensor) -> tuple[Any, ...] | None:

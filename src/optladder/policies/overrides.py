@@ -27,7 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from optladder.errors import OptladderWarning
+from optladder.errors import OptladderWarning, user_stacklevel
 from optladder.rungs import Rung, parse_rung
 
 ENV_BF16 = "OPTLADDER_BF16_ADAM"
@@ -129,7 +129,7 @@ def _warn_unknown(environ: Mapping[str, str]) -> None:
             f"{name}={environ[name]!r} is not an optladder variable and is ignored; {hint} "
             f"(optladder reads {', '.join(KNOWN_VARIABLES)})",
             OptladderWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -1,8 +1,9 @@
 """Wires policies and optimizers together: ``choose_optimizer``, the optladder optimizer,
 and the OOM ladder."""
 
+from optladder.selector.adamw import AdamW, choose_optimizer
 from optladder.selector.adopt import adopt
-from optladder.selector.choose import InsufficientMemoryError, OptladderWarning, choose_optimizer
+from optladder.selector.choose import InsufficientMemoryError, OptladderWarning
 from optladder.selector.ladder import Ladder
 from optladder.selector.oom import describe_error, is_oom
 from optladder.selector.optimizer import (
@@ -18,6 +19,7 @@ __all__ = [
     "ORIGIN_KEY",
     "REASON_KEY",
     "RUNG_KEY",
+    "AdamW",
     "Escalation",
     "InsufficientMemoryError",
     "Ladder",

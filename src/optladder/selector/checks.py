@@ -12,6 +12,7 @@ from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
 from optladder.optimizers.eightbit import steps_noncontiguous
 from optladder.optimizers.migrate import foreign_group_reason
 from optladder.policies.decision import Decision, allowed_rungs
+from optladder.policies.footprint import normalize_param_groups
 from optladder.rungs import (
     FLOAT32_MATH_DTYPES,
     FP32_WIDE_DTYPES,
@@ -26,8 +27,8 @@ from optladder.sharding import is_dtensor, local_tensor
 
 def check_group_options(group: Mapping[str, Any]) -> None:
     """Refuse per-group options that no rung keeps (instead of silently dropping them),
-    and an out-of-range bf16 seed or a rounding mode other than exactly ``"stochastic"``
-    or ``"nearest"``; see
+    and an out-of-range bf16 seed or a ``rounding`` / ``param_rounding`` mode other than
+    exactly ``"stochastic"`` or ``"nearest"``; see
     :func:`optladder.optimizers.adamw.validate_group_hyperparams`, which also runs
     before every step.
 
@@ -67,6 +68,9 @@ def check_new_group(param_group: object) -> dict[str, Any]:
     """Check the argument of ``add_param_group`` as torch does, and return a new group
     dict whose ``"params"`` is a list of tensors.
 
+    ``(name, param)`` pairs (``named_parameters()``) become ``"params"`` and
+    ``"param_names"``, as torch keeps them.
+
     Raises:
         TypeError: ``param_group`` is not a dict, or its ``"params"`` is a set.
         ValueError: ``"params"`` is missing, empty, or holds something other than tensors.
@@ -84,9 +88,12 @@ def check_new_group(param_group: object) -> dict[str, Any]:
             "match between runs; pass a list"
         )
     params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+    group["params"] = params
+    if any(isinstance(p, tuple) for p in params):  # (name, param) pairs, as torch takes
+        group = normalize_param_groups([group])[0]
+        params = group["params"]
     if not params or not all(isinstance(p, torch.Tensor) for p in params):
         raise ValueError("param_group['params'] must be a non-empty list of tensors")
-    group["params"] = params
     return group
 
 
@@ -319,3 +326,26 @@ def check_params_for_rung(
 
 def _contiguous(p: torch.Tensor) -> bool:
     return local_tensor(p).is_contiguous()
+
+
+def refuse_meta_params(groups: list[dict[str, Any]], first_group: int = 0) -> None:
+    """Raise if a param is on the meta device: it holds no values, and materializing a
+    meta model (``model.to_empty(device=...)``) makes new Parameters, so the optimizer's
+    params would never move (torch's optimizers step them silently; we refuse at
+    construction and in ``add_param_group``).
+    To plan for a meta model, use :func:`optladder.measure_footprint` and
+    :func:`optladder.decide` (or ``optladder plan``), which allocate nothing.
+
+    Raises:
+        ValueError: naming the first such param by group and place.
+    """
+    for gi, group in enumerate(groups, start=first_group):
+        for pi, p in enumerate(group["params"]):
+            if p.is_meta:
+                raise ValueError(
+                    f"param {pi} of group {gi} (shape {tuple(p.shape)}) is on the meta device: "
+                    "it holds no values, and model.to_empty(device=...) makes new Parameters "
+                    "that this optimizer does not hold, so its steps would update nothing. "
+                    "Build the optimizer after materializing the model (choose_optimizer("
+                    "model, ...) after model.to_empty(...) and the weights' init)"
+                )

@@ -1,18 +1,24 @@
-"""``choose_optimizer``: probe once, decide, build the rung, return one optimizer object."""
+"""Probe once, decide, build the rung's engine: what :class:`optladder.AdamW` runs at
+construction."""
 
 from __future__ import annotations
 
 import logging
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from optladder.errors import OptladderWarning  # re-exported: defined below policies
 from optladder.optimizers import build_engine, probe_capabilities, validate_hyperparams
 from optladder.optimizers.build import without_dtensor_unsupported
-from optladder.optimizers.rounding import Rounding, check_rounding, check_seed
+from optladder.optimizers.rounding import (
+    Rounding,
+    check_param_rounding,
+    check_rounding,
+    check_seed,
+)
 from optladder.policies import (
     Decision,
     Footprint,
@@ -32,8 +38,9 @@ from optladder.selector.checks import (
     check_param_collections,
     check_params_for_rung,
     check_pins,
+    refuse_meta_params,
 )
-from optladder.selector.optimizer import Escalation, LadderOptimizer
+from optladder.selector.optimizer import EngineBuilder, Escalation
 from optladder.units import format_bytes, parse_bytes
 
 logger = logging.getLogger("optladder")
@@ -83,7 +90,23 @@ def _target_device(
     return torch.device(devices[0])
 
 
-def choose_optimizer(
+class Built(NamedTuple):
+    """What :func:`decide_and_build` returns.
+
+    Attributes:
+        engine: the optimizer of the groups that follow the decision.
+        decision: the :class:`optladder.Decision`.
+        rebuild: builds a rung's engine over given groups (for escalations and pins).
+        groups: every param group, in the user's order (plain dicts).
+    """
+
+    engine: torch.optim.Optimizer
+    decision: Decision
+    rebuild: EngineBuilder
+    groups: list[dict[str, Any]]
+
+
+def decide_and_build(
     model_or_params: object,
     *,
     lr: float | torch.Tensor = 1e-3,
@@ -96,13 +119,16 @@ def choose_optimizer(
     policy: Policy | None = None,
     seed: int = 0,
     rounding: Rounding = "stochastic",
+    param_rounding: Rounding = "stochastic",
     strict: bool = True,
     environ: Mapping[str, str] | None = None,
     max_retries: int = 2,
     on_escalate: Callable[[Escalation], None] | None = None,
     decoupled_weight_decay: bool = True,
-) -> LadderOptimizer:
-    """Choose a rung for the model's optimizer state and build an AdamW on it.
+    stacklevel: int = 2,
+) -> Built:
+    """Choose a rung for the model's optimizer state and build its engine (the work of
+    :class:`optladder.AdamW`'s constructor; see there for the user's view).
 
     Reads the trainable params' footprint and the device's free memory (probed once
     unless given), reads the overrides (``rung=`` beats ``OPTLADDER_RUNG``,
@@ -128,6 +154,9 @@ def choose_optimizer(
         seed: the bf16 rung's stochastic-rounding seed, ``0 <= seed < 2**64``; saved in
             ``state_dict``.
         rounding: the bf16 rung's rounding: ``"stochastic"`` (default) or ``"nearest"``.
+        param_rounding: how optladder's AdamW (the bf16 rung, and the fp32 rung of
+            bfloat16/float16 params) writes bfloat16/float16 params: ``"stochastic"``
+            (default) or ``"nearest"``; a group key, saved in ``state_dict``.
         strict: when not even the cheapest allowed rung passes the gate, raise (True) or
             build it with a warning (False).
         environ: the environment to read the overrides from; None means ``os.environ``.
@@ -135,6 +164,7 @@ def choose_optimizer(
         on_escalate: called with each :class:`Escalation` when the ladder moves down.
         decoupled_weight_decay: True (default) for AdamW; False for Adam's coupled decay
             (``grad += weight_decay * param``), kept on every rung.
+        stacklevel: of the warning given when ``strict=False`` builds past the gate.
 
     Under ``torch.distributed`` every rank reaches the same decision: free memory is the
     minimum over ranks, each rung's state bytes the maximum over ranks, and rank 0's
@@ -144,7 +174,7 @@ def choose_optimizer(
     :data:`optladder.optimizers.build.DTENSOR_UNSUPPORTED`) are skipped for such models.
 
     Returns:
-        A :class:`LadderOptimizer`; ``.decision`` holds the :class:`optladder.Decision`.
+        The :class:`Built` engine, decision, rebuild function and param groups.
 
     Raises:
         ValueError: bad hyperparameters (per group too), ``free_memory``, ``rung``,
@@ -163,10 +193,12 @@ def choose_optimizer(
     validate_hyperparams(lr, betas, eps, weight_decay)
     check_seed(seed)
     check_rounding(rounding)
+    check_param_rounding(param_rounding)
     _check_options(policy, environ, max_retries, on_escalate, decoupled_weight_decay, strict)
     check_param_collections(model_or_params)
     groups = normalize_param_groups(model_or_params)
     check_groups(groups, decoupled_weight_decay)
+    refuse_meta_params(groups)
     footprint = measure_footprint(groups)
     overrides = read_overrides(rung, environ)
     asked = overrides.pinned or overrides.forced
@@ -200,7 +232,7 @@ def choose_optimizer(
             f"optladder: {decision.rung} state ({needed}) exceeds the memory gate "
             f"({format_bytes(decision.budget_bytes)}); building it anyway",
             OptladderWarning,
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
     hyper: dict[str, Any] = {
         "lr": lr,
@@ -209,6 +241,7 @@ def choose_optimizer(
         "weight_decay": weight_decay,
         "seed": seed,
         "rounding": rounding,
+        "param_rounding": param_rounding,
         "decoupled_weight_decay": decoupled_weight_decay,
     }
 
@@ -224,14 +257,7 @@ def choose_optimizer(
             following.append(g)
     engine = rebuild(decision.rung, following, capabilities.fused[decision.rung])
     logger.info("optladder decision: %s", decision.summary())
-    return LadderOptimizer(
-        engine,
-        decision,
-        rebuild,
-        param_groups=groups,
-        max_retries=max_retries,
-        on_escalate=on_escalate,
-    )
+    return Built(engine, decision, rebuild, groups)
 
 
 def _check_options(

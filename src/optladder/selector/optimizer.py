@@ -11,7 +11,7 @@ commits, so ranks never differ in rung or step count.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +20,13 @@ import torch
 from optladder.optimizers.adamw import unscale_grads_
 from optladder.optimizers.build import ENGINE_KEYS, dtype_names
 from optladder.optimizers.capabilities import probe_capabilities
+from optladder.optimizers.checkpoint import from_checkpoint_form, to_checkpoint_form, zero_state
 from optladder.optimizers.migrate import (
+    BNB_WRAPPED_KEY,
     check_param_state,
     convert_param_state,
     migrate_engine,
+    read_step,
     state_target,
 )
 from optladder.optimizers.transaction import commit_step, prepare_step, rollback_step
@@ -46,6 +49,7 @@ from optladder.selector.checks import (
     check_params_for_rung,
     check_pins,
     decoupled_mode,
+    refuse_meta_params,
 )
 from optladder.selector.oom import describe_error, is_oom
 from optladder.units import format_bytes
@@ -153,6 +157,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         max_retries: escalations allowed within one ``step()`` call, ``>= 0``.
         on_escalate: called with each :class:`Escalation`, after the move and before the
             retry.
+        defaults: the optimizer's ``defaults`` (torch's meaning: what ``add_param_group``
+            fills in), fixed here for the whole run whatever rung the state moves to;
+            default a copy of ``engine.defaults``.
 
     Raises:
         ValueError: if ``param_groups`` lacks a group of ``engine``, or holds a group
@@ -165,14 +172,40 @@ class LadderOptimizer(torch.optim.Optimizer):
         engine: their optimizer.
         pinned_engines: per pinned rung, the optimizer of the groups that pin it.
         escalations: the moves made so far.
-        last_step_skipped: whether the last ``step()`` was skipped by
-            ``torch.amp.GradScaler`` for an inf/NaN grad (keep an LR scheduler in step
-            with ``if not opt.last_step_skipped: scheduler.step()``).
+        last_step_skipped: whether the last ``torch.amp.GradScaler.step(opt)`` skipped
+            the step for an inf/NaN grad (keep an LR scheduler in step with
+            ``if not opt.last_step_skipped: scheduler.step()``).
     """
 
-    _step_supports_amp_scaling = True
-    """torch.amp.GradScaler hands ``grad_scale``/``found_inf`` to :meth:`step` instead of
-    stepping only when no grad overflowed, so the optimizer knows a step was skipped."""
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """False: ``torch.amp.GradScaler`` unscales and checks the grads itself and calls
+        :meth:`step` only when every grad is finite, as for torch's foreach AdamW.
+
+        So a skipped step is visible to whatever watches ``step()`` being called:
+        accelerate's ``AcceleratedOptimizer.step_was_skipped`` (and with it the Hugging
+        Face Trainer's scheduler), and torch's LR-scheduler order check; and Lightning
+        clips AMP grads (it refuses to for optimizers that unscale in ``step()``). The
+        fused alternative (True, as torch's fused AdamW) runs ``step()`` on an overflow
+        too, which those wrappers count as a step (huggingface/accelerate#4242).
+
+        ``GradScaler.step`` reads this attribute once, before it decides whether to
+        step; the read records that a scaler step began, and :attr:`last_step_skipped`
+        is True until :meth:`step` runs.
+        """
+        self._scaler_step_began = True
+        return False
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``GradScaler.step(opt)`` skipped the step (an inf/NaN grad),
+        or the last :meth:`step` was handed a nonzero ``found_inf``."""
+        return self._skipped or self._scaler_step_began
+
+    @last_step_skipped.setter
+    def last_step_skipped(self, value: bool) -> None:
+        self._skipped = bool(value)
+        self._scaler_step_began = False
 
     def __init__(
         self,
@@ -183,6 +216,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         param_groups: Sequence[dict[str, Any]] | None = None,
         max_retries: int = 2,
         on_escalate: Callable[[Escalation], None] | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> None:
         check_max_retries(max_retries)
         self._engine: torch.optim.Optimizer | None = None
@@ -211,6 +245,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 pinned.setdefault(pin, []).append((gi, group))
         self._mark_groups(engine.param_groups, decision)
         super().__init__(engine.param_groups, engine.defaults)
+        self.defaults = dict(engine.defaults if defaults is None else defaults)
         self.param_groups = order
         self.state = engine.state
         self._attach(engine)
@@ -280,7 +315,6 @@ class LadderOptimizer(torch.optim.Optimizer):
     def _attach(self, engine: torch.optim.Optimizer) -> None:
         self._engine = engine
         self._share_state(engine)
-        self.defaults = engine.defaults
 
     @staticmethod
     def _mark_groups(groups: list[dict[str, Any]], decision: Decision) -> None:
@@ -334,8 +368,15 @@ class LadderOptimizer(torch.optim.Optimizer):
             return
         group = check_new_group(param_group)
         params = group["params"]
-        decoupled = decoupled_mode(self._engine)
+        if ("param_names" in group) != ("param_names" in self.param_groups[0]):
+            have = "named" if "param_names" in self.param_groups[0] else "unnamed"
+            raise ValueError(
+                f"this optimizer's params are {have}; the new group's must be too (torch's "
+                "rule: named params in every group or in none)"
+            )
+        decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
         check_groups([*self.param_groups, group], decoupled)
+        refuse_meta_params([group], first_group=len(self.param_groups))
         gi = len(self.param_groups)
         pin = group_pin(group, f"param group {gi}")
         if pin is None:
@@ -362,11 +403,12 @@ class LadderOptimizer(torch.optim.Optimizer):
 
         The closure (optional) runs once, before the step; a retry reuses its grads.
 
-        Under ``torch.amp.GradScaler`` (this optimizer sets ``_step_supports_amp_scaling``,
-        as torch's fused optimizers do): the scaler hands over ``grad_scale`` and
-        ``found_inf``; on an overflow the step is skipped and nothing changes, step counts
-        included (``last_step_skipped`` becomes True); otherwise the grads are unscaled in
-        place after the prepare phase, and the step commits.
+        Under ``torch.amp.GradScaler`` the scaler unscales the grads and calls this only
+        when they are finite (see :attr:`_step_supports_amp_scaling`). A caller that sets
+        ``grad_scale``/``found_inf`` on the optimizer itself, as the scaler does for
+        torch's fused optimizers, gets them honoured: on a nonzero ``found_inf`` nothing
+        changes, step counts included (``last_step_skipped`` becomes True); otherwise the
+        grads are unscaled in place after the prepare phase, and the step commits.
 
         Returns:
             The closure's loss, or None.
@@ -567,18 +609,74 @@ class LadderOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The engine's ``state_dict`` (torch's layout over all groups when some pin
         their rung); each param group records its rung, how it was reached and why.
+
+        Each param's state is in its checkpoint form
+        (:mod:`optladder.optimizers.checkpoint`): the engine's layout for plain params;
+        for DTensor params (FSDP2), DTensors whose global shapes do not depend on the
+        world size (8-bit codes laid out like the param, block scales per row), so
+        ``torch.distributed.checkpoint`` saves every rank's shard and
+        ``get_optimizer_state_dict(..., full_state_dict=True)`` gathers whole moments.
+        Once any param has state, a trainable param without state (no grad yet) is
+        saved as a zero state with ``step`` 0, which loads as no state.
+
         Hooks registered with ``register_state_dict_pre_hook``/``_post_hook`` run as
-        torch runs them."""
-        if self._pinned:
-            return super().state_dict()  # runs the hooks
+        torch runs them.
+
+        Raises:
+            ValueError: for 8-bit state of a DTensor param not sharded on dim 0.
+        """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = self.engine.state_dict()  # bitsandbytes wraps its state for FSDP
+        state_dict: dict[str, Any]
+        if self._pinned:  # torch's layout over every group
+            params = [p for g in self.param_groups for p in g["params"]]
+            index = {id(p): i for i, p in enumerate(params)}
+            state_dict = {
+                "state": {index[id(p)]: st for p, st in self.state.items() if id(p) in index},
+                "param_groups": [
+                    {
+                        **{k: v for k, v in g.items() if k != "params"},
+                        "params": [index[id(p)] for p in g["params"]],
+                    }
+                    for g in self.param_groups
+                ],
+            }
+        else:
+            state_dict = self.engine.state_dict()  # bitsandbytes wraps its state for FSDP
+        state_dict["state"] = self._checkpoint_states(state_dict["state"])
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
                 state_dict = result
         return state_dict
+
+    def _checkpoint_states(self, states: dict[Any, Any]) -> dict[Any, Any]:
+        """Each param's saved state in its checkpoint form
+        (:func:`optladder.optimizers.checkpoint.to_checkpoint_form`: sharded 8-bit state
+        as DTensors), and, once any param has state, a zero state with ``step`` 0 for
+        each trainable param that has none yet (it never had a grad), so every
+        checkpoint of the run has the same keys."""
+        if not states:
+            return states
+        owner = {id(g): e for e in self._engines() for g in e.param_groups}
+        out: dict[Any, Any] = {}
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                where = f"param {index}"
+                st = states.get(index)
+                if st:
+                    out[index] = to_checkpoint_form(st, p, where)
+                elif p.requires_grad:
+                    engine = owner[id(group)]
+                    zero = zero_state(state_target(engine, group, p), p)
+                    # as the engine's own state_dict() lays it out (bitsandbytes wraps)
+                    wrapped = set(getattr(engine, "non_castable_tensor_keys", ()))
+                    if not self._pinned and wrapped & zero.keys():
+                        zero[BNB_WRAPPED_KEY] = {k: zero.pop(k) for k in wrapped & zero.keys()}
+                    out[index] = to_checkpoint_form(zero, p, where)
+                index += 1
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict`` saved from any rung into this optimizer.
@@ -590,7 +688,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         optimizer's rung. Groups that pin their rung keep it: their state is converted
         into it, whatever the checkpoint had. bf16 moments stay bfloat16, 8-bit state
         stays uint8 codes with float32 absmax, ``step`` lands where the engine keeps it,
-        and this optimizer's engine flags (``fused``, ``foreach``) are kept.
+        and this optimizer's engine flags (``fused``, ``foreach``) are kept. Sharded
+        8-bit state saved per row (by :meth:`state_dict` under FSDP2) loads exactly
+        when its blocks are this rank's blocks, and is requantized otherwise (another
+        world size; see :mod:`optladder.optimizers.checkpoint`). A saved state with
+        ``step`` 0 (a param that had not stepped) loads as no state.
         Hyperparameters (lr, betas, eps, weight_decay, a scheduler's ``initial_lr``, the
         bf16 seed) come from the checkpoint.
 
@@ -653,6 +755,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 f"the state_dict's state has entries for no param of its param groups: "
                 f"{sorted(map(repr, unknown))[:5]}{hint}"
             )
+        loaded: dict[Any, dict[str, Any]] = {}  # key -> state in a layout convert reads
         for pi, (key, p) in enumerate(pairs):
             st = saved_state.get(key)
             if st:
@@ -660,7 +763,10 @@ class LadderOptimizer(torch.optim.Optimizer):
                     raise ValueError(
                         f"param {pi}: its state must be a dict, got {type(st).__name__}"
                     )
+                st = from_checkpoint_form(st, p, f"param {pi}")
                 check_param_state(st, p, f"param {pi}")
+                if read_step(st) > 0:  # step 0: saved for a param that never stepped
+                    loaded[key] = st
         move_to = self._checkpoint_rung(groups)
         engine = self.engine
         saved_groups = [dict(g) for g in live_groups]
@@ -673,7 +779,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             new_state: dict[torch.Tensor, dict[str, Any]] = {}
             group_of_param = [g for g in live_groups for _ in g["params"]]
             for (key, p), group in zip(pairs, group_of_param):
-                saved_param_state = saved_state.get(key)
+                saved_param_state = loaded.get(key)
                 if saved_param_state:
                     target = state_target(owner[id(group)], group, p)
                     new_state[p] = convert_param_state(saved_param_state, p, target, copy=True)
@@ -758,18 +864,23 @@ class LadderOptimizer(torch.optim.Optimizer):
             TypeError: always (``pickle``, ``copy.deepcopy``).
         """
         raise TypeError(
-            "a LadderOptimizer cannot be pickled or deep-copied; save opt.state_dict() and "
-            "load it into a new one from choose_optimizer (load_state_dict)"
+            f"an optladder {type(self).__name__} cannot be pickled or deep-copied; save "
+            "opt.state_dict() and load it into a new one (load_state_dict)"
         )
 
     def __repr__(self) -> str:
+        """torch's optimizer repr (every group's options but ``params``, keys sorted,
+        ``rung`` among them) after a header with the rung, whether it is fused, and the
+        engines."""
         fused = "fused" if self.decision.fused else "not fused"
         engine = type(self.engine).__name__
         pinned = "".join(
             f", pinned {rung}: {type(e).__name__} ({len(e.param_groups)} groups)"
             for rung, e in self._pinned.items()
         )
-        return f"{type(self).__name__}(rung={self.rung!r}, {fused}, engine={engine}{pinned})"
+        name = type(self).__name__
+        groups = super().__repr__().removeprefix(f"{name} (")
+        return f"{name} (rung={self.rung!r}, {fused}, engine={engine}{pinned}{groups}"
 
 
 def _move_refused(decision: Decision, rung: Rung) -> str | None:

@@ -1,4 +1,5 @@
-"""Fused backends of the bf16 rung: a C kernel for CPUs and a Triton kernel for CUDA.
+"""Fused backends of optladder's AdamW (the bf16 rung, and the fp32 rung for bf16/fp16
+params): a C kernel for CPUs and a Triton kernel for CUDA.
 
 Importing this package imports neither Triton nor a compiler: :mod:`.cpu` builds its
 shared object at the first fused CPU step, and :mod:`.ops` / :mod:`.triton_adamw` are
@@ -33,23 +34,32 @@ def triton_unavailable_reason() -> str | None:
     return None
 
 
-def triton_param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
+def triton_param_unsupported_reason(
+    p: torch.Tensor, grad: torch.Tensor, moment_dtype: torch.dtype = torch.bfloat16
+) -> str | None:
     """Why the Triton kernel cannot step this param, or None if it can.
 
     Args:
-        p: the param (needs float32, contiguous; CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        p: the param (float32, bfloat16 or float16, contiguous; CUDA, or CPU under
+            ``TRITON_INTERPRET=1``).
         grad: its grad (float32, bfloat16 or float16, dense, contiguous, same device/shape).
+        moment_dtype: the moments' dtype (bfloat16 or float32).
     """
     if p.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return "Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1)"
     if p.device.type not in ("cpu", "cuda"):
         return f"param is on {p.device}; the Triton kernel runs on CUDA"
-    if p.dtype != torch.float32:
-        return f"param dtype {p.dtype}: the Triton kernel steps float32 params only"
-    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if p.dtype not in _KERNEL_DTYPES:
+        return f"param dtype {p.dtype}: the Triton kernel steps float32, bfloat16, float16 params"
+    if grad.dtype not in _KERNEL_DTYPES:
         return f"grad dtype {grad.dtype}: the Triton kernel reads float32, bfloat16, float16"
+    if moment_dtype not in (torch.float32, torch.bfloat16):
+        return f"moment dtype {moment_dtype}: the Triton kernel keeps float32 or bfloat16"
     if grad.is_sparse or grad.device != p.device or grad.shape != p.shape:
         return "grad is sparse, on another device or of another shape"
     if not (p.is_contiguous() and grad.is_contiguous()):
         return "param or grad is not contiguous"
     return None
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -1,16 +1,18 @@
-"""C source of the CPU kernel of the bf16 rung (compiled by :mod:`.cpu` at first use).
+"""C source of the CPU kernel of optladder's AdamW (compiled by :mod:`.cpu` at first use).
 
-The kernel reproduces :meth:`optladder.optimizers.adamw.LadderAdamW._step_param` for
-float32 params and bfloat16 moments operation by operation, in the order and with the
-fused multiply-adds that torch's vectorized CPU kernels use (``lerp``, ``add`` with
-``alpha`` and ``addcmul`` end in an ``fmadd``; ``mul``, ``div`` and ``addcdiv`` round
-each operation),
-so params and moments match the eager oracle bit for bit. It needs no torch headers:
-Python passes raw pointers through ctypes.
+The kernel reproduces :func:`optladder.optimizers.eager.eager_step` operation by operation,
+for float32, bfloat16 and float16 params and grads and float32 or bfloat16 moments, in
+the order and with the fused multiply-adds that torch's vectorized CPU kernels use
+(``lerp``, ``add`` with ``alpha`` and ``addcmul`` end in an ``fmadd``; ``mul``, ``div`` and
+``addcdiv`` round each operation; the square root is the IEEE one, which the eager path
+gets by taking it in float64), so params and moments match the eager oracle bit for bit.
+It is compiled with ``-ffp-contract=off``: only the ``fmaf`` calls written here fuse. It
+needs no torch headers: Python passes raw pointers through ctypes.
 
 ``target_clones`` builds the loop for AVX-512, AVX2+FMA and baseline x86-64; the dynamic
 loader picks one at load time from the CPU's features. The loop body is plain C that gcc
-vectorizes (one 32-bit hash per element for the stochastic rounding).
+vectorizes (one 32-bit hash per element for the moments' stochastic rounding, one more
+for a low-precision param's).
 """
 
 SOURCE = r"""
@@ -20,19 +22,24 @@ SOURCE = r"""
 #include <pthread.h>
 #include <stdlib.h>
 
-#define OL_GRAD_F32 0
-#define OL_GRAD_BF16 1
-#define OL_GRAD_F16 2
+#define OL_F32 0
+#define OL_BF16 1
+#define OL_F16 2
 
-/* One param: raw pointers and the scalars that depend on its own step count. */
+/* One param: raw pointers, dtypes, and the scalars of its own step count. The table is
+   built once per param set (Python reuses it between steps and rewrites only the grad
+   pointer, the grad dtype and the per-step fields). */
 typedef struct {
-    float *param;
-    const void *grad;
-    uint16_t *exp_avg;     /* bfloat16 bit patterns */
-    uint16_t *exp_avg_sq;  /* bfloat16 bit patterns */
+    void *param;           /* OL_* param_dtype */
+    const void *grad;      /* OL_* grad_dtype */
+    void *exp_avg;         /* float32, or bfloat16 bit patterns */
+    void *exp_avg_sq;
+    float *step;           /* the param's 0-d float32 step count (ol_read/bump_steps) */
     int64_t numel;
-    int64_t grad_dtype;    /* OL_GRAD_* */
-    uint32_t key;          /* rounding.element_key(seed, step, param_index) */
+    int64_t param_index;   /* position over all param groups (the random bits' counter) */
+    int32_t grad_dtype;
+    int32_t param_dtype;
+    uint32_t step_key;     /* rounding.step_key(seed, step) of this param's new step */
     float step_size;       /* -lr / bias_correction1, rounded to float */
     float bc2_sqrt;        /* sqrt(bias_correction2), rounded to float */
     float pad;
@@ -47,9 +54,11 @@ typedef struct {
     float decay;           /* 1 - lr * weight_decay (decoupled), else 1 */
     float weight_decay;    /* coupled weight decay, else 0 */
     int32_t coupled;       /* 1: grad += wd * param */
-    int32_t decoupled;     /* 1: param *= decay */
     int32_t maximize;
-    int32_t stochastic;    /* 1: stochastic rounding, 0: round to nearest even */
+    int32_t moment_dtype;  /* OL_F32 or OL_BF16 */
+    int32_t stochastic;    /* bf16 moments: 1 stochastic rounding, 0 nearest even */
+    int32_t param_stochastic; /* bf16/f16 params: 1 stochastic rounding, 0 nearest even */
+    int32_t pad;
 } ol_hyper_t;
 
 static inline uint32_t ol_hash32(uint32_t x) {
@@ -61,35 +70,76 @@ static inline uint32_t ol_hash32(uint32_t x) {
     return x;
 }
 
+static inline uint32_t ol_mix(uint32_t a, uint32_t b) { return ol_hash32((a * 0x9E3779B9u) ^ b); }
+
+#define OL_PARAM_STREAM 0x1B873593u  /* rounding.PARAM_STREAM */
+
 static inline uint32_t ol_f2u(float f) { union { float f; uint32_t u; } c; c.f = f; return c.u; }
 static inline float ol_u2f(uint32_t u) { union { float f; uint32_t u; } c; c.u = u; return c.f; }
 
-static inline uint16_t ol_round_sr(float x, uint32_t r16) {
+/* float32 -> bfloat16, stochastic with 16 random bits. NaN -> the quiet NaN of its high
+   half (bit 22 set): adding the bits could carry a NaN into the sign (0x7FFFxxxx) or,
+   truncated, leave an infinity (0x7F80xxxx). The NaN test is the float compare x != x
+   (one vector compare) and the low half is dropped by the shift alone: 5 vector
+   operations per value where (u + r) & 0xFFFF0000, (u & 0xFFFF0000) | 0x00400000 and an
+   integer test (u & 0x7FFFFFFF) > 0x7F800000 took 8, for the same bits. */
+static inline uint16_t ol_bf16_sr(float x, uint32_t r16) {
     uint32_t u = ol_f2u(x);
-    uint32_t r = (u + r16) & 0xFFFF0000u;
-    uint32_t n = (u & 0xFFFF0000u) | 0x00400000u;
-    return (uint16_t)(((u & 0x7FFFFFFFu) > 0x7F800000u ? n : r) >> 16);
+    uint32_t r = u + r16;
+    uint32_t n = u | 0x00400000u;
+    return (uint16_t)((x != x ? n : r) >> 16);
 }
 
-static inline uint16_t ol_round_ne(float x) {
+static inline uint16_t ol_bf16_ne(float x) {
     uint32_t u = ol_f2u(x);
     uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
     return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r);
 }
 
-/* The update of elements [lo, hi) of one param. GRAD_DTYPE and STOCH are constants in
-   every call site, so each instance is a branch-free loop that gcc vectorizes. */
+static inline uint16_t ol_f16_bits(_Float16 h) {
+    union { _Float16 h; uint16_t u; } c;
+    c.h = h;
+    return c.u;
+}
+
+/* float32 -> float16, stochastic with 32 random bits r (rounding.stochastic_round_f16):
+   |x| >= 2**-14 drops 13 bits, 2**-24 <= |x| < 2**-14 drops 126 - exponent bits (the
+   subnormal quantum 2**-24), smaller |x| becomes 2**-24 with probability about
+   |x| / 2**-24 (24 bits of r), else 0. NaN -> 0x7E00 with its sign. The rounded float32
+   value is a float16 value, so the final conversion is exact. */
+static inline uint16_t ol_f16_sr(float x, uint32_t r) {
+    uint32_t u = ol_f2u(x);
+    uint32_t a = u & 0x7FFFFFFFu, s = u & 0x80000000u;
+    uint32_t e = a >> 23;
+    uint32_t sh = e >= 113u ? 13u : (e >= 103u ? 126u - e : 23u);
+    uint32_t mask = (1u << sh) - 1u;
+    uint32_t big = (a + (r & mask)) & ~mask;
+    float t = ol_u2f(a) * 281474976710656.0f;   /* |x| * 2**48: |x| / 2**-24 in units of 2**-24 */
+    uint32_t tiny = (float)(r >> 8) < t ? 0x33800000u : 0u;  /* 2**-24 or 0 */
+    uint32_t y = s | (e >= 103u ? big : tiny);
+    uint16_t h = ol_f16_bits((_Float16)ol_u2f(y));
+    return a > 0x7F800000u ? (uint16_t)((s >> 16) | 0x7E00u) : h;
+}
+
+/* The update of elements [lo, hi) of one param. Every argument after hi is a constant
+   in each call site, so each instance is a branch-free loop that gcc vectorizes. */
 static inline __attribute__((always_inline)) void ol_body(
     const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64_t hi,
-    const int grad_dtype, const int stoch)
+    const int gd, const int pd, const int md, const int stoch, const int pstoch)
 {
-    float *restrict param = P->param;
-    uint16_t *restrict m16 = P->exp_avg;
-    uint16_t *restrict v16 = P->exp_avg_sq;
+    float *restrict p32 = (float *)P->param;
+    uint16_t *restrict p16 = (uint16_t *)P->param;
+    _Float16 *restrict ph = (_Float16 *)P->param;
+    uint16_t *restrict m16 = (uint16_t *)P->exp_avg;
+    uint16_t *restrict v16 = (uint16_t *)P->exp_avg_sq;
+    float *restrict m32 = (float *)P->exp_avg;
+    float *restrict v32 = (float *)P->exp_avg_sq;
     const float *restrict g32 = (const float *)P->grad;
     const uint16_t *restrict g16 = (const uint16_t *)P->grad;
     const _Float16 *restrict gh = (const _Float16 *)P->grad;
-    const uint32_t key = P->key;
+    const uint32_t key = ol_mix(ol_mix(P->step_key, (uint32_t)P->param_index),
+                                (uint32_t)((uint64_t)P->param_index >> 32));
+    const uint32_t pkey = ol_mix(key, OL_PARAM_STREAM);
     const float step_size = P->step_size, bc2_sqrt = P->bc2_sqrt;
     const float w = H->lerp_weight, b2 = H->beta2, omb2 = H->one_minus_beta2;
     const float eps = H->eps, decay = H->decay, wd = H->weight_decay;
@@ -98,44 +148,66 @@ static inline __attribute__((always_inline)) void ol_body(
     const float coeff = small ? w : w - 1.0f;
     for (int64_t i = lo; i < hi; i++) {
         float g;
-        if (grad_dtype == OL_GRAD_F32) g = g32[i];
-        else if (grad_dtype == OL_GRAD_BF16) g = ol_u2f((uint32_t)g16[i] << 16);
+        if (gd == OL_F32) g = g32[i];
+        else if (gd == OL_BF16) g = ol_u2f((uint32_t)g16[i] << 16);
         else g = (float)gh[i];
         g = maximize ? -g : g;
-        float p = param[i] * decay;
+        float p;
+        if (pd == OL_F32) p = p32[i];
+        else if (pd == OL_BF16) p = ol_u2f((uint32_t)p16[i] << 16);
+        else p = (float)ph[i];
+        p = p * decay;
         g = coupled ? fmaf(p, wd, g) : g;
-        float m = ol_u2f((uint32_t)m16[i] << 16);
-        float v = ol_u2f((uint32_t)v16[i] << 16);
+        float m, v;
+        if (md == OL_F32) { m = m32[i]; v = v32[i]; }
+        else { m = ol_u2f((uint32_t)m16[i] << 16); v = ol_u2f((uint32_t)v16[i] << 16); }
         m = fmaf(coeff, g - m, small ? m : g);
         v = fmaf(omb2 * g, g, v * b2);
         float denom = sqrtf(v) / bc2_sqrt + eps;
         p = p + (step_size * m) / denom;
-        param[i] = p;
-        if (stoch) {
-            uint32_t bits = ol_hash32((uint32_t)i + key);
-            m16[i] = ol_round_sr(m, bits & 0xFFFFu);
-            v16[i] = ol_round_sr(v, bits >> 16);
+        if (pd == OL_F32) p32[i] = p;
+        else if (pd == OL_BF16) {
+            p16[i] = pstoch ? ol_bf16_sr(p, ol_hash32((uint32_t)i + pkey) & 0xFFFFu)
+                            : ol_bf16_ne(p);
         } else {
-            m16[i] = ol_round_ne(m);
-            v16[i] = ol_round_ne(v);
+            uint16_t *restrict ph16 = (uint16_t *)P->param;
+            ph16[i] = pstoch ? ol_f16_sr(p, ol_hash32((uint32_t)i + pkey))
+                             : ol_f16_bits((_Float16)p);
+        }
+        if (md == OL_F32) { m32[i] = m; v32[i] = v; }
+        else if (stoch) {
+            uint32_t bits = ol_hash32((uint32_t)i + key);
+            m16[i] = ol_bf16_sr(m, bits & 0xFFFFu);
+            v16[i] = ol_bf16_sr(v, bits >> 16);
+        } else {
+            m16[i] = ol_bf16_ne(m);
+            v16[i] = ol_bf16_ne(v);
         }
     }
 }
 
 #define OL_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
+/* One instance per (grad dtype, param dtype, moment format, param rounding). */
+#define OL_G(pd, md, st, ps) \
+    do { \
+        if (gd == OL_F32) ol_body(P, H, lo, hi, OL_F32, pd, md, st, ps); \
+        else if (gd == OL_BF16) ol_body(P, H, lo, hi, OL_BF16, pd, md, st, ps); \
+        else ol_body(P, H, lo, hi, OL_F16, pd, md, st, ps); \
+    } while (0)
+#define OL_M(pd, ps) \
+    do { \
+        if (H->moment_dtype == OL_F32) OL_G(pd, OL_F32, 0, ps); \
+        else if (H->stochastic) OL_G(pd, OL_BF16, 1, ps); \
+        else OL_G(pd, OL_BF16, 0, ps); \
+    } while (0)
+
 OL_CLONES
 static void ol_range(const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64_t hi) {
-    int gd = (int)P->grad_dtype;
-    if (H->stochastic) {
-        if (gd == OL_GRAD_F32) ol_body(P, H, lo, hi, OL_GRAD_F32, 1);
-        else if (gd == OL_GRAD_BF16) ol_body(P, H, lo, hi, OL_GRAD_BF16, 1);
-        else ol_body(P, H, lo, hi, OL_GRAD_F16, 1);
-    } else {
-        if (gd == OL_GRAD_F32) ol_body(P, H, lo, hi, OL_GRAD_F32, 0);
-        else if (gd == OL_GRAD_BF16) ol_body(P, H, lo, hi, OL_GRAD_BF16, 0);
-        else ol_body(P, H, lo, hi, OL_GRAD_F16, 0);
-    }
+    const int gd = P->grad_dtype, pd = P->param_dtype, ps = H->param_stochastic;
+    if (pd == OL_F32) OL_M(OL_F32, 0);
+    else if (pd == OL_BF16) { if (ps) OL_M(OL_BF16, 1); else OL_M(OL_BF16, 0); }
+    else { if (ps) OL_M(OL_F16, 1); else OL_M(OL_F16, 0); }
 }
 
 typedef struct {
@@ -181,16 +253,13 @@ static void ol_split(ol_job_t *job, int64_t total, int64_t t, int64_t n_parts,
    OpenMP runtime torch has already loaded: the kernel runs on torch's own (warm) worker
    threads instead of competing with them. Without OpenMP it starts pthreads. */
 
-/* Update every param of the table. Returns 0, -1 if a worker thread could not start
-   (then the update ran on fewer threads: the result is the same), -2 out of memory
-   (nothing was written). */
-int ol_adamw_bf16_step(const ol_param_t *params, int64_t n_params,
-                       const ol_hyper_t *hyper, int32_t n_threads) {
+/* Update every param of the table. offsets has n_params + 1 entries (the prefix sums of
+   the numels, built by the caller with the table: the kernel allocates nothing).
+   Returns 0, or -1 if a worker thread could not start (then the update ran on fewer
+   threads: the result is the same). */
+int ol_adamw_step(const ol_param_t *params, int64_t n_params, const int64_t *offsets,
+                  const ol_hyper_t *hyper, int32_t n_threads) {
     if (n_params <= 0) return 0;
-    int64_t *offsets = (int64_t *)malloc((size_t)(n_params + 1) * sizeof(int64_t));
-    if (offsets == NULL) return -2;
-    offsets[0] = 0;
-    for (int64_t k = 0; k < n_params; k++) offsets[k + 1] = offsets[k] + params[k].numel;
     const int64_t total = offsets[n_params];
     ol_job_t base = {params, n_params, hyper, offsets, 0, total};
     if (n_threads < 1) n_threads = 1;
@@ -230,9 +299,18 @@ int ol_adamw_bf16_step(const ol_param_t *params, int64_t n_params,
         }
 #endif
     }
-    free(offsets);
     return rc;
 }
 
-int ol_abi_version(void) { return 1; }
+/* The step counts of the table, read into out[n] and bumped together (one call each per
+   step instead of one torch call per param). */
+void ol_read_steps(const ol_param_t *params, int64_t n, float *out) {
+    for (int64_t k = 0; k < n; k++) out[k] = *params[k].step;
+}
+
+void ol_bump_steps(const ol_param_t *params, int64_t n) {
+    for (int64_t k = 0; k < n; k++) *params[k].step += 1.0f;
+}
+
+int ol_abi_version(void) { return 3; }
 """

@@ -1,19 +1,21 @@
-"""The CPU kernel of the bf16 rung: a C loop compiled with the system gcc, loaded by ctypes.
+"""The CPU kernel of optladder's AdamW: a C loop compiled with the system gcc, loaded by ctypes.
 
 Nothing happens at import. The first call of :func:`load_library` (the first fused CPU
-step) compiles :data:`~optladder.optimizers.kernels._cpu_source.SOURCE` once, about 0.5
-seconds with gcc 12, into a shared object cached under
-``$XDG_CACHE_HOME/optladder/kernels`` (``~/.cache/optladder/kernels`` when unset or
-relative), named by the hash of the source and the compiler command; later processes load
-it in milliseconds. The cache is private and checked (:mod:`.cache`): a library is mapped
-only if it is this user's and its bytes match the SHA-256 recorded when it was built, else
-it is rebuilt; the verified bytes are loaded from an anonymous in-memory copy, so a file
-changed on disk afterwards cannot reach the process.
+step) compiles :data:`~optladder.optimizers.kernels._cpu_source.SOURCE` once, about 4
+seconds with gcc 12 (one loop per dtype and rounding combination), into a shared object
+cached under ``$XDG_CACHE_HOME/optladder/kernels`` (``~/.cache/optladder/kernels`` when
+unset or relative), named by the hash of the source and the compiler command; later
+processes load it in milliseconds. The cache is private and checked (:mod:`.cache`): a
+library is mapped only if it is this user's and its bytes match the SHA-256 recorded when
+it was built, else it is rebuilt; the verified bytes are loaded from an anonymous
+in-memory copy, so a file changed on disk afterwards cannot reach the process.
 ``python -m optladder.optimizers.kernels.cpu`` builds it ahead of time.
 
-One call updates every param of a group in one pass over memory: read the float32 param,
-the grad (float32, bfloat16 or float16) and the two bfloat16 moments, write the param and
-the moments (20 bytes per element with float32 grads, against 28 for float32 moments).
+One call updates every param of a group in one pass over memory: read the param and the
+grad (float32, bfloat16 or float16) and the two moments (bfloat16 on the bf16 rung,
+float32 on the fp32 rung for low-precision params), write the param and the moments (20
+bytes per element for float32 params and grads with bfloat16 moments, against 28 for
+float32 moments).
 Work is split into 128Ki-element items handed out to ``torch.get_num_threads()`` threads
 of torch's own OpenMP pool (the kernel links ``libgomp.so.1``, which resolves to the copy
 torch loaded); where torch runs another OpenMP runtime the kernel starts pthreads.
@@ -30,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,12 +44,15 @@ SOURCE = _BF16_SOURCE + _EIGHTBIT_SOURCE
 """The C source of the CPU kernels' library: the bf16 rung's kernel, then the 8bit rung's
 (:mod:`.cpu8bit`), compiled into one shared object."""
 
-GRAD_DTYPE_CODES: dict[torch.dtype, int] = {
+DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 0,
     torch.bfloat16: 1,
     torch.float16: 2,
 }
-"""Grad dtypes the kernel reads, and their codes in the C struct."""
+"""Param and grad dtypes the kernel reads, and their codes in the C struct."""
+
+MOMENT_DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1}
+"""Moment dtypes the kernel keeps (the fp32 and bf16 rungs), and their codes."""
 
 _CFLAGS = (
     "-O3",
@@ -75,9 +79,12 @@ class _Param(ctypes.Structure):
         ("grad", ctypes.c_void_p),
         ("exp_avg", ctypes.c_void_p),
         ("exp_avg_sq", ctypes.c_void_p),
+        ("step", ctypes.c_void_p),
         ("numel", ctypes.c_int64),
-        ("grad_dtype", ctypes.c_int64),
-        ("key", ctypes.c_uint32),
+        ("param_index", ctypes.c_int64),
+        ("grad_dtype", ctypes.c_int32),
+        ("param_dtype", ctypes.c_int32),
+        ("step_key", ctypes.c_uint32),
         ("step_size", ctypes.c_float),
         ("bc2_sqrt", ctypes.c_float),
         ("pad", ctypes.c_float),
@@ -93,9 +100,11 @@ class _Hyper(ctypes.Structure):
         ("decay", ctypes.c_float),
         ("weight_decay", ctypes.c_float),
         ("coupled", ctypes.c_int32),
-        ("decoupled", ctypes.c_int32),
         ("maximize", ctypes.c_int32),
+        ("moment_dtype", ctypes.c_int32),
         ("stochastic", ctypes.c_int32),
+        ("param_stochastic", ctypes.c_int32),
+        ("pad", ctypes.c_int32),
     )
 
 
@@ -259,22 +268,40 @@ def load(path: Path) -> ctypes.CDLL:
     try:
         data = cache.read_trusted(path)
     except cache.CacheError as exc:
-        raise KernelBuildError(f"the bf16 CPU kernel is not loaded: {exc}") from exc
+        raise KernelBuildError(f"the CPU kernel is not loaded: {exc}") from exc
     return _declare(_load_bytes(data, path), path)
 
 
 def _declare(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     """Check the ABI version of a loaded kernel and declare its C signature."""
-    if lib.ol_abi_version() != 1:
-        raise KernelBuildError(f"{path} has ABI {lib.ol_abi_version()}, expected 1")
-    lib.ol_adamw_bf16_step.argtypes = (
+    if lib.ol_abi_version() != _ABI_VERSION:
+        raise KernelBuildError(f"{path} has ABI {lib.ol_abi_version()}, expected {_ABI_VERSION}")
+    _declare_signature(lib)
+    return lib
+
+
+_ABI_VERSION = 3
+"""``ol_abi_version()`` of the source: the layout of ``ol_param_t``/``ol_hyper_t``."""
+
+
+def _declare_signature(lib: ctypes.CDLL) -> None:
+    """Declare the C signature of ``ol_adamw_step`` on a loaded kernel."""
+    lib.ol_adamw_step.argtypes = (
         ctypes.POINTER(_Param),
         ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_int64),
         ctypes.POINTER(_Hyper),
         ctypes.c_int32,
     )
-    lib.ol_adamw_bf16_step.restype = ctypes.c_int
-    return lib
+    lib.ol_adamw_step.restype = ctypes.c_int
+    lib.ol_read_steps.argtypes = (
+        ctypes.POINTER(_Param),
+        ctypes.c_int64,
+        ctypes.POINTER(ctypes.c_float),
+    )
+    lib.ol_read_steps.restype = None
+    lib.ol_bump_steps.argtypes = (ctypes.POINTER(_Param), ctypes.c_int64)
+    lib.ol_bump_steps.restype = None
 
 
 def _load_bytes(data: bytes, path: Path) -> ctypes.CDLL:
@@ -306,15 +333,15 @@ def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
     """Why the CPU kernel cannot step this param, or None if it can.
 
     Args:
-        p: the param (needs float32, CPU, contiguous).
+        p: the param (needs float32, bfloat16 or float16, CPU, contiguous).
         grad: its grad (needs float32, bfloat16 or float16, CPU, contiguous, dense, same
             shape).
     """
     if p.device.type != "cpu":
         return f"param is on {p.device}, the CPU kernel needs CPU tensors"
-    if p.dtype != torch.float32:
-        return f"param dtype {p.dtype}: the CPU kernel steps float32 params only"
-    if grad.dtype not in GRAD_DTYPE_CODES:
+    if p.dtype not in DTYPE_CODES:
+        return f"param dtype {p.dtype}: the CPU kernel steps float32, bfloat16, float16 params"
+    if grad.dtype not in DTYPE_CODES:
         return f"grad dtype {grad.dtype}: the CPU kernel reads float32, bfloat16, float16"
     if grad.is_sparse or grad.device != p.device or grad.shape != p.shape:
         return "grad is sparse, on another device or of another shape"
@@ -323,31 +350,127 @@ def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class ParamJob:
-    """One param for :func:`adamw_bf16_step`, with its per-step scalars.
+def table_signature(
+    params: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    param_indices: Sequence[int],
+) -> tuple[object, ...]:
+    """What a :class:`KernelTable` depends on: storage addresses, sizes, dtypes and
+    indices. Equal signatures mean a table can be reused as it is."""
+    return tuple(
+        (p.data_ptr(), m.data_ptr(), v.data_ptr(), s.data_ptr(), p.numel(), p.dtype, m.dtype, i)
+        for p, m, v, s, i in zip(params, exp_avgs, exp_avg_sqs, steps, param_indices, strict=True)
+    )
 
-    Attributes:
-        param: float32 CPU tensor, contiguous, updated in place.
-        grad: float32/bfloat16/float16 tensor of the same shape, contiguous.
-        exp_avg: bfloat16 tensor of the same shape, contiguous, updated in place.
-        exp_avg_sq: bfloat16 tensor of the same shape, contiguous, updated in place.
-        key: :func:`~optladder.optimizers.rounding.element_key` of this step.
-        step_size: ``-lr / (1 - beta1**step)`` (float64; rounded to float32 in C).
-        bias_correction2_sqrt: ``sqrt(1 - beta2**step)``.
+
+class KernelTable:
+    """The kernel's param table for a fixed list of params, built once and reused.
+
+    Holds one C row per param (pointers, element count, dtypes, index) and the prefix
+    sums of the element counts, so a step allocates nothing: :meth:`set_step` rewrites
+    only what changes between steps (grad pointers and dtypes, the per-step scalars), and
+    :meth:`read_steps` / :meth:`bump_steps` read and bump every step count in one call.
+
+    Args:
+        params: float32/bfloat16/float16 CPU tensors, contiguous (see
+            :func:`param_unsupported_reason`).
+        exp_avgs, exp_avg_sqs: their moments, all float32 or all bfloat16, contiguous,
+            the params' shapes.
+        steps: their step counts, 0-d float32 CPU tensors.
+        param_indices: each param's index over all param groups (for the random bits).
+
+    Raises:
+        ValueError: naming the row and tensor that is not as described.
     """
 
-    param: torch.Tensor
-    grad: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    key: int
-    step_size: float
-    bias_correction2_sqrt: float
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        exp_avgs: Sequence[torch.Tensor],
+        exp_avg_sqs: Sequence[torch.Tensor],
+        steps: Sequence[torch.Tensor],
+        param_indices: Sequence[int],
+    ) -> None:
+        n = len(params)
+        moment_dtype = exp_avgs[0].dtype if n else torch.bfloat16
+        if moment_dtype not in MOMENT_DTYPE_CODES:
+            raise ValueError(f"exp_avgs[0] has dtype {moment_dtype}; need float32 or bfloat16")
+        self.moment_dtype = moment_dtype
+        self.rows = (_Param * max(n, 1))()
+        self.offsets = (ctypes.c_int64 * (n + 1))()
+        self.step_values = (ctypes.c_float * max(n, 1))()
+        self.signature = table_signature(params, exp_avgs, exp_avg_sqs, steps, param_indices)
+        total = 0
+        for k, (p, m, v, s, i) in enumerate(
+            zip(params, exp_avgs, exp_avg_sqs, steps, param_indices, strict=True)
+        ):
+            if s.dtype != torch.float32 or s.device.type != "cpu" or s.numel() != 1:
+                raise ValueError(
+                    f"steps[{k}] must be a one-element float32 CPU tensor, got {s.dtype} "
+                    f"{tuple(s.shape)} on {s.device}"
+                )
+            if p.dtype not in DTYPE_CODES or p.device.type != "cpu" or not p.is_contiguous():
+                raise ValueError(
+                    f"params[{k}] must be a contiguous float32/bfloat16/float16 CPU tensor, "
+                    f"got {p.dtype} on {p.device}"
+                )
+            for name, t in (("exp_avgs", m), ("exp_avg_sqs", v)):
+                if t.dtype != moment_dtype or not t.is_contiguous() or t.shape != p.shape:
+                    raise ValueError(
+                        f"{name}[{k}] must be a contiguous {moment_dtype} tensor of shape "
+                        f"{tuple(p.shape)}, got {t.dtype} {tuple(t.shape)}"
+                    )
+            row = self.rows[k]
+            row.param = p.data_ptr()
+            row.exp_avg = m.data_ptr()
+            row.exp_avg_sq = v.data_ptr()
+            row.step = s.data_ptr()
+            row.numel = p.numel()
+            row.param_index = i
+            row.param_dtype = DTYPE_CODES[p.dtype]
+            total += p.numel()
+            self.offsets[k + 1] = total
+        self.n_params = n
+        self.total = total
+
+    def read_steps(self, library: ctypes.CDLL | None = None) -> list[float]:
+        """Every param's step count (before this step), in one C call."""
+        lib = load_library() if library is None else library
+        lib.ol_read_steps(self.rows, self.n_params, self.step_values)
+        return self.step_values[: self.n_params]
+
+    def bump_steps(self, library: ctypes.CDLL | None = None) -> None:
+        """Add one to every param's step count, in one C call."""
+        lib = load_library() if library is None else library
+        lib.ol_bump_steps(self.rows, self.n_params)
+
+    def set_step(
+        self,
+        grads: Sequence[torch.Tensor],
+        steps: Sequence[float],
+        scalars: dict[float, tuple[int, float, float]],
+    ) -> None:
+        """Write this step's per-param fields.
+
+        Args:
+            grads: each param's grad (float32/bfloat16/float16, contiguous, its shape).
+            steps: each param's new (1-based) step count.
+            scalars: for each distinct step, ``(step_key, step_size, bc2_sqrt)``:
+                :func:`~optladder.optimizers.rounding.step_key`, ``-lr /
+                bias_correction1`` and ``sqrt(bias_correction2)``.
+        """
+        rows = self.rows
+        for k, (g, step) in enumerate(zip(grads, steps, strict=True)):
+            row = rows[k]
+            row.grad = g.data_ptr()
+            row.grad_dtype = DTYPE_CODES[g.dtype]
+            row.step_key, row.step_size, row.bc2_sqrt = scalars[step]
 
 
-def adamw_bf16_step(
-    jobs: Sequence[ParamJob],
+def adamw_step(
+    table: KernelTable,
     *,
     beta1: float,
     beta2: float,
@@ -357,14 +480,16 @@ def adamw_bf16_step(
     decoupled_weight_decay: bool,
     maximize: bool,
     stochastic: bool,
+    param_stochastic: bool,
     num_threads: int | None = None,
     library: ctypes.CDLL | None = None,
 ) -> None:
-    """Update params and bf16 moments in place, exactly as the eager oracle does.
+    """Update params and moments of ``table`` in place, exactly as the eager oracle does.
+
+    Allocates nothing: :meth:`KernelTable.set_step` must have run for this step.
 
     Args:
-        jobs: the params of one group (see :class:`ParamJob`); checked beforehand with
-            :func:`param_unsupported_reason`, the moments must be bfloat16 and contiguous.
+        table: the params (see :class:`KernelTable`).
         beta1: first-moment decay, in ``[0, 1)``.
         beta2: second-moment decay, in ``[0, 1)``.
         eps: denominator term.
@@ -372,37 +497,17 @@ def adamw_bf16_step(
         weight_decay: decay coefficient; 0 disables it.
         decoupled_weight_decay: AdamW (True) or Adam's L2 term (False).
         maximize: ascend.
-        stochastic: stochastic rounding of the moments (else round to nearest even).
+        stochastic: stochastic rounding of bfloat16 moments (else round to nearest even).
+        param_stochastic: stochastic rounding of bfloat16/float16 param writes (else round
+            to nearest even).
         num_threads: worker threads; default ``torch.get_num_threads()``.
         library: a kernel from :func:`load`; default :func:`load_library`.
 
     Raises:
-        ValueError: if a moment is not a contiguous bfloat16 tensor of the param's shape.
         KernelBuildError: if the kernel cannot be built or loaded.
     """
-    if not jobs:
+    if table.n_params == 0:
         return
-    table = (_Param * len(jobs))()
-    total = 0
-    for k, job in enumerate(jobs):
-        for name in ("exp_avg", "exp_avg_sq"):
-            t = getattr(job, name)
-            if t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != job.param.shape:
-                raise ValueError(
-                    f"jobs[{k}].{name} must be a contiguous bfloat16 tensor of shape "
-                    f"{tuple(job.param.shape)}, got {t.dtype} {tuple(t.shape)}"
-                )
-        row = table[k]
-        row.param = job.param.data_ptr()
-        row.grad = job.grad.data_ptr()
-        row.exp_avg = job.exp_avg.data_ptr()
-        row.exp_avg_sq = job.exp_avg_sq.data_ptr()
-        row.numel = job.param.numel()
-        row.grad_dtype = GRAD_DTYPE_CODES[job.grad.dtype]
-        row.key = job.key
-        row.step_size = job.step_size
-        row.bc2_sqrt = job.bias_correction2_sqrt
-        total += row.numel
     has_wd = weight_decay != 0
     hyper = _Hyper(
         lerp_weight=1.0 - beta1,
@@ -412,15 +517,15 @@ def adamw_bf16_step(
         decay=(1.0 - lr * weight_decay) if has_wd and decoupled_weight_decay else 1.0,
         weight_decay=weight_decay if has_wd and not decoupled_weight_decay else 0.0,
         coupled=int(has_wd and not decoupled_weight_decay),
-        decoupled=int(has_wd and decoupled_weight_decay),
         maximize=int(maximize),
+        moment_dtype=MOMENT_DTYPE_CODES[table.moment_dtype],
         stochastic=int(stochastic),
+        param_stochastic=int(param_stochastic),
     )
     threads = torch.get_num_threads() if num_threads is None else num_threads
-    threads = max(1, min(threads, total // _MIN_ELEMENTS_PER_THREAD))
+    threads = max(1, min(threads, table.total // _MIN_ELEMENTS_PER_THREAD))
     lib = load_library() if library is None else library
-    if lib.ol_adamw_bf16_step(table, len(jobs), ctypes.byref(hyper), threads) == -2:
-        raise MemoryError("the bf16 CPU kernel could not allocate its offsets table")
+    lib.ol_adamw_step(table.rows, table.n_params, table.offsets, ctypes.byref(hyper), threads)
 
 
 if __name__ == "__main__":

@@ -58,22 +58,26 @@ def adamw_bf16_(
     decoupled_weight_decay: bool,
     maximize: bool,
     stochastic: bool,
+    param_stochastic: bool,
     seed_key: int,
     grad_scale: Optional[Tensor],  # noqa: UP045
     found_inf: Optional[Tensor],  # noqa: UP045
 ) -> None:
-    """One AdamW step with bfloat16 moments for a group of params, in one kernel launch.
+    """One AdamW step for a group of params, in one kernel launch (the bf16 rung's
+    bfloat16 moments, or the fp32 rung's float32 moments for low-precision params).
 
     All tensors are on one device. Each ``steps[i]`` is incremented first, as torch's
     fused Adam does; with ``found_inf`` nonzero the kernel changes nothing and the
     increment is taken back, so nothing changes at all.
 
     Args:
-        params: float32 params, contiguous, updated in place.
+        params: params of one dtype (float32, bfloat16 or float16), contiguous, updated
+            in place.
         grads: their grads, one dtype for all (float32, bfloat16 or float16), contiguous;
             divided in place by ``grad_scale`` when it is given (as torch's fused Adam).
-        exp_avgs: bfloat16 first moments, contiguous, the params' shapes.
-        exp_avg_sqs: bfloat16 second moments, likewise.
+        exp_avgs: first moments, all bfloat16 or all float32, contiguous, the params'
+            shapes.
+        exp_avg_sqs: second moments, likewise.
         steps: 0-d float32 step counts on the params' device, one per param.
         param_indices: each param's index over all param groups (for the random bits).
         lr: learning rate when ``lr_tensor`` is None.
@@ -84,8 +88,10 @@ def adamw_bf16_(
         weight_decay: decay coefficient (0 disables it).
         decoupled_weight_decay: AdamW (True) or Adam (False).
         maximize: ascend instead of descend.
-        stochastic: stochastic rounding (the bits of :mod:`optladder.optimizers.rounding`)
-            or round to nearest even.
+        stochastic: stochastic rounding of bfloat16 moments (the bits of
+            :mod:`optladder.optimizers.rounding`) or round to nearest even.
+        param_stochastic: stochastic rounding of bfloat16/float16 param writes (their own
+            stream of the same hash) or round to nearest even.
         seed_key: :func:`seed_prefix` of the optimizer's seed.
         grad_scale: AMP scale (float32 tensor of one element) or None.
         found_inf: float32 tensor of one element, nonzero to skip the step, or None.
@@ -111,6 +117,7 @@ def adamw_bf16_(
         decoupled_weight_decay=decoupled_weight_decay,
         maximize=maximize,
         stochastic=stochastic,
+        param_stochastic=param_stochastic,
         seed_key=seed_key,
         grad_scale=grad_scale,
         found_inf=found_inf,

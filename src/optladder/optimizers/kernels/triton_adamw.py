@@ -1,4 +1,9 @@
-"""The Triton kernel of the bf16 rung: one launch updates every param of a group.
+"""The Triton kernel of optladder's AdamW: one launch updates every param of a group.
+
+Params of float32, bfloat16 or float16 (one dtype per launch) with grads of any of those,
+moments in bfloat16 (the bf16 rung) or float32 (the fp32 rung for low-precision params),
+all math in float32, in the eager oracle's operation order: the kernel writes the bits of
+:func:`optladder.optimizers.eager.eager_step`.
 
 Importing this module imports Triton; :mod:`optladder` imports it only when a step needs
 it (see :mod:`optladder.optimizers.kernels.ops`). Under ``TRITON_INTERPRET=1`` (set before
@@ -11,16 +16,19 @@ param index) and a chunk table with one ``(row, first element)`` pair per progra
 depend only on the pointers and sizes, so they are built once on the host and cached; a
 CUDA graph captured after one warm-up step replays with no host work.
 
-Moments are read and written as their uint16 bit patterns (the rounding is integer
-arithmetic on the float32 pattern), so the kernel writes exactly the bits of
-:func:`optladder.optimizers.rounding.stochastic_round_bf16`, compiled or interpreted.
-Bias corrections are computed per program in float64 from the param's step count
-(``beta**step`` by binary powering), so per-param step counts cost nothing.
+bfloat16 moments and low-precision params are read and written as their uint16 bit
+patterns (the rounding is integer arithmetic on the float32 pattern), so the kernel
+writes exactly the bits of :mod:`optladder.optimizers.rounding`, compiled or interpreted.
+Bias corrections are computed per program in float64 from the param's step count, by the
+binary powering of :func:`optladder.optimizers.eager.step_scalars` (so per-param step
+counts cost nothing and the scalars are the host's bits); ``lr`` and the betas arrive as
+float64 bit patterns.
 """
 
 # mypy: disable-error-code="no-untyped-def"
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -34,7 +42,8 @@ CHUNK = 4 * BLOCK
 """Elements per program (one row of the chunk table)."""
 _META_COLS = 8
 _CACHE_SIZE = 64
-_GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_PARAM_STREAM = 0x1B873593  # optladder.optimizers.rounding.PARAM_STREAM
 
 # Device tables keyed by pointers and sizes; a cache (its content is a pure function of
 # the key), bounded, least recently used first out.
@@ -85,6 +94,25 @@ def _round_bf16(x, r16, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
+def _round_f16_sr(x, r):
+    """float32 -> float16 bit pattern (uint16), stochastic with 32 random bits ``r``
+    (:func:`optladder.optimizers.rounding.stochastic_round_f16`)."""
+    u = x.to(tl.uint32, bitcast=True)
+    a = u & _u32(0x7FFFFFFF)
+    s = u & _u32(0x80000000)
+    e = (a >> 23).to(tl.int32)
+    sh = tl.minimum(tl.maximum(126 - e, 13), 23).to(tl.uint32)
+    mask = (_u32(1) << sh) - _u32(1)
+    big = (a + (r & mask)) & (mask ^ _u32(0xFFFFFFFF))
+    t = a.to(tl.float32, bitcast=True) * 281474976710656.0  # |x| * 2**48, exact
+    tiny = tl.where((r >> 8).to(tl.float32) < t, _u32(0x33800000), _u32(0))
+    y = s | tl.where(e >= 103, big, tiny)
+    h = y.to(tl.float32, bitcast=True).to(tl.float16).to(tl.uint16, bitcast=True)
+    nan = ((s >> 16) | _u32(0x7E00)).to(tl.uint16)
+    return tl.where(a > _u32(0x7F800000), nan, h)
+
+
+@triton.jit
 def _update(
     p_ptr,
     g_ptr,
@@ -93,6 +121,7 @@ def _update(
     offs,
     mask,
     key,
+    pkey,
     scale,
     step_size,
     bc2_sqrt,
@@ -103,11 +132,14 @@ def _update(
     eps,
     wd,
     GRAD_KIND: tl.constexpr,
+    PARAM_KIND: tl.constexpr,
+    MOMENT_F32: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     DECOUPLED: tl.constexpr,
     COUPLED: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    PARAM_SR: tl.constexpr,
     LERP_SMALL: tl.constexpr,
 ):
     if GRAD_KIND == 0:
@@ -130,23 +162,52 @@ def _update(
             tl.store(g_ptr.to(tl.pointer_type(tl.float16)) + offs, g.to(tl.float16), mask=mask)
     if MAXIMIZE:
         g = -g
-    pp = p_ptr.to(tl.pointer_type(tl.float32)) + offs
-    p = _load(pp, mask)
+    if PARAM_KIND == 0:
+        pp = p_ptr.to(tl.pointer_type(tl.float32)) + offs
+        p = _load(pp, mask)
+    elif PARAM_KIND == 1:
+        pp = p_ptr.to(tl.pointer_type(tl.uint16)) + offs
+        p = (_load(pp, mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        pp = p_ptr.to(tl.pointer_type(tl.float16)) + offs
+        p = _load(pp, mask).to(tl.float32)
     if DECOUPLED:
         p = p * decay
     if COUPLED:
         g = tl.fma(p, wd, g)
-    mp = m_ptr.to(tl.pointer_type(tl.uint16)) + offs
-    vp = v_ptr.to(tl.pointer_type(tl.uint16)) + offs
-    m = (_load(mp, mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-    v = (_load(vp, mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    if MOMENT_F32:
+        mp = m_ptr.to(tl.pointer_type(tl.float32)) + offs
+        vp = v_ptr.to(tl.pointer_type(tl.float32)) + offs
+        m = _load(mp, mask)
+        v = _load(vp, mask)
+    else:
+        mp = m_ptr.to(tl.pointer_type(tl.uint16)) + offs
+        vp = v_ptr.to(tl.pointer_type(tl.uint16)) + offs
+        m = (_load(mp, mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        v = (_load(vp, mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     # torch's lerp: self + w * (end - self) for w < 0.5, else end - (end - self) * (1 - w)
     m = tl.fma(lerp_w, g - m, m) if LERP_SMALL else tl.fma(lerp_w - 1.0, g - m, g)
     v = tl.fma(omb2 * g, g, v * beta2)  # torch's addcmul: fmadd(value * t1, t2, self)
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p + tl.div_rn(step_size * m, denom)
-    tl.store(pp, p, mask=mask)
-    if STOCHASTIC:
+    if PARAM_KIND == 0:
+        tl.store(pp, p, mask=mask)
+    elif PARAM_KIND == 1:
+        if PARAM_SR:
+            pbits = _hash32(offs.to(tl.uint32) + pkey)
+            tl.store(pp, _round_bf16(p, pbits & _u32(0xFFFF), True), mask=mask)
+        else:
+            tl.store(pp, _round_bf16(p, _u32(0), False), mask=mask)
+    else:
+        if PARAM_SR:
+            pbits = _hash32(offs.to(tl.uint32) + pkey)
+            tl.store(pp.to(tl.pointer_type(tl.uint16)), _round_f16_sr(p, pbits), mask=mask)
+        else:
+            tl.store(pp, p.to(tl.float16), mask=mask)
+    if MOMENT_F32:
+        tl.store(mp, m, mask=mask)
+        tl.store(vp, v, mask=mask)
+    elif STOCHASTIC:
         bits = _hash32(offs.to(tl.uint32) + key)
         tl.store(mp, _round_bf16(m, bits & _u32(0xFFFF), True), mask=mask)
         tl.store(vp, _round_bf16(v, bits >> 16, True), mask=mask)
@@ -157,7 +218,9 @@ def _update(
 
 @triton.jit
 def _pow_f64(base, n):
-    """``base ** n`` for float64 ``base`` and an integer ``0 <= n < 2**32``."""
+    """``base ** n`` for float64 ``base`` and an integer ``0 <= n < 2**32``: the binary
+    powering of :func:`optladder.optimizers.eager.power`, multiplication for
+    multiplication."""
     r = tl.full((), 1.0, tl.float64)
     b = base
     for k in tl.static_range(32):
@@ -166,19 +229,17 @@ def _pow_f64(base, n):
     return r
 
 
-@triton.jit(do_not_specialize=["seed_key"])
+@triton.jit(do_not_specialize=["seed_key", "lr_bits", "beta1_bits", "beta2_bits", "wd_bits"])
 def _adamw_bf16_kernel(
     meta_ptr,
     chunks_ptr,
     lr_ptr,
     scale_ptr,
     found_inf_ptr,
-    lr_hi,
-    lr_lo,
-    beta1_hi,
-    beta1_lo,
-    beta2_hi,
-    beta2_lo,
+    lr_bits,
+    beta1_bits,
+    beta2_bits,
+    wd_bits,
     lerp_w,
     beta2,
     omb2,
@@ -186,6 +247,8 @@ def _adamw_bf16_kernel(
     wd,
     seed_key,
     GRAD_KIND: tl.constexpr,
+    PARAM_KIND: tl.constexpr,
+    MOMENT_F32: tl.constexpr,
     LR_TENSOR: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_INF: tl.constexpr,
@@ -193,6 +256,7 @@ def _adamw_bf16_kernel(
     COUPLED: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    PARAM_SR: tl.constexpr,
     LERP_SMALL: tl.constexpr,
     ALIGNED: tl.constexpr,
     CHUNK_SIZE: tl.constexpr,
@@ -224,47 +288,50 @@ def _adamw_bf16_kernel(
         if LR_TENSOR:
             lr = tl.load(lr_ptr).to(tl.float64)
         else:
-            lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
-        b1 = tl.cast(beta1_hi, tl.float64) + tl.cast(beta1_lo, tl.float64)
-        b2 = tl.cast(beta2_hi, tl.float64) + tl.cast(beta2_lo, tl.float64)
+            lr = tl.cast(lr_bits, tl.int64).to(tl.float64, bitcast=True)
+        b1 = tl.cast(beta1_bits, tl.int64).to(tl.float64, bitcast=True)
+        b2 = tl.cast(beta2_bits, tl.int64).to(tl.float64, bitcast=True)
         bc1 = 1.0 - _pow_f64(b1, n)
         bc2 = 1.0 - _pow_f64(b2, n)
         step_size = (-lr / bc1).to(tl.float32)  # float64 division is IEEE
         bc2_sqrt = tl.sqrt(bc2).to(tl.float32)  # float64 sqrt is IEEE
-        decay = (1.0 - lr * tl.cast(wd, tl.float64)).to(tl.float32)
+        wd64 = tl.cast(wd_bits, tl.int64).to(tl.float64, bitcast=True)
+        decay = (1.0 - lr * wd64).to(tl.float32)
         scale = 1.0
         if HAS_SCALE:
             scale = tl.load(scale_ptr).to(tl.float32)
         key = _mix(tl.cast(seed_key, tl.uint32), n.to(tl.uint32))
         key = _mix(key, pidx.to(tl.uint32))
         key = _mix(key, (pidx >> 32).to(tl.uint32))
-        p_ptr = p_int.to(tl.pointer_type(tl.float32))
+        pkey = _mix(key, _u32(_PARAM_STREAM))
+        p_ptr = p_int.to(tl.pointer_type(tl.uint8))
         g_ptr = g_int.to(tl.pointer_type(tl.uint8))
-        m_ptr = m_int.to(tl.pointer_type(tl.uint16))
-        v_ptr = v_int.to(tl.pointer_type(tl.uint16))
+        m_ptr = m_int.to(tl.pointer_type(tl.uint8))
+        v_ptr = v_int.to(tl.pointer_type(tl.uint8))
         if start + CHUNK_SIZE <= numel:  # a whole chunk: no masks, vector loads
             for i in tl.static_range(CHUNK_SIZE // BLOCK_SIZE):
                 offs = start + i * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
                 _update(
-                    p_ptr, g_ptr, m_ptr, v_ptr, offs, None, key, scale, step_size, bc2_sqrt,
-                    decay, lerp_w, beta2, omb2, eps, wd, GRAD_KIND, HAS_SCALE, DECOUPLED,
-                    COUPLED, MAXIMIZE, STOCHASTIC, LERP_SMALL,
+                    p_ptr, g_ptr, m_ptr, v_ptr, offs, None, key, pkey, scale, step_size,
+                    bc2_sqrt, decay, lerp_w, beta2, omb2, eps, wd, GRAD_KIND, PARAM_KIND,
+                    MOMENT_F32, HAS_SCALE, DECOUPLED, COUPLED, MAXIMIZE, STOCHASTIC, PARAM_SR,
+                    LERP_SMALL,
                 )  # fmt: skip
         else:
             for i in tl.static_range(CHUNK_SIZE // BLOCK_SIZE):
                 offs = start + i * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
                 _update(
-                    p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < numel, key, scale, step_size,
-                    bc2_sqrt, decay, lerp_w, beta2, omb2, eps, wd, GRAD_KIND, HAS_SCALE,
-                    DECOUPLED, COUPLED, MAXIMIZE, STOCHASTIC, LERP_SMALL,
+                    p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < numel, key, pkey, scale,
+                    step_size, bc2_sqrt, decay, lerp_w, beta2, omb2, eps, wd, GRAD_KIND,
+                    PARAM_KIND, MOMENT_F32, HAS_SCALE, DECOUPLED, COUPLED, MAXIMIZE,
+                    STOCHASTIC, PARAM_SR, LERP_SMALL,
                 )  # fmt: skip
 
 
-def _split(x: float) -> tuple[float, float]:
-    """A float64 as the sum of two float32 values (Triton passes Python floats as fp32)."""
-    hi = float(torch.tensor(x, dtype=torch.float32))
-    lo = float(torch.tensor(x - hi, dtype=torch.float32))
-    return hi, lo
+def _bits64(x: float) -> int:
+    """The bit pattern of a float64 as a signed int64 (Triton passes Python floats as
+    float32; the kernel bitcasts this back to the exact float64)."""
+    return int(struct.unpack("<q", struct.pack("<d", float(x)))[0])
 
 
 def _f32(x: float) -> float:
@@ -323,6 +390,7 @@ def launch(
     decoupled_weight_decay: bool,
     maximize: bool,
     stochastic: bool,
+    param_stochastic: bool,
     seed_key: int,
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
@@ -340,9 +408,6 @@ def launch(
         t.data_ptr() % 16 == 0 for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts
     )
     has_wd = weight_decay != 0.0
-    lr_hi, lr_lo = _split(lr)
-    b1_hi, b1_lo = _split(beta1)
-    b2_hi, b2_lo = _split(beta2)
     dummy = meta  # any pointer for absent optional tensors; never read
     _adamw_bf16_kernel[(n_chunks,)](
         meta,
@@ -350,19 +415,19 @@ def launch(
         lr_tensor if lr_tensor is not None else dummy,
         grad_scale if grad_scale is not None else dummy,
         found_inf if found_inf is not None else dummy,
-        lr_hi,
-        lr_lo,
-        b1_hi,
-        b1_lo,
-        b2_hi,
-        b2_lo,
+        _bits64(lr),
+        _bits64(beta1),
+        _bits64(beta2),
+        _bits64(weight_decay),
         _f32(1.0 - beta1),
         _f32(beta2),
         _f32(1.0 - beta2),
         _f32(eps),
         _f32(weight_decay),
         seed_key,
-        GRAD_KIND=_GRAD_KINDS[grads[0].dtype],
+        GRAD_KIND=_KINDS[grads[0].dtype],
+        PARAM_KIND=_KINDS[params[0].dtype],
+        MOMENT_F32=exp_avgs[0].dtype == torch.float32,
         LR_TENSOR=lr_tensor is not None,
         HAS_SCALE=grad_scale is not None,
         HAS_INF=found_inf is not None,
@@ -370,6 +435,7 @@ def launch(
         COUPLED=has_wd and not decoupled_weight_decay,
         MAXIMIZE=maximize,
         STOCHASTIC=stochastic,
+        PARAM_SR=param_stochastic,
         LERP_SMALL=(1.0 - beta1) < 0.5,
         ALIGNED=aligned,
         CHUNK_SIZE=CHUNK,

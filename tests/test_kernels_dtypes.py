@@ -1,0 +1,356 @@
+"""Every (rung, param dtype, grad dtype, device) the kernels serve, against a float64
+reference and against the eager oracle's bits; stochastic rounding of param writes.
+
+Rungs: ``fp32`` (float32 moments on optladder's kernel, where torch's fused AdamW would
+keep bf16/fp16 moments) and ``bf16`` (bfloat16 moments). Devices: the C kernel, and the
+Triton kernel in Triton's interpreter (with a once-rounded fma, see ``triton_interp``;
+small params there: the interpreter is slow), or compiled on CUDA where a GPU is present
+(``bench/gpu_check.sh``), against the eager bits computed on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.kernels import cpu
+from triton_interp import exact_fma_interpreter
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISION = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}
+"""Significand bits (with the implicit one) of each format."""
+HYPER: dict[str, Any] = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+
+needs_gcc = pytest.mark.skipif(
+    cpu.unavailable_reason() is not None, reason=str(cpu.unavailable_reason())
+)
+
+
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter() -> Iterator[None]:
+    pytest.importorskip("triton", reason="triton is not installed")
+    if TRITON_DEVICE.type == "cuda":  # the compiled kernel
+        yield
+        return
+    with exact_fma_interpreter():
+        from optladder.optimizers.kernels import triton_adamw
+
+        if type(triton_adamw._adamw_bf16_kernel).__name__ != "InterpretedFunction":
+            pytest.skip("the Triton kernel was imported compiled before this module ran")
+        yield
+
+
+def _inputs(
+    sizes: tuple[int, ...], param_dtype: torch.dtype, grad_dtype: torch.dtype, seed: int
+) -> list[dict[str, torch.Tensor]]:
+    """Params, grads over six decades, moments and per-param step counts."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for k, n in enumerate(sizes):
+        scale = 10.0 ** torch.randint(-4, 2, (n,), generator=gen)
+        out.append(
+            {
+                "p": torch.randn(n, generator=gen).to(param_dtype),
+                "g": (torch.randn(n, generator=gen) * scale).to(grad_dtype),
+                "m": torch.randn(n, generator=gen) * 0.1,
+                "v": torch.rand(n, generator=gen) * 0.01,
+                "step": torch.tensor(float(4 * k)),
+            }
+        )
+    return out
+
+
+def _one_step(
+    backend: str, rung: str, inputs: list[dict[str, torch.Tensor]], **options: Any
+) -> tuple[list[torch.nn.Parameter], LadderAdamW]:
+    moment_dtype = MOMENTS[rung]
+    device = TRITON_DEVICE if backend == "triton" else torch.device("cpu")
+    params = [torch.nn.Parameter(x["p"].clone().to(device)) for x in inputs]
+    opt = LadderAdamW(
+        params, backend=backend, moment_dtype=moment_dtype, seed=5, **{**HYPER, **options}
+    )  # type: ignore[arg-type]
+    for p, x in zip(params, inputs, strict=True):
+        opt.state[p] = {
+            "step": x["step"].clone(),
+            "exp_avg": x["m"].to(device, moment_dtype, copy=True),
+            "exp_avg_sq": x["v"].to(device, moment_dtype, copy=True),
+        }
+        p.grad_dtype = None  # a grad dtype other than the param's
+        p.grad = x["g"].clone().to(device)
+    opt.step()
+    assert backend == "eager" or opt.eager_reasons == {}, opt.eager_reasons
+    return params, opt
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().reshape(-1).view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def _check_float64(
+    params: list[torch.nn.Parameter],
+    opt: LadderAdamW,
+    inputs: list[dict[str, torch.Tensor]],
+    moment_dtype: torch.dtype,
+) -> None:
+    """One step against AdamW in float64 from the same (stored) inputs.
+
+    Bounds, per element: the moment, rounded once to its format (stochastic or nearest:
+    at most one ulp, ``2**(1 - precision)`` relative), plus float32 arithmetic: ``m``'s
+    lerp rounds twice on magnitudes up to ``|m_in| + |g|`` (it cancels when g ~ m), ``v``
+    is a sum of positive terms (4 roundings: relative 4 * 2**-24). The param: its own
+    format's ulp, float32 roundings of the decay product and the sum (2**-24 of
+    ``|p_in| + |u|`` each), and the update ``u = step_size * m / denom``'s error: ``m``'s
+    absolute error over ``denom`` plus ~8 float32 roundings of ``u`` (step size, sqrt, two
+    divisions, eps, hyperparameters rounded to float32); float16's subnormal quantum
+    2**-24 absolute. Float32 terms carry a factor 2 of slack.
+    """
+    lr, (beta1, beta2), eps, wd = (HYPER[k] for k in ("lr", "betas", "eps", "weight_decay"))
+    ulp_m = 2.0 ** (1 - PRECISION[moment_dtype])
+    for p, x in zip(params, inputs, strict=True):
+        step = int(x["step"]) + 1
+        p_in, g = x["p"].double(), x["g"].double()
+        m_in = x["m"].to(moment_dtype).double()
+        v_in = x["v"].to(moment_dtype).double()
+        m64 = m_in + (1 - beta1) * (g - m_in)
+        v64 = beta2 * v_in + (1 - beta2) * g * g
+        denom = v64.sqrt() / math.sqrt(1 - beta2**step) + eps
+        step_size = lr / (1 - beta1**step)
+        u64 = step_size * m64 / denom
+        p64 = p_in * (1 - lr * wd) - u64
+        st = opt.state[p]
+        m_err = 2 * 2.0**-23 * (m_in.abs() + g.abs())
+        tol_m = ulp_m * m64.abs() + m_err
+        tol_v = ulp_m * v64 + 2 * 4 * 2.0**-24 * v64
+        assert ((st["exp_avg"].cpu().double() - m64).abs() <= tol_m).all()
+        assert ((st["exp_avg_sq"].cpu().double() - v64).abs() <= tol_v).all()
+        tol_p = (
+            2.0 ** (1 - PRECISION[p.dtype]) * p64.abs()
+            + 2 * 2.0**-24 * 2 * (p_in.abs() + u64.abs())
+            + 2 * (step_size * m_err / denom + 8 * 2.0**-24 * u64.abs())
+            + (2.0**-24 if p.dtype == torch.float16 else 0.0)
+        )
+        err = (p.detach().cpu().double() - p64).abs()
+        assert (err <= tol_p).all(), float((err / tol_p).max())
+        assert st["step"].item() == step
+
+
+CPU_CASES = list(itertools.product(MOMENTS, DTYPES, DTYPES))
+
+
+@needs_gcc
+@pytest.mark.parametrize(("rung", "param_dtype", "grad_dtype"), CPU_CASES)
+def test_c_kernel_matches_float64_and_eager_bits(
+    rung: str, param_dtype: torch.dtype, grad_dtype: torch.dtype
+) -> None:
+    inputs = _inputs(
+        (1, 17, 4099, 70_001),
+        param_dtype,
+        grad_dtype,
+        seed=hash((rung, str(param_dtype), str(grad_dtype))) % 1000,
+    )
+    got, got_opt = _one_step("cpu", rung, inputs)
+    ref, ref_opt = _one_step("eager", rung, inputs)
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(_bits(ref_opt.state[a][name]), _bits(got_opt.state[b][name]))
+    _check_float64(got, got_opt, inputs, MOMENTS[rung])
+
+
+# The interpreter costs ~1 s per launch configuration: one grad dtype per param dtype
+# (each grad dtype appears once per rung), small params, one of them past a chunk.
+TRITON_CASES = [
+    (rung, pd, gd)
+    for rung in MOMENTS
+    for pd, gd in zip(DTYPES, DTYPES[1:] + DTYPES[:1], strict=True)
+]
+
+
+@pytest.mark.parametrize(("rung", "param_dtype", "grad_dtype"), TRITON_CASES)
+def test_triton_kernel_matches_float64_and_eager_bits(
+    triton_interpreter: None, rung: str, param_dtype: torch.dtype, grad_dtype: torch.dtype
+) -> None:
+    inputs = _inputs((3, 4096 + 7), param_dtype, grad_dtype, seed=11)
+    got, got_opt = _one_step("triton", rung, inputs)
+    ref, ref_opt = _one_step("eager", rung, inputs)
+    for a, b in zip(ref, got, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(_bits(ref_opt.state[a][name]), _bits(got_opt.state[b][name]))
+    _check_float64(got, got_opt, inputs, MOMENTS[rung])
+
+
+def _write_many(backend: str, param_dtype: torch.dtype, seed: int, **options: Any) -> torch.Tensor:
+    """One step of N equal params whose update is a fraction of their ulp: returns the
+    written params."""
+    n = 20_000
+    p = torch.nn.Parameter(torch.full((n,), 1.0 + 2.0**-6).to(param_dtype))
+    opt = LadderAdamW([p], lr=3e-4, weight_decay=0.0, backend=backend, seed=seed, **options)  # type: ignore[arg-type]
+    p.grad = torch.full((n,), 0.5, dtype=param_dtype)
+    opt.step()
+    return p.detach()
+
+
+def _float32_result() -> float:
+    """The same step on a float32 param: the float32 value every write rounds."""
+    return float(_write_many("eager", torch.float32, seed=0)[0])
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_gcc), "eager"])
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+def test_stochastic_param_writes_are_unbiased_and_reproducible(
+    backend: str, param_dtype: torch.dtype
+) -> None:
+    exact = _float32_result()
+    lo = float(torch.tensor(exact).to(param_dtype))  # nearest; the neighbour is 1 ulp off
+    written = _write_many(backend, param_dtype, seed=1)
+    values = written.double()
+    assert set(values.unique().tolist()) <= {
+        lo,
+        float(
+            torch.nextafter(
+                torch.tensor(lo, dtype=param_dtype), torch.tensor(-1.0, dtype=param_dtype)
+            )
+        ),
+        float(
+            torch.nextafter(
+                torch.tensor(lo, dtype=param_dtype), torch.tensor(2.0, dtype=param_dtype)
+            )
+        ),
+    }
+    assert values.unique().numel() == 2  # both neighbours occur
+    sigma = values.std().item() / math.sqrt(values.numel())
+    assert abs(values.mean().item() - exact) <= 4 * sigma, (values.mean().item(), exact, sigma)
+    assert torch.equal(_bits(written), _bits(_write_many(backend, param_dtype, seed=1)))
+    assert not torch.equal(_bits(written), _bits(_write_many(backend, param_dtype, seed=2)))
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_gcc), "eager"])
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+def test_nearest_param_writes_are_round_to_nearest_even(
+    backend: str, param_dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(4)
+    p32 = torch.nn.Parameter(torch.randn(5000, generator=gen).to(param_dtype).float())
+    low = torch.nn.Parameter(p32.detach().to(param_dtype))
+    grad = torch.randn(5000, generator=gen)
+    ref = LadderAdamW([p32], lr=1e-2, backend="eager")
+    opt = LadderAdamW([low], lr=1e-2, backend=backend, param_rounding="nearest")  # type: ignore[arg-type]
+    p32.grad, low.grad = grad, grad.to(param_dtype)
+    p32.grad = low.grad.float()  # the same grad values
+    ref.step()
+    opt.step()
+    assert torch.equal(_bits(low), _bits(p32.detach().to(param_dtype)))  # torch's RNE
+
+
+def test_param_rounding_is_validated_exactly_and_saved() -> None:
+    p = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))
+    for bad in ("Stochastic", "nearest ", None, True):
+        with pytest.raises(
+            ValueError, match=r"param_rounding must be 'stochastic' or 'nearest', got"
+        ):
+            LadderAdamW([p], param_rounding=bad)  # type: ignore[arg-type]
+    opt = LadderAdamW([p], backend="eager", param_rounding="nearest")
+    with pytest.raises(ValueError, match="param_rounding"):
+        opt.add_param_group(
+            {"params": [torch.nn.Parameter(torch.randn(2))], "param_rounding": "sr"}
+        )
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["param_rounding"] == "nearest"
+    # set on a group after construction: refused at the step, nothing changes
+    p.grad = torch.randn(8).to(torch.bfloat16)
+    opt.param_groups[0]["param_rounding"] = "NEAREST"
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"param group 0: param_rounding must be"):
+        opt.step()
+    assert torch.equal(before, p.detach()) and len(opt.state) == 0
+    # a checkpoint from before the key existed loads with the optimizer's default
+    fresh = LadderAdamW([p], backend="eager", param_rounding="nearest")
+    old = fresh.state_dict()
+    del old["param_groups"][0]["param_rounding"]
+    loader = LadderAdamW([p], backend="eager")
+    loader.load_state_dict(old)
+    assert loader.param_groups[0]["param_rounding"] == "stochastic"
+    loader.load_state_dict(saved)
+    assert loader.param_groups[0]["param_rounding"] == "nearest"
+
+
+@needs_gcc
+def test_kernel_table_is_built_once_and_rebuilt_when_the_params_change() -> None:
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (10, 20)]
+    opt = LadderAdamW(params, backend="cpu")
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    table = opt._cpu_tables[0]
+    for p in params:
+        p.grad = torch.randn(p.shape)  # new grad storage: only the grad pointers change
+    opt.step()
+    assert opt._cpu_tables[0] is table
+    assert [opt.state[p]["step"].item() for p in params] == [2.0, 2.0]
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new moment tensors
+    opt.step()
+    assert opt._cpu_tables[0] is not table
+    params[1].grad = None  # a different param set
+    opt.step()
+    assert opt._cpu_tables[0].n_params == 1
+    assert [opt.state[p]["step"].item() for p in params] == [4.0, 3.0]
+
+
+def test_choose_optimizer_takes_param_rounding_on_both_rungs() -> None:
+    from optladder import choose_optimizer
+
+    with pytest.raises(ValueError, match=r"param_rounding must be .* got 'round'"):
+        choose_optimizer([torch.nn.Parameter(torch.randn(4))], param_rounding="round")  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(9)
+    start = torch.randn(300, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(300, generator=gen).to(torch.bfloat16)
+    for rung in ("fp32", "bf16"):
+        p = torch.nn.Parameter(start.clone())
+        opt = choose_optimizer([p], rung=rung, free_memory="1GiB", param_rounding="nearest")
+        assert opt.param_groups[0]["param_rounding"] == "nearest"
+        p.grad = grad.clone()
+        opt.step()
+        ref = torch.nn.Parameter(start.float())
+        ref_opt = LadderAdamW([ref], backend="eager", moment_dtype=MOMENTS[rung])
+        ref.grad = grad.float()
+        ref_opt.step()
+        assert torch.equal(_bits(p), _bits(ref.detach().to(torch.bfloat16)))
+
+
+@needs_gcc
+@pytest.mark.parametrize("param_dtype", DTYPES)
+def test_nan_and_inf_write_the_same_bits_in_kernel_and_eager(param_dtype: torch.dtype) -> None:
+    """NaN and infinite grads, params and moments: stochastic writes keep NaN a NaN
+    (quiet, its sign and high payload bits kept; float16: 0x7E00 with the sign) and the
+    C kernel writes the eager bits, the NaN patterns included."""
+    inputs = _inputs((64,), param_dtype, torch.float32, seed=3)
+    x = inputs[0]
+    x["g"][:8] = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 0.0, 3.0, -2.0]
+    )
+    x["p"][8:12] = torch.tensor([float("nan"), float("inf"), -float("inf"), -float("nan")]).to(
+        param_dtype
+    )
+    x["m"][12:14] = torch.tensor([float("nan"), float("inf")])
+    x["v"][14:16] = torch.tensor([float("nan"), float("inf")])
+    for rung in MOMENTS:
+        got, got_opt = _one_step("cpu", rung, inputs)
+        ref, ref_opt = _one_step("eager", rung, inputs)
+        assert torch.equal(_bits(ref[0]), _bits(got[0]))
+        for name in ("exp_avg", "exp_avg_sq"):
+            a, b = ref_opt.state[ref[0]][name], got_opt.state[got[0]][name]
+            assert torch.equal(_bits(a), _bits(b)), name
+            assert bool(torch.isnan(b[[0, 12 if name == "exp_avg" else 14]]).all())
+        assert bool(torch.isnan(got[0].detach()[[0, 8, 11]]).all())
