@@ -112,10 +112,12 @@ def test_torch_flags_at_their_torch_defaults_are_accepted() -> None:
     assert {k: opt.defaults[k] for k in flags} == flags
 
 
-def test_fused_true_requires_the_fused_path() -> None:
+def test_fused_true_requires_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
     opt = AdamW(_model().parameters(), free_memory=FREE, fused=True)
     assert opt.decision.fused and opt.defaults["fused"] is True
-    # bitsandbytes has no fused 8-bit kernel on the CPU: torch raises for an unfused device
+    # without a C compiler the 8bit rung on the CPU runs bitsandbytes' unfused fallback:
+    # torch raises for an unfused device, and so does this
+    monkeypatch.setenv("CC", "no-such-compiler-for-optladder")
     with pytest.raises(ValueError, match="fused=True, but the 8bit rung is not fused here: "):
         AdamW(_model().parameters(), free_memory=FREE, rung="8bit", fused=True)
     with pytest.raises(TypeError, match="fused must be True, False or None, got 'yes'"):
