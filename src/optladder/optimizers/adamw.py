@@ -21,6 +21,7 @@ from typing import Any, Literal, cast
 import torch
 from torch.optim.optimizer import ParamsT
 
+from optladder.optimizers.steps import BF16_MAX_STEP, MAX_STEP, STEP_DTYPE
 from optladder.optimizers.rounding import (
     Rounding,
     check_rounding,
@@ -106,6 +107,21 @@ def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
     )
 
 
+def validate_group_options(group: Mapping[str, Any]) -> None:
+    """Check the options :class:`LadderAdamW` reads from a param group at each step:
+    ``seed`` and ``rounding`` (see :mod:`optladder.optimizers.rounding`),
+    ``decoupled_weight_decay`` and ``maximize`` (bools).
+
+    Raises:
+        ValueError: naming the option, its value and what is allowed.
+    """
+    check_seed(group.get("seed", 0))
+    check_rounding(group.get("rounding", "stochastic"))
+    for flag in ("decoupled_weight_decay", "maximize"):
+        if flag in group and not isinstance(group[flag], bool):
+            raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
+
+
 def unscale_grads_(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
     """Divide ``grads`` by ``torch.amp.GradScaler``'s scale, in place (allocates nothing)."""
     if grads:
@@ -122,8 +138,9 @@ class LadderAdamW(torch.optim.Optimizer):
     and the second moment stops decaying. The random bits are documented in
     :mod:`optladder.optimizers.rounding`.
 
-    State per param (as torch names it): ``step`` (0-d float32 tensor on the CPU, the
-    number of steps this param took), ``exp_avg`` and ``exp_avg_sq`` (``moment_dtype``,
+    State per param (as torch names it): ``step`` (0-d float64 tensor on the CPU, the
+    number of steps this param took, exact to 2**53; the bf16 rung steps from counts up
+    to ``BF16_MAX_STEP``), ``exp_avg`` and ``exp_avg_sq`` (``moment_dtype``,
     the param's shape, contiguous). A param whose grad is None is not stepped.
 
     Args:
@@ -193,6 +210,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self.eager_reasons: dict[int, str] = {}
         self._cpu_kernel_error: str | None = None
         self._plan: Any = None
+        self._cpu_batch: Any = None
         self._scratch: dict[torch.device, Any] = {}
         super().__init__(params, defaults)
 
@@ -225,7 +243,7 @@ class LadderAdamW(torch.optim.Optimizer):
         float32 moments of a bfloat16 param to bfloat16. The moments are therefore set
         aside, the rest is loaded by torch (which validates the groups first and changes
         nothing when they do not match), and the moments are put back in
-        ``moment_dtype`` on the param's device. ``step`` becomes a 0-d float32 CPU tensor.
+        ``moment_dtype`` on the param's device. ``step`` becomes a 0-d float64 CPU tensor.
         """
         moment_keys = ("exp_avg", "exp_avg_sq")
         saved_state = state_dict["state"]
@@ -248,12 +266,12 @@ class LadderAdamW(torch.optim.Optimizer):
                     value = saved_state[saved_id][name]
                     st[name] = value.to(device=p.device, dtype=self.moment_dtype).contiguous()
             if isinstance(st.get("step"), torch.Tensor):
-                st["step"] = st["step"].detach().to("cpu", torch.float32)
+                st["step"] = st["step"].detach().to("cpu", STEP_DTYPE)
 
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
         if len(state) == 0:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.tensor(0.0, dtype=STEP_DTYPE)
             state["exp_avg"] = torch.zeros(p.shape, dtype=self.moment_dtype, device=p.device)
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=self.moment_dtype, device=p.device)
         return cast(dict[str, Any], state)
@@ -293,6 +311,11 @@ class LadderAdamW(torch.optim.Optimizer):
         """
         from optladder.optimizers import eager
 
+        for gi, group in enumerate(self.param_groups):
+            try:
+                validate_group_options(group)
+            except ValueError as exc:
+                raise ValueError(f"group {gi}: {exc}") from None
         plan: list[tuple[dict[str, Any], dict[str, list[tuple[torch.Tensor, int]]]]] = []
         env: dict[str, str | None] = {}
         reasons: dict[int, str] = {}
@@ -332,6 +355,8 @@ class LadderAdamW(torch.optim.Optimizer):
                 if routes["cpu"] and not self._load_cpu_kernel(routes["cpu"], reasons):
                     routes["eager"] += routes["cpu"]
                     routes["cpu"] = []
+            self._check_steps(plan)
+            cpu_batch = self._prepare_cpu(plan)
             need: dict[torch.device, int] = {}
             for _, routes in plan:
                 for p, _ in routes["eager"]:
@@ -346,12 +371,82 @@ class LadderAdamW(torch.optim.Optimizer):
                 self.state.pop(p, None)
             raise
         self._plan = plan
+        self._cpu_batch = cpu_batch
         self.eager_reasons = reasons
         return created
+
+    def _check_steps(
+        self, plan: list[tuple[dict[str, Any], dict[str, list[tuple[torch.Tensor, int]]]]]
+    ) -> None:
+        """Refuse a step count this rung cannot step from (host steps only: the Triton
+        path keeps ``step`` on the device, where reading it would synchronize).
+
+        Raises:
+            ValueError: naming the param, its step and the limit.
+        """
+        limit = BF16_MAX_STEP if self.moment_dtype == torch.bfloat16 else MAX_STEP
+        for _, routes in plan:
+            for p, i in routes["cpu"] + routes["eager"]:
+                step = int(self.state[p]["step"].item())
+                if not 0 <= step <= limit:
+                    raise ValueError(
+                        f"param {i} has step {step}; this rung steps from counts in "
+                        f"[0, {limit:,}]"
+                    )
+
+    def _prepare_cpu(
+        self, plan: list[tuple[dict[str, Any], dict[str, list[tuple[torch.Tensor, int]]]]]
+    ) -> Any:
+        """Everything the C kernel's one call of the commit needs: the jobs of every
+        group's CPU-routed params, their groups' scalars, the offsets table (allocated
+        here) and their ``step`` tensors; None when no param takes the C kernel."""
+        from optladder.optimizers.kernels import cpu
+
+        jobs: list[cpu.ParamJob] = []
+        scalars: list[cpu.GroupScalars] = []
+        steps: list[torch.Tensor] = []
+        for group, routes in plan:
+            if not routes["cpu"]:
+                continue
+            lr = float(group["lr"])
+            beta1, beta2 = group["betas"]
+            stochastic = group["rounding"] == "stochastic"
+            for p, i in routes["cpu"]:
+                state = self.state[p]
+                step = int(state["step"].item()) + 1
+                jobs.append(
+                    cpu.ParamJob(
+                        param=p.detach(),
+                        grad=cast(torch.Tensor, p.grad).detach(),
+                        exp_avg=state["exp_avg"],
+                        exp_avg_sq=state["exp_avg_sq"],
+                        key=element_key(group["seed"], step, i) if stochastic else 0,
+                        step_size=-lr / (1.0 - beta1**step),
+                        bias_correction2_sqrt=math.sqrt(1.0 - beta2**step),
+                        group=len(scalars),
+                    )
+                )
+                steps.append(state["step"])
+            scalars.append(
+                cpu.GroupScalars(
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    lr=lr,
+                    weight_decay=group["weight_decay"],
+                    decoupled_weight_decay=group["decoupled_weight_decay"],
+                    maximize=group["maximize"],
+                    stochastic=stochastic,
+                )
+            )
+        if not jobs:
+            return None
+        return jobs, scalars, cpu.offsets_table(len(jobs)), steps
 
     def release_scratch(self) -> None:
         """Drop the prepared plan and the eager path's scratch buffers."""
         self._plan = None
+        self._cpu_batch = None
         self._scratch.clear()
 
     def commit_step(
@@ -368,26 +463,29 @@ class LadderAdamW(torch.optim.Optimizer):
             RuntimeError: if :meth:`prepare_step` did not run first.
         """
         from optladder.optimizers import eager
+        from optladder.optimizers.kernels import cpu
 
-        plan = self._plan
+        plan, cpu_batch = self._plan, self._cpu_batch
         if plan is None:
             raise RuntimeError("commit_step() needs prepare_step() first")
-        self._plan = None
-        skip_host: bool | None = None
+        self._plan = self._cpu_batch = None
         for group, routes in plan:
             if routes["triton"]:
                 self._step_triton(group, routes["triton"], grad_scale, found_inf)
-            host = routes["cpu"] + routes["eager"]
-            if not host:
-                continue
-            if found_inf is not None and skip_host is None:
-                skip_host = bool(found_inf.item() != 0)  # host backends must sync
-            if skip_host:
-                continue
-            if grad_scale is not None:
-                unscale_grads_([cast(torch.Tensor, p.grad) for p, _ in host], grad_scale)
-            if routes["cpu"]:
-                self._step_cpu(group, routes["cpu"])
+        host = [item for _, routes in plan for item in routes["cpu"] + routes["eager"]]
+        if not host:
+            return
+        if found_inf is not None and bool(found_inf.item() != 0):
+            return  # host backends must sync; an overflow step changes nothing
+        if grad_scale is not None:
+            unscale_grads_([cast(torch.Tensor, p.grad) for p, _ in host], grad_scale)
+        if cpu_batch is not None:
+            # One kernel call for every group, step counts first (one op): an error or an
+            # interrupt before the call leaves params and moments untouched.
+            jobs, scalars, offsets, steps = cpu_batch
+            torch._foreach_add_(steps, 1.0)
+            cpu.adamw_bf16_step(jobs, groups=scalars, offsets=offsets)
+        for group, routes in plan:
             for p, i in routes["eager"]:
                 eager.eager_step(
                     p, self.state[p], group, i, self.moment_dtype, self._scratch[p.device]
@@ -454,46 +552,6 @@ class LadderAdamW(torch.optim.Optimizer):
                 reasons[i] = self._cpu_kernel_error
             return False
         return True
-
-    def _step_cpu(self, group: dict[str, Any], items: list[tuple[torch.Tensor, int]]) -> None:
-        """Step params with the C kernel (loaded by :meth:`_load_cpu_kernel`)."""
-        from optladder.optimizers.kernels import cpu
-
-        lr = float(group["lr"])
-        beta1, beta2 = group["betas"]
-        stochastic = group["rounding"] == "stochastic"
-        jobs: list[cpu.ParamJob] = []
-        new_steps: list[int] = []
-        for p, i in items:
-            state = self._init_state(p)
-            step = int(state["step"].item()) + 1
-            grad = p.grad
-            assert grad is not None
-            jobs.append(
-                cpu.ParamJob(
-                    param=p.detach(),
-                    grad=grad.detach(),
-                    exp_avg=state["exp_avg"],
-                    exp_avg_sq=state["exp_avg_sq"],
-                    key=element_key(group["seed"], step, i) if stochastic else 0,
-                    step_size=-lr / (1.0 - beta1**step),
-                    bias_correction2_sqrt=math.sqrt(1.0 - beta2**step),
-                )
-            )
-            new_steps.append(step)
-        cpu.adamw_bf16_step(
-            jobs,
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            lr=lr,
-            weight_decay=group["weight_decay"],
-            decoupled_weight_decay=group["decoupled_weight_decay"],
-            maximize=group["maximize"],
-            stochastic=stochastic,
-        )
-        for (p, _), step in zip(items, new_steps, strict=True):
-            self.state[p]["step"].fill_(float(step))
 
     def _step_triton(
         self,

@@ -11,6 +11,7 @@ commits, so ranks never differ in rung or step count.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +23,18 @@ from optladder.optimizers.build import ENGINE_KEYS, dtype_names
 from optladder.optimizers.capabilities import probe_capabilities
 from optladder.optimizers.migrate import (
     check_param_state,
+    check_step_range,
     convert_param_state,
     migrate_engine,
+    read_step,
     state_target,
 )
-from optladder.optimizers.transaction import commit_step, prepare_step, rollback_step
+from optladder.optimizers.transaction import (
+    commit_step,
+    deferred_interrupts,
+    prepare_step,
+    rollback_step,
+)
 from optladder.policies.decision import Decision, allowed_rungs, escalation_target
 from optladder.policies.footprint import measure_footprint
 from optladder.rungs import (
@@ -58,6 +66,7 @@ __all__ = [
     "Escalation",
     "LadderOptimizer",
     "OptimizerOutOfMemoryError",
+    "PartialStepError",
 ]
 
 _PIN_REASON = "pinned by its param group"
@@ -83,6 +92,27 @@ class OptimizerOutOfMemoryError(torch.OutOfMemoryError):
         self.rung = rung
         self.needed_bytes = needed_bytes
         self.free_bytes = free_bytes
+
+
+class PartialStepError(RuntimeError):
+    """A step's commit failed after it had written some params (it should not: the
+    commit allocates nothing and every check runs before it). The step is not retried:
+    that would step the written params twice. The original error is chained.
+
+    Attributes:
+        stepped: group numbers (places in ``param_groups``) whose params were stepped.
+        partly: group numbers of the engine that failed: some of their params may have
+            been stepped.
+        not_stepped: group numbers not touched.
+    """
+
+    def __init__(
+        self, message: str, stepped: list[int], partly: list[int], not_stepped: list[int]
+    ) -> None:
+        super().__init__(message)
+        self.stepped = stepped
+        self.partly = partly
+        self.not_stepped = not_stepped
 
 
 @dataclass(frozen=True)
@@ -193,6 +223,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         self.escalations: list[Escalation] = []
         self.last_step_skipped = False
         self._steps = 0
+        self._commits = 0
+        self._zero_grad_calls = 0
+        self.partial_step: PartialStepError | None = None
         self._warned: set[tuple[Rung, str]] = set()
         order = list(engine.param_groups if param_groups is None else param_groups)
         held = {id(g) for g in engine.param_groups}
@@ -353,8 +386,22 @@ class LadderOptimizer(torch.optim.Optimizer):
             update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
         )
 
+    @property
+    def committed_steps(self) -> int:
+        """How many steps began writing params (their commit started), failed commits
+        included: :class:`optladder.Ladder` compares it before and after a train step
+        and never reruns a train step in which it changed."""
+        return self._commits
+
+    @property
+    def zero_grad_calls(self) -> int:
+        """How many times :meth:`zero_grad` ran (Ladder tells a train step that starts
+        from fresh grads from one that accumulates into earlier ones)."""
+        return self._zero_grad_calls
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of all params (to None by default, as torch does)."""
+        self._zero_grad_calls += 1
         for engine in self._engines():
             engine.zero_grad(set_to_none=set_to_none)
 
@@ -386,6 +433,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = found_inf is not None and bool(found_inf.item() != 0)
         if self.last_step_skipped:
             return loss  # an overflow step changes nothing, step counts included
+        self._check_before_step()
         retries = 0
         while True:
             failure = self._two_phase_step(retries, grad_scale)
@@ -411,12 +459,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 raise
             error = exc
         if not _agree_any(error is not None, self.device):
-            if grad_scale is not None:
-                grads = [p.grad for g in self.param_groups for p in g["params"]]
-                unscale_grads_([g for g in grads if g is not None], grad_scale)
-            for engine in engines:  # commits allocate nothing: all of them run
-                commit_step(engine)
-            self._steps += 1
+            self._commit(engines, grad_scale)
             self._warn_unfused()
             return None
         for engine, created in prepared:  # this rank prepared, another ran out of memory
@@ -437,6 +480,66 @@ class LadderOptimizer(torch.optim.Optimizer):
             error.__traceback__ = None
         del error
         return message
+
+    def _check_before_step(self) -> None:
+        """The checks of every group's options that the engines would otherwise make
+        inside their step, after other groups were written (torch's AdamW refuses
+        ``amsgrad``... state it has not got; the bf16 rung's seed and flags).
+
+        Raises:
+            ValueError: naming the group, the option, its value and what is allowed.
+        """
+        for gi, group in enumerate(self.param_groups):
+            try:
+                check_group_options(group)
+                value = group.get("decoupled_weight_decay", True)
+                if not isinstance(value, bool):
+                    raise ValueError(f"decoupled_weight_decay must be True or False, got {value!r}")
+            except ValueError as exc:
+                raise ValueError(f"param group {gi}: {exc}") from None
+
+    def _commit(
+        self, engines: list[torch.optim.Optimizer], grad_scale: torch.Tensor | None
+    ) -> None:
+        """Run every engine's commit (they allocate nothing), with Ctrl-C held back until
+        all are done. Should one fail anyway, record which groups were written
+        (``partial_step``) and raise :class:`PartialStepError` (a KeyboardInterrupt or
+        other ``BaseException`` is re-raised as it is, after the record)."""
+        self._commits += 1  # before the first write: Ladder must never rerun this step
+        done: list[torch.optim.Optimizer] = []
+        try:
+            with deferred_interrupts():
+                if grad_scale is not None:
+                    grads = [p.grad for g in self.param_groups for p in g["params"]]
+                    unscale_grads_([g for g in grads if g is not None], grad_scale)
+                for engine in engines:
+                    commit_step(engine)
+                    done.append(engine)
+        except BaseException as exc:
+            failing = engines[len(done)]
+            place = {id(g): gi for gi, g in enumerate(self.param_groups)}
+
+            def places(es: list[torch.optim.Optimizer]) -> list[int]:
+                return sorted(place[id(g)] for e in es for g in e.param_groups)
+
+            stepped, partly = places(done), places([failing])
+            rest = places(engines[len(done) + 1 :])
+            error = PartialStepError(
+                f"the optimizer step failed in its commit ({describe_error(exc)}) after it "
+                f"had written params: param groups {stepped} were stepped, {partly} may be "
+                f"partly stepped, {rest} were not. The step is not retried (that would step "
+                "the written params twice); resume from a checkpoint to continue exactly.",
+                stepped,
+                partly,
+                rest,
+            )
+            self.partial_step = error
+            logger.error("optladder: %s", error)
+            if isinstance(exc, Exception):
+                raise error from exc
+            raise
+        self._steps += 1
+        self.partial_step = None
 
     def out_of_memory_error(self, message: str) -> OptimizerOutOfMemoryError:
         """The error to raise when out of memory with nowhere to go: ``message`` plus the
@@ -474,13 +577,30 @@ class LadderOptimizer(torch.optim.Optimizer):
         """Move the state to the next cheaper rung (one rung), in place.
 
         Raises:
-            OptimizerOutOfMemoryError: if there is no rung to move to.
+            OptimizerOutOfMemoryError: if there is no rung to move to, or the move itself
+                ran out of memory (the message says so; the rung stays, and the state is
+                as before, or names the params an 8-bit move rounded).
         """
         target, why_not = escalation_target(self._decision)
         if target is None or self._rebuild is None:
             raise self.out_of_memory_error(f"{reason}; {why_not or 'no rebuild function'}")
         event = Escalation(self.rung, target, reason, self._steps)
-        self.migrate_to(target, reason, origin="escalated")
+        try:
+            self.migrate_to(target, reason, origin="escalated")
+        except BaseException as exc:
+            if not is_oom(exc):
+                raise
+            rounded = getattr(exc, "rounded", None)
+            state = (
+                f"params {rounded} (index over the moved groups) were converted back with the "
+                f"{target} format's rounding"
+                if rounded
+                else "every param's state is exactly as before"
+            )
+            raise self.out_of_memory_error(
+                f"{reason}; escalating {self.rung} -> {target} ran out of memory too "
+                f"({describe_error(exc)}): the optimizer stays on {self.rung} and {state}"
+            ) from exc
         self.escalations.append(event)
         logger.warning(
             "optladder: %s; escalated %s -> %s after %d steps",

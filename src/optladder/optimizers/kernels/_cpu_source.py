@@ -35,7 +35,7 @@ typedef struct {
     uint32_t key;          /* rounding.element_key(seed, step, param_index) */
     float step_size;       /* -lr / bias_correction1, rounded to float */
     float bc2_sqrt;        /* sqrt(bias_correction2), rounded to float */
-    float pad;
+    int32_t hyper;         /* index of its group's scalars in the hypers table */
 } ol_param_t;
 
 /* Scalars shared by the group, each rounded to float as torch rounds a Python scalar. */
@@ -141,7 +141,7 @@ static void ol_range(const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64
 typedef struct {
     const ol_param_t *params;
     int64_t n_params;
-    const ol_hyper_t *hyper;
+    const ol_hyper_t *hypers;
     const int64_t *offsets;  /* offsets[k]: first element of param k; offsets[n] = total */
     int64_t begin, end;      /* range in the concatenation of all params' elements */
 } ol_job_t;
@@ -159,7 +159,7 @@ static void *ol_run(void *arg) {
         int64_t offset = job->offsets[k];
         int64_t lo = job->begin > offset ? job->begin - offset : 0;
         int64_t hi = job->end - offset < P->numel ? job->end - offset : P->numel;
-        if (lo < hi) ol_range(P, job->hyper, lo, hi);
+        if (lo < hi) ol_range(P, &job->hypers[P->hyper], lo, hi);
     }
     return NULL;
 }
@@ -181,18 +181,18 @@ static void ol_split(ol_job_t *job, int64_t total, int64_t t, int64_t n_parts,
    OpenMP runtime torch has already loaded: the kernel runs on torch's own (warm) worker
    threads instead of competing with them. Without OpenMP it starts pthreads. */
 
-/* Update every param of the table. Returns 0, -1 if a worker thread could not start
-   (then the update ran on fewer threads: the result is the same), -2 out of memory
-   (nothing was written). */
+/* Update every param of the table (params of several groups: each names its group's
+   scalars in hypers). offsets: n_params + 1 entries, allocated by the caller (the
+   prepare phase) and filled here, so this call allocates nothing. Returns 0, or -1 if a
+   worker thread could not start (then the update ran on fewer threads: the result is
+   the same). */
 int ol_adamw_bf16_step(const ol_param_t *params, int64_t n_params,
-                       const ol_hyper_t *hyper, int32_t n_threads) {
+                       const ol_hyper_t *hypers, int32_t n_threads, int64_t *offsets) {
     if (n_params <= 0) return 0;
-    int64_t *offsets = (int64_t *)malloc((size_t)(n_params + 1) * sizeof(int64_t));
-    if (offsets == NULL) return -2;
     offsets[0] = 0;
     for (int64_t k = 0; k < n_params; k++) offsets[k + 1] = offsets[k] + params[k].numel;
     const int64_t total = offsets[n_params];
-    ol_job_t base = {params, n_params, hyper, offsets, 0, total};
+    ol_job_t base = {params, n_params, hypers, offsets, 0, total};
     if (n_threads < 1) n_threads = 1;
     if (n_threads > OL_MAX_THREADS) n_threads = OL_MAX_THREADS;
     int rc = 0;
@@ -230,9 +230,8 @@ int ol_adamw_bf16_step(const ol_param_t *params, int64_t n_params,
         }
 #endif
     }
-    free(offsets);
     return rc;
 }
 
-int ol_abi_version(void) { return 1; }
+int ol_abi_version(void) { return 2; }
 """

@@ -70,7 +70,7 @@ class _Param(ctypes.Structure):
         ("key", ctypes.c_uint32),
         ("step_size", ctypes.c_float),
         ("bc2_sqrt", ctypes.c_float),
-        ("pad", ctypes.c_float),
+        ("hyper", ctypes.c_int32),
     )
 
 
@@ -217,13 +217,14 @@ def load(path: Path) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
         raise KernelBuildError(f"loading the bf16 CPU kernel {path} failed: {exc}") from exc
-    if lib.ol_abi_version() != 1:
-        raise KernelBuildError(f"{path} has ABI {lib.ol_abi_version()}, expected 1")
+    if lib.ol_abi_version() != 2:
+        raise KernelBuildError(f"{path} has ABI {lib.ol_abi_version()}, expected 2")
     lib.ol_adamw_bf16_step.argtypes = (
         ctypes.POINTER(_Param),
         ctypes.c_int64,
         ctypes.POINTER(_Hyper),
         ctypes.c_int32,
+        ctypes.c_void_p,
     )
     lib.ol_adamw_bf16_step.restype = ctypes.c_int
     return lib
@@ -262,6 +263,8 @@ class ParamJob:
         key: :func:`~optladder.optimizers.rounding.element_key` of this step.
         step_size: ``-lr / (1 - beta1**step)`` (float64; rounded to float32 in C).
         bias_correction2_sqrt: ``sqrt(1 - beta2**step)``.
+        group: index of its group's :class:`GroupScalars` in ``adamw_bf16_step``'s
+            ``groups`` (0 when one group is passed as keywords).
     """
 
     param: torch.Tensor
@@ -271,28 +274,68 @@ class ParamJob:
     key: int
     step_size: float
     bias_correction2_sqrt: float
+    group: int = 0
+
+
+@dataclass(frozen=True)
+class GroupScalars:
+    """The scalars one param group shares (see :func:`adamw_bf16_step`'s keywords)."""
+
+    beta1: float
+    beta2: float
+    eps: float
+    lr: float
+    weight_decay: float
+    decoupled_weight_decay: bool
+    maximize: bool
+    stochastic: bool
+
+
+def offsets_table(n_params: int) -> torch.Tensor:
+    """The kernel's offsets table for ``n_params`` params (``n_params + 1`` int64), to
+    allocate before the commit: the kernel fills it and allocates nothing itself."""
+    return torch.empty(n_params + 1, dtype=torch.int64)
+
+
+def _hyper(g: GroupScalars) -> _Hyper:
+    has_wd = g.weight_decay != 0
+    return _Hyper(
+        lerp_weight=1.0 - g.beta1,
+        beta2=g.beta2,
+        one_minus_beta2=1.0 - g.beta2,
+        eps=g.eps,
+        decay=(1.0 - g.lr * g.weight_decay) if has_wd and g.decoupled_weight_decay else 1.0,
+        weight_decay=g.weight_decay if has_wd and not g.decoupled_weight_decay else 0.0,
+        coupled=int(has_wd and not g.decoupled_weight_decay),
+        decoupled=int(has_wd and g.decoupled_weight_decay),
+        maximize=int(g.maximize),
+        stochastic=int(g.stochastic),
+    )
 
 
 def adamw_bf16_step(
     jobs: Sequence[ParamJob],
     *,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    lr: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    maximize: bool,
-    stochastic: bool,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    decoupled_weight_decay: bool = True,
+    maximize: bool = False,
+    stochastic: bool = True,
+    groups: Sequence[GroupScalars] | None = None,
+    offsets: torch.Tensor | None = None,
     num_threads: int | None = None,
     library: ctypes.CDLL | None = None,
 ) -> None:
-    """Update params and bf16 moments in place, exactly as the eager oracle does.
+    """Update params and bf16 moments in place, exactly as the eager oracle does, in one
+    kernel call for params of any number of groups.
 
     Args:
-        jobs: the params of one group (see :class:`ParamJob`); checked beforehand with
+        jobs: the params (see :class:`ParamJob`); checked beforehand with
             :func:`param_unsupported_reason`, the moments must be bfloat16 and contiguous.
-        beta1: first-moment decay, in ``[0, 1)``.
+        beta1: first-moment decay, in ``[0, 1)`` (one group passed as keywords).
         beta2: second-moment decay, in ``[0, 1)``.
         eps: denominator term.
         lr: learning rate (for the decoupled decay factor).
@@ -300,15 +343,34 @@ def adamw_bf16_step(
         decoupled_weight_decay: AdamW (True) or Adam's L2 term (False).
         maximize: ascend.
         stochastic: stochastic rounding of the moments (else round to nearest even).
+        groups: the scalars of several groups, indexed by ``ParamJob.group``; replaces
+            the keywords above.
+        offsets: from :func:`offsets_table` for ``len(jobs)`` params, allocated in the
+            prepare phase; default allocated here.
         num_threads: worker threads; default ``torch.get_num_threads()``.
         library: a kernel from :func:`load`; default :func:`load_library`.
 
     Raises:
-        ValueError: if a moment is not a contiguous bfloat16 tensor of the param's shape.
+        ValueError: if a moment is not a contiguous bfloat16 tensor of the param's shape,
+            a job names a group not in ``groups``, or ``offsets`` is too short.
         KernelBuildError: if the kernel cannot be built or loaded.
+        RuntimeError: if the kernel reports an error code (it has none but -1 today).
     """
     if not jobs:
         return
+    if groups is None:
+        groups = [
+            GroupScalars(
+                beta1, beta2, eps, lr, weight_decay, decoupled_weight_decay, maximize, stochastic
+            )
+        ]
+    if offsets is None:
+        offsets = offsets_table(len(jobs))
+    if offsets.dtype != torch.int64 or not offsets.is_contiguous() or offsets.numel() <= len(jobs):
+        raise ValueError(
+            f"offsets must be a contiguous int64 tensor of at least {len(jobs) + 1} elements "
+            f"(offsets_table), got {offsets.dtype} of {offsets.numel()}"
+        )
     table = (_Param * len(jobs))()
     total = 0
     for k, job in enumerate(jobs):
@@ -319,6 +381,8 @@ def adamw_bf16_step(
                     f"jobs[{k}].{name} must be a contiguous bfloat16 tensor of shape "
                     f"{tuple(job.param.shape)}, got {t.dtype} {tuple(t.shape)}"
                 )
+        if not 0 <= job.group < len(groups):
+            raise ValueError(f"jobs[{k}].group is {job.group}; {len(groups)} groups were given")
         row = table[k]
         row.param = job.param.data_ptr()
         row.grad = job.grad.data_ptr()
@@ -329,25 +393,15 @@ def adamw_bf16_step(
         row.key = job.key
         row.step_size = job.step_size
         row.bc2_sqrt = job.bias_correction2_sqrt
+        row.hyper = job.group
         total += row.numel
-    has_wd = weight_decay != 0
-    hyper = _Hyper(
-        lerp_weight=1.0 - beta1,
-        beta2=beta2,
-        one_minus_beta2=1.0 - beta2,
-        eps=eps,
-        decay=(1.0 - lr * weight_decay) if has_wd and decoupled_weight_decay else 1.0,
-        weight_decay=weight_decay if has_wd and not decoupled_weight_decay else 0.0,
-        coupled=int(has_wd and not decoupled_weight_decay),
-        decoupled=int(has_wd and decoupled_weight_decay),
-        maximize=int(maximize),
-        stochastic=int(stochastic),
-    )
+    hypers = (_Hyper * len(groups))(*(_hyper(g) for g in groups))
     threads = torch.get_num_threads() if num_threads is None else num_threads
     threads = max(1, min(threads, total // _MIN_ELEMENTS_PER_THREAD))
     lib = load_library() if library is None else library
-    if lib.ol_adamw_bf16_step(table, len(jobs), ctypes.byref(hyper), threads) == -2:
-        raise MemoryError("the bf16 CPU kernel could not allocate its offsets table")
+    rc = lib.ol_adamw_bf16_step(table, len(jobs), hypers, threads, offsets.data_ptr())
+    if rc not in (0, -1):
+        raise RuntimeError(f"the bf16 CPU kernel returned error code {rc}")
 
 
 if __name__ == "__main__":

@@ -219,7 +219,7 @@ def _adamw_bf16_kernel(
     if HAS_INF:
         go = tl.load(found_inf_ptr) == 0.0
     if go:
-        step = tl.load(s_int.to(tl.pointer_type(tl.float32)))  # already incremented
+        step = tl.load(s_int.to(tl.pointer_type(tl.float64)))  # already incremented
         n = step.to(tl.int64)
         if LR_TENSOR:
             lr = tl.load(lr_ptr).to(tl.float64)
