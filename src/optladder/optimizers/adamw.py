@@ -211,6 +211,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self._cpu_kernel_error: str | None = None
         self._plan: Any = None
         self._cpu_batch: Any = None
+        self._offsets: torch.Tensor | None = None  # the C kernel's offsets table
         self._scratch: dict[torch.device, Any] = {}
         super().__init__(params, defaults)
 
@@ -399,7 +400,8 @@ class LadderAdamW(torch.optim.Optimizer):
     ) -> Any:
         """Everything the C kernel's one call of the commit needs: the jobs of every
         group's CPU-routed params, their groups' scalars, the offsets table (allocated
-        here) and their ``step`` tensors; None when no param takes the C kernel."""
+        here on first use and kept) and their ``step`` tensors; None when no param takes
+        the C kernel."""
         from optladder.optimizers.kernels import cpu
 
         jobs: list[cpu.ParamJob] = []
@@ -441,12 +443,16 @@ class LadderAdamW(torch.optim.Optimizer):
             )
         if not jobs:
             return None
-        return jobs, scalars, cpu.offsets_table(len(jobs)), steps
+        if self._offsets is None or self._offsets.numel() <= len(jobs):
+            self._offsets = None
+            self._offsets = cpu.offsets_table(len(jobs))  # kept, like the eager scratch
+        return jobs, scalars, self._offsets, steps
 
     def release_scratch(self) -> None:
         """Drop the prepared plan and the eager path's scratch buffers."""
         self._plan = None
         self._cpu_batch = None
+        self._offsets = None
         self._scratch.clear()
 
     def commit_step(

@@ -340,7 +340,7 @@ def _split_moment(m: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, tor
     With ``w = bits(m) + 0x8000`` (modulo 2**32), the bfloat16 value is ``w``'s high half
     (round to nearest, ties away from zero) and the low half is kept aside, so
     :func:`_join_moment` gives back ``m`` bit for bit. The addition is done in ``m``'s own
-    storage and undone if an allocation fails, so this allocates exactly the two halves:
+    storage and undone before returning, so this allocates exactly the two halves:
     ``m``'s bytes, the bfloat16 value being half of them.
 
     Returns:
@@ -353,9 +353,8 @@ def _split_moment(m: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, tor
         halves = words.reshape(-1).view(torch.int16)  # little-endian: (low, high) pairs
         value = halves[1::2].contiguous().view(torch.bfloat16).reshape(shape)
         low = halves[0::2].contiguous()
-    except BaseException:
-        words.sub_(_HALF)
-        raise
+    finally:
+        words.sub_(_HALF)  # m as it was, for anyone else holding it
     return value, low
 
 

@@ -4,7 +4,7 @@ and the OOM ladder."""
 from optladder.selector.adopt import adopt
 from optladder.selector.choose import InsufficientMemoryError, OptladderWarning, choose_optimizer
 from optladder.selector.ladder import Ladder
-from optladder.selector.oom import describe_error, is_oom
+from optladder.oom import describe_error, is_oom
 from optladder.selector.optimizer import (
     ORIGIN_KEY,
     REASON_KEY,

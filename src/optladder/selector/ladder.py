@@ -39,7 +39,7 @@ import torch
 from optladder.policies.decision import Decision, escalation_target
 from optladder.rungs import Rung
 from optladder.selector.checks import check_max_retries
-from optladder.selector.oom import describe_error, is_oom, requested_bytes
+from optladder.oom import describe_error, is_oom, requested_bytes
 from optladder.selector.optimizer import (
     LadderOptimizer,
     OptimizerOutOfMemoryError,

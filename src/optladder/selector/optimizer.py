@@ -28,6 +28,7 @@ from optladder.optimizers.migrate import (
     migrate_engine,
     read_step,
     state_target,
+    unwrap_bnb_state,
 )
 from optladder.optimizers.transaction import (
     commit_step,
@@ -53,7 +54,7 @@ from optladder.selector.checks import (
     check_params_for_rung,
     check_pins,
 )
-from optladder.selector.oom import describe_error, is_oom
+from optladder.oom import describe_error, is_oom
 from optladder.units import format_bytes
 
 logger = logging.getLogger("optladder")
@@ -798,9 +799,11 @@ class LadderOptimizer(torch.optim.Optimizer):
             owner = {id(g): e for e in self._engines(engine) for g in e.param_groups}
             new_state: dict[torch.Tensor, dict[str, Any]] = {}
             group_of_param = [g for g in live_groups for _ in g["params"]]
-            for (key, p), group in zip(pairs, group_of_param):
+            for pi, ((key, p), group) in enumerate(zip(pairs, group_of_param)):
                 saved_param_state = saved_state.get(key)
                 if saved_param_state:
+                    step = read_step(unwrap_bnb_state(saved_param_state))
+                    check_step_range(step, owner[id(group)], p, f"param {pi} of the state_dict")
                     target = state_target(owner[id(group)], group, p)
                     new_state[p] = convert_param_state(saved_param_state, p, target, copy=True)
         except BaseException:
@@ -814,8 +817,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         self.state.clear()
         self.state.update(new_state)
         if move_to is not None:
-            reason = f"the checkpoint had escalated to {move_to}"
-            self._switch(engine, move_to, reason, "checkpoint")
+            self._switch(engine, move_to, self._checkpoint_reason(move_to), "checkpoint")
 
     def _checkpoint_rung(self, groups: list[dict[str, Any]]) -> Rung | None:
         """The rung to move to before loading a checkpoint with these param groups: the
@@ -869,9 +871,27 @@ class LadderOptimizer(torch.optim.Optimizer):
             )
         target = self._checkpoint_rung(list(param_groups))
         if target is not None:
-            reason = f"the checkpoint had escalated to {target}"
-            self.migrate_to(target, reason, origin="checkpoint")
+            self.migrate_to(target, self._checkpoint_reason(target), origin="checkpoint")
         return target
+
+    def _checkpoint_reason(self, rung: Rung) -> str:
+        """Why the optimizer moves to a checkpoint's ``rung``, for the decision's reasons;
+        warns (``UserWarning`` and a log line) when the local policy would not pick that
+        rung: it is wider than the current one or over the memory gate here."""
+        reason = f"the checkpoint had escalated to {rung}"
+        d = self._decision
+        state, gate = d.state_bytes[rung], d.budget_bytes
+        if RUNGS.index(rung) < RUNGS.index(d.rung) or state > gate:
+            reason += (
+                f" (the local policy chose {d.rung}: {rung} state {state:,} bytes "
+                f"({format_bytes(state)}) against a gate of {gate:,} bytes "
+                f"({format_bytes(gate)}){', over it' if state > gate else ''}; moved as the "
+                "checkpoint asks. To keep the local rung, build the optimizer with rung= "
+                "or load into a pinned one)"
+            )
+            warnings.warn(f"optladder: loading moves the optimizer to {rung}: {reason}", stacklevel=3)
+            logger.warning("optladder: %s", reason)
+        return reason
 
     def __getstate__(self) -> dict[str, Any]:
         """Refused: the optimizer holds its engines and a build function, which a copy
