@@ -72,7 +72,7 @@ def _inputs(grad_dtype: torch.dtype, seed: int = 0) -> dict[str, list[torch.Tens
         out["g"].append((torch.randn(n, generator=gen) * scale).to(grad_dtype))
         out["m"].append((torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16))
         out["v"].append((torch.rand(n, generator=gen) * 0.01).to(torch.bfloat16))
-        out["s"].append(torch.tensor(float(step)))
+        out["s"].append(torch.tensor(float(step), dtype=torch.float64))
     out["p"][3] = out["p"][3].reshape(33, 17)
     for k in ("g", "m", "v"):
         out[k][3] = out[k][3].reshape(33, 17)
@@ -267,7 +267,7 @@ def test_second_moment_decays_in_the_kernel() -> None:
         p.grad = torch.zeros(n, device=DEVICE)
         opt = LadderAdamW([p], seed=seed, backend="triton")
         opt.state[p] = {
-            "step": torch.tensor(0.0, device=DEVICE),
+            "step": torch.tensor(0.0, dtype=torch.float64, device=DEVICE),
             "exp_avg": torch.zeros(n, dtype=torch.bfloat16, device=DEVICE),
             "exp_avg_sq": torch.ones(n, dtype=torch.bfloat16, device=DEVICE),
         }

@@ -21,7 +21,6 @@ from typing import Any, Literal, cast
 import torch
 from torch.optim.optimizer import ParamsT
 
-from optladder.optimizers.steps import BF16_MAX_STEP, MAX_STEP, STEP_DTYPE
 from optladder.optimizers.rounding import (
     Rounding,
     check_rounding,
@@ -29,6 +28,7 @@ from optladder.optimizers.rounding import (
     element_key,
     round_moments,
 )
+from optladder.optimizers.steps import BF16_MAX_STEP, MAX_STEP, STEP_DTYPE
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -353,6 +353,8 @@ class LadderAdamW(torch.optim.Optimizer):
                     st = self.state[p]
                     if st["step"].device != p.device:
                         st["step"] = st["step"].to(p.device)
+                if routes["triton"]:
+                    self._prepare_triton(routes["triton"])
                 if routes["cpu"] and not self._load_cpu_kernel(routes["cpu"], reasons):
                     routes["eager"] += routes["cpu"]
                     routes["cpu"] = []
@@ -376,6 +378,35 @@ class LadderAdamW(torch.optim.Optimizer):
         self.eager_reasons = reasons
         return created
 
+    def _prepare_triton(self, items: list[tuple[torch.Tensor, int]]) -> None:
+        """Build the Triton kernel's device tables for one group's params (one table per
+        (device, grad dtype), as :meth:`_step_triton` launches), so the launch in the
+        commit allocates nothing."""
+        from optladder.optimizers.kernels import triton_adamw
+
+        for batch in self._triton_batches(items).values():
+            states = [self.state[p] for p, _ in batch]
+            triton_adamw.prepare_tables(
+                [p.detach() for p, _ in batch],
+                [cast(torch.Tensor, p.grad).detach() for p, _ in batch],
+                [st["exp_avg"] for st in states],
+                [st["exp_avg_sq"] for st in states],
+                [st["step"] for st in states],
+                [i for _, i in batch],
+            )
+
+    @staticmethod
+    def _triton_batches(
+        items: list[tuple[torch.Tensor, int]],
+    ) -> dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, int]]]:
+        """The params of one Triton launch each: per (device, grad dtype)."""
+        batches: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
+        for p, i in items:
+            grad = p.grad
+            assert grad is not None
+            batches.setdefault((p.device, grad.dtype), []).append((p, i))
+        return batches
+
     def _check_steps(
         self, plan: list[tuple[dict[str, Any], dict[str, list[tuple[torch.Tensor, int]]]]]
     ) -> None:
@@ -391,8 +422,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 step = int(self.state[p]["step"].item())
                 if not 0 <= step <= limit:
                     raise ValueError(
-                        f"param {i} has step {step}; this rung steps from counts in "
-                        f"[0, {limit:,}]"
+                        f"param {i} has step {step}; this rung steps from counts in [0, {limit:,}]"
                     )
 
     def _prepare_cpu(
@@ -569,11 +599,7 @@ class LadderAdamW(torch.optim.Optimizer):
         """Step params with the Triton custom op: one launch per (device, grad dtype)."""
         from optladder.optimizers.kernels import ops
 
-        batches: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
-        for p, i in items:
-            grad = p.grad
-            assert grad is not None
-            batches.setdefault((p.device, grad.dtype), []).append((p, i))
+        batches = self._triton_batches(items)
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         for (device, _), batch in batches.items():

@@ -11,7 +11,6 @@ from optladder.optimizers import spec
 from optladder.optimizers.eightbit import import_bitsandbytes
 from optladder.rungs import Capabilities, Rung
 
-
 _PROBE_ATTEMPTS = 2
 
 
@@ -20,8 +19,12 @@ def fused_adamw_runs(device: torch.device) -> tuple[bool, str]:
 
     On a device present in this process, one step on a one-element param is run (the
     probe, not an assumption). An out-of-memory error says nothing about the kernel: the
-    probe is tried again, and a second one is raised. For a device that is not present (planning for a GPU on a
-    CPU machine) torch's list of fused device types answers.
+    probe is tried again, and a second one is raised. For a device that is not present
+    (planning for a GPU on a CPU machine) torch's list of fused device types answers.
+
+    Raises:
+        torch.OutOfMemoryError: (or the allocator's error) when the probe ran out of
+            memory twice.
     """
     present = device.type == "cpu" or (
         device.type == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() > 0

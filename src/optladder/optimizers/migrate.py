@@ -3,8 +3,8 @@
 Two state layouts exist:
 
 - the *Adam layout* of ``torch.optim.AdamW`` and :class:`LadderAdamW`: ``step`` (0-d
-  float64 tensor, :data:`~optladder.optimizers.steps.STEP_DTYPE`), ``exp_avg`` and ``exp_avg_sq`` (the param's shape, float32 on the fp32
-  rung, bfloat16 on the bf16 rung);
+  float64 tensor, see :mod:`optladder.optimizers.steps`), ``exp_avg`` and ``exp_avg_sq``
+  (the param's shape, float32 on the fp32 rung, bfloat16 on the bf16 rung);
 - the *bitsandbytes layout* of ``AdamW8bit``: ``step`` (int), ``state1``/``state2``
   (uint8 codes of the param's shape, or float32 moments below ``min_8bit_size``),
   ``absmax1``/``absmax2`` (one float32 per 256-element block) and ``qmap1``/``qmap2``
@@ -351,8 +351,10 @@ def _split_moment(m: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, tor
     words.add_(_HALF)
     try:
         halves = words.reshape(-1).view(torch.int16)  # little-endian: (low, high) pairs
-        value = halves[1::2].contiguous().view(torch.bfloat16).reshape(shape)
-        low = halves[0::2].contiguous()
+        # clone, not contiguous(): a one-element slice is "contiguous" and would stay a view
+        value = halves[1::2].clone(memory_format=torch.contiguous_format)
+        value = value.view(torch.bfloat16).reshape(shape)
+        low = halves[0::2].clone(memory_format=torch.contiguous_format)
     finally:
         words.sub_(_HALF)  # m as it was, for anyone else holding it
     return value, low
@@ -462,7 +464,9 @@ def migrate_engine(
             done.append(p)
     except BaseException as exc:
         rounded: list[int] = []
-        order = {id(q): i for i, q in enumerate(q for g in source.param_groups for q in g["params"])}
+        order = {
+            id(q): i for i, q in enumerate(q for g in source.param_groups for q in g["params"])
+        }
         for p in done:
             if p in kept:
                 target.state.pop(p)

@@ -88,7 +88,7 @@ def check_step_inputs(
             st = engine.state.get(p)
             step = st.get("step") if st else None
             if step is not None and not (isinstance(step, torch.Tensor) and step.is_cuda):
-                check_step_range(read_step(st), engine, p, where)
+                check_step_range(read_step({"step": step}), engine, p, where)
             if fused and group.get("fused") and g.stride() != p.stride():
                 raise ValueError(
                     f"{where} has a grad with strides {g.stride()} but the param has "

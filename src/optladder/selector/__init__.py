@@ -1,10 +1,10 @@
 """Wires policies and optimizers together: ``choose_optimizer``, the optladder optimizer,
 and the OOM ladder."""
 
+from optladder.oom import describe_error, is_oom
 from optladder.selector.adopt import adopt
 from optladder.selector.choose import InsufficientMemoryError, OptladderWarning, choose_optimizer
 from optladder.selector.ladder import Ladder
-from optladder.oom import describe_error, is_oom
 from optladder.selector.optimizer import (
     ORIGIN_KEY,
     REASON_KEY,

@@ -15,10 +15,11 @@ activations) and reruns the step. The rules:
 - It escalates only where that can help: when torch's message says how much the failed
   allocation asked for, and moving the optimizer as far down as it may go would free
   less, it raises :class:`OptimizerOutOfMemoryError` naming both and leaves the rung.
-- Grads accumulated before the call are not zeroed silently: if the train step did not
-  start from fresh grads (no ``opt.zero_grad()`` in it, and grads that were there at the
-  call were added into), the OOM is re-raised as :class:`OptimizerOutOfMemoryError`
-  saying so, and nothing moves. Guard the whole accumulation window instead.
+- Grads accumulated before the call are not zeroed silently: when the previous call
+  committed no optimizer step and left grads, none was committed since, and this call
+  added into those grads (no ``opt.zero_grad()`` in it), the OOM is re-raised as
+  :class:`OptimizerOutOfMemoryError` saying so, and nothing moves. Guard the whole
+  accumulation window instead.
 
 Under DDP or FSDP an OOM in forward or backward on one rank cannot be recovered in the
 process: the other ranks wait in a collective that never completes. There the recovery
@@ -36,10 +37,10 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+from optladder.oom import describe_error, is_oom, requested_bytes
 from optladder.policies.decision import Decision, escalation_target
 from optladder.rungs import Rung
 from optladder.selector.checks import check_max_retries
-from optladder.oom import describe_error, is_oom, requested_bytes
 from optladder.selector.optimizer import (
     LadderOptimizer,
     OptimizerOutOfMemoryError,
@@ -66,14 +67,17 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> Non
 
 
 def _cheapest_reachable(decision: Decision) -> tuple[Rung, int]:
-    """The cheapest rung escalation may reach from ``decision.rung``, and the state
-    bytes moving there frees."""
+    """The rung escalation may reach from ``decision.rung`` with the smallest state, and
+    the state bytes moving there frees (0 when none is smaller)."""
+    best: Rung = decision.rung
     rung: Rung = decision.rung
     while True:
         target, _ = escalation_target(decision.model_copy(update={"rung": rung}))
         if target is None:
-            return rung, decision.state_bytes[decision.rung] - decision.state_bytes[rung]
+            return best, decision.state_bytes[decision.rung] - decision.state_bytes[best]
         rung = target
+        if decision.state_bytes[rung] < decision.state_bytes[best]:
+            best = rung
 
 
 class Ladder:
@@ -122,6 +126,9 @@ class Ladder:
         self.optimizer = optimizer
         self.max_retries = max_retries
         self.scaler = scaler
+        # committed_steps when the last call returned having committed no step (its grads
+        # may be a micro-batch's, to be added to); None after a call that committed one
+        self._accumulating_at: int | None = None
 
     def run(self, train_step: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T | None:
         """Call ``train_step(*args, **kwargs)``; on an OOM in it, escalate and rerun.
@@ -152,7 +159,11 @@ class Ladder:
             ]
             message = None
             try:
-                return train_step(*args, **kwargs)
+                result = train_step(*args, **kwargs)
+                self._accumulating_at = (
+                    opt.committed_steps if opt.committed_steps == committed else None
+                )
+                return result
             except (OptimizerOutOfMemoryError, PartialStepError):
                 raise  # the optimizer already climbed as far as it could / no rerun
             except BaseException as exc:
@@ -162,7 +173,7 @@ class Ladder:
                 if opt.committed_steps != committed:
                     self._escalate_after_commit(exc, message)
                     return None
-                if opt.zero_grad_calls == zeroed:
+                if opt.zero_grad_calls == zeroed and self._accumulating_at == committed:
                     kept = sum(1 for p, ref in entry if ref() is not None and ref() is p.grad)
                     if kept:
                         raise opt.out_of_memory_error(

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from optladder.oom import describe_error, is_oom
 from optladder.optimizers.adamw import unscale_grads_, validate_group_hyperparams
 from optladder.optimizers.build import ENGINE_KEYS, dtype_names
 from optladder.optimizers.capabilities import probe_capabilities
@@ -54,7 +55,6 @@ from optladder.selector.checks import (
     check_params_for_rung,
     check_pins,
 )
-from optladder.oom import describe_error, is_oom
 from optladder.units import format_bytes
 
 logger = logging.getLogger("optladder")
@@ -517,6 +517,10 @@ class LadderOptimizer(torch.optim.Optimizer):
                     commit_step(engine)
                     done.append(engine)
         except BaseException as exc:
+            if len(done) == len(engines):  # Ctrl-C held back until the step was whole
+                self._steps += 1
+                self.partial_step = None
+                raise
             failing = engines[len(done)]
             place = {id(g): gi for gi, g in enumerate(self.param_groups)}
 
@@ -889,7 +893,9 @@ class LadderOptimizer(torch.optim.Optimizer):
                 "checkpoint asks. To keep the local rung, build the optimizer with rung= "
                 "or load into a pinned one)"
             )
-            warnings.warn(f"optladder: loading moves the optimizer to {rung}: {reason}", stacklevel=3)
+            warnings.warn(
+                f"optladder: loading moves the optimizer to {rung}: {reason}", stacklevel=3
+            )
             logger.warning("optladder: %s", reason)
         return reason
 

@@ -21,6 +21,8 @@ Bias corrections are computed per program in float64 from the param's step count
 # mypy: disable-error-code="no-untyped-def"
 from __future__ import annotations
 
+import math
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -262,13 +264,31 @@ def _adamw_bf16_kernel(
 
 def _split(x: float) -> tuple[float, float]:
     """A float64 as the sum of two float32 values (Triton passes Python floats as fp32)."""
-    hi = float(torch.tensor(x, dtype=torch.float32))
-    lo = float(torch.tensor(x - hi, dtype=torch.float32))
-    return hi, lo
+    hi = _f32(x)
+    return hi, _f32(x - hi)
 
 
 def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
+    """``x`` rounded to float32 (to nearest even, as a cast does), without a tensor: the
+    commit allocates nothing."""
+    try:
+        return float(struct.unpack("f", struct.pack("f", x))[0])
+    except OverflowError:  # beyond float32's range: a cast gives an infinity
+        return math.copysign(math.inf, x)
+
+
+def prepare_tables(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    param_indices: Sequence[int],
+) -> None:
+    """Build (or find cached) the device tables :func:`launch` reads for these tensors, in
+    the prepare phase of a step, so that the launch in the commit allocates nothing."""
+    if params:
+        _tables_for(params, grads, exp_avgs, exp_avg_sqs, steps, param_indices)
 
 
 def _tables_for(
