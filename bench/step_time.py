@@ -1,15 +1,20 @@
-"""Optimizer step time and state bytes per param: optladder's bf16 rung against baselines.
+"""Optimizer step time and state bytes per param: optladder's rungs against baselines.
 
-Every implementation steps one float32 param of N elements with a float32 grad (stochastic
-rounding on for optladder), its state allocated by warm-up steps before timing. Reported:
-the median of ``--reps`` timed steps, the state bytes per param summed over the real state
-tensors, the speed ratio to torch's fused fp32 AdamW (``t_fused / t_impl``: above 1 is
-faster) and, given ``--peak-gbps``, the memory bandwidth reached against the peak.
+Every implementation steps the same params (one float32 tensor of N elements, or a
+transformer-like list of tensors adding up to about N elements: ``--layouts``) with
+float32 grads (stochastic rounding on for optladder), its state allocated by warm-up
+steps before timing. All implementations live in one process and are timed in turns,
+the order rotated by one every rep, so that drifts of the machine hit all alike.
+Reported per (threads, layout, size, implementation): the median of ``--reps`` timed
+steps with the min-max over reps, the state bytes per param summed over the real state
+tensors, the speed ratio to torch's fused fp32 AdamW (``t_fused / t_impl`` of the
+medians: above 1 is faster) and, given ``--peak-gbps``, the memory bandwidth reached
+against the peak. ``--threads 1,2`` repeats everything at each torch thread count.
 
 Usage::
 
     python bench/step_time.py                       # 1M, 16M, 64M params on CPU (or CUDA)
-    python bench/step_time.py --sizes 1M,16M --reps 9 --json out.json --png out.png
+    python bench/step_time.py --sizes 16M,64M --threads 1,2 --layouts one,list --reps 9
     python bench/step_time.py --device cuda --peak-gbps 4800   # H200 HBM3e
 
 Not a test: numbers depend on the machine. The README carries the CPU table.
@@ -18,6 +23,7 @@ Not a test: numbers depend on the machine. The README carries the CPU table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -47,12 +53,40 @@ TRAFFIC_BYTES_PER_PARAM = {
 
 @dataclass
 class Result:
-    """One measured (implementation, size)."""
+    """One measured (implementation, size, layout, threads); times in seconds."""
 
     impl: str
     params: int
     median_s: float
     state_bytes_per_param: float
+    min_s: float = math.nan
+    max_s: float = math.nan
+    layout: str = "one"
+    threads: int | None = None
+
+
+def layout_numels(n: int, layout: str) -> list[int]:
+    """Element counts of the tensors stepped for about ``n`` params.
+
+    ``"one"``: one tensor of ``n``. ``"list"``: a transformer-like list: blocks of
+    width ``d`` (1024 from 16M params, else 256) with a fused QKV ``3d x d``, an output
+    ``d x d``, an MLP ``4d x d`` and ``d x 4d``, their biases and two LayerNorms
+    (weight and bias) -- ``12 d^2 + 13 d`` elements a block -- and the rest of ``n`` as
+    one embedding tensor.
+
+    Raises:
+        ValueError: ``layout`` is neither ``"one"`` nor ``"list"``.
+    """
+    if layout == "one":
+        return [n]
+    if layout != "list":
+        raise ValueError(f"layout {layout!r} is not one of 'one', 'list'")
+    d = 1024 if n >= 16 * 2**20 else 256
+    block = [3 * d * d, 3 * d, d * d, d, 4 * d * d, 4 * d, 4 * d * d, d, d, d, d, d]
+    blocks = max(1, n // sum(block) - 1)
+    numels = block * blocks
+    rest = n - sum(numels)
+    return ([rest] if rest > 0 else []) + numels
 
 
 def parse_size(text: str) -> int:
@@ -150,38 +184,72 @@ def warmed_up(
     return opt
 
 
+def step_seconds(
+    optimizers: dict[str, torch.optim.Optimizer], device: torch.device, reps: int
+) -> dict[str, list[float]]:
+    """Seconds of each of ``reps`` ``step()`` calls of every optimizer, timed in turns
+    (rep 1 of each, then rep 2 of each, ...), the order rotated by one every rep so that
+    no optimizer always runs right after the same other one, first or last."""
+    names = list(optimizers)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        k = rep % max(1, len(names))
+        for name in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            optimizers[name].step()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def median_step_seconds(
     optimizers: dict[str, torch.optim.Optimizer], device: torch.device, reps: int
 ) -> dict[str, float]:
-    """Median seconds of one ``step()`` of each optimizer over ``reps`` steps, timed in
-    turns (rep 1 of each, then rep 2 of each, ...) so that slow drifts of the machine hit
-    all of them alike."""
-    times: dict[str, list[float]] = {name: [] for name in optimizers}
-    for _ in range(reps):
-        for name, opt in optimizers.items():
-            t0 = time.perf_counter()
-            opt.step()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    """Median seconds of one ``step()`` of each optimizer over ``reps`` steps
+    (:func:`step_seconds`)."""
+    return {n: statistics.median(t) for n, t in step_seconds(optimizers, device, reps).items()}
 
 
 def measure_size(
-    impls: dict[str, Factory], n: int, device: torch.device, reps: int, warmup: int
+    impls: dict[str, Factory],
+    n: int,
+    device: torch.device,
+    reps: int,
+    warmup: int,
+    layout: str = "one",
 ) -> list[Result]:
-    """Median step time of every implementation on one float32 param of ``n`` elements
-    (:func:`median_step_seconds`). One that fails is reported and left out.
+    """Step times of every implementation on float32 params of about ``n`` elements in
+    the given layout (:func:`layout_numels`, :func:`step_seconds`): median and min-max.
+    One that fails is reported and left out.
     """
+    numels = layout_numels(n, layout)
+    n = sum(numels)
     live: dict[str, torch.optim.Optimizer] = {}
     for name, factory in impls.items():
         gen = torch.Generator(device=device).manual_seed(0)
-        p = torch.nn.Parameter(torch.randn(n, device=device, generator=gen))
-        p.grad = torch.randn(n, device=device, generator=gen) * 1e-3
-        opt = warmed_up(lambda: factory([p]), device, warmup, f"{name:<24}{n:>10}")  # noqa: B023
+        ps = []
+        for k in numels:
+            p = torch.nn.Parameter(torch.randn(k, device=device, generator=gen))
+            p.grad = torch.randn(k, device=device, generator=gen) * 1e-3
+            ps.append(p)
+        opt = warmed_up(lambda: factory(ps), device, warmup, f"{name:<24}{n:>10}")  # noqa: B023
         if opt is not None:
             live[name] = opt
-    medians = median_step_seconds(live, device, reps)
-    results = [Result(name, n, medians[name], state_bytes(opt) / n) for name, opt in live.items()]
+    times = step_seconds(live, device, reps)
+    threads = torch.get_num_threads() if device.type == "cpu" else None
+    results = [
+        Result(
+            name,
+            n,
+            statistics.median(times[name]),
+            state_bytes(opt) / n,
+            min(times[name]),
+            max(times[name]),
+            layout,
+            threads,
+        )
+        for name, opt in live.items()
+    ]
     live.clear()
     gc.collect()
     if device.type == "cuda":
@@ -201,17 +269,22 @@ def plot(results: list[Result], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / max(1, len(names))
     for k, name in enumerate(names):
-        xs, ys = [], []
+        xs: list[float] = []
+        ys: list[float] = []
+        lo: list[float] = []
+        hi: list[float] = []
         for i, n in enumerate(sizes):
             hit = [r for r in results if r.impl == name and r.params == n]
             if hit:
                 xs.append(i + k * width)
                 ys.append(hit[0].median_s * 1e3)
-        ax.bar(xs, ys, width, label=name)
+                lo.append((hit[0].median_s - hit[0].min_s) * 1e3)
+                hi.append((hit[0].max_s - hit[0].median_s) * 1e3)
+        ax.bar(xs, ys, width, label=name, yerr=[lo, hi], capsize=2)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))])
     ax.set_xticklabels([f"{n / 2**20:g}M params" for n in sizes])
     ax.set_yscale("log")
-    ax.set_ylabel("median optimizer step (ms)")
+    ax.set_ylabel("optimizer step (ms): median, min-max")
     ax.legend(fontsize=8)
     ax.set_title("AdamW step time, float32 params and grads")
     fig.tight_layout()
@@ -236,10 +309,22 @@ def main(argv: list[str] | None = None) -> list[Result]:
         help="write the plot here ('' for none)",
     )
     ap.add_argument("--peak-gbps", type=float, default=None, help="memory bandwidth peak")
+    ap.add_argument("--threads", default="", help="CPU thread counts, e.g. 1,2 (default: torch's)")
+    ap.add_argument("--layouts", default="one", help="one (one tensor), list (transformer-like)")
     args = ap.parse_args(argv)
     if args.reps < 5:
         ap.error(f"--reps must be >= 5, got {args.reps}")
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    layouts = [x for x in args.layouts.split(",") if x]
+    bad = sorted(set(layouts) - {"one", "list"})
+    if bad:
+        ap.error(f"--layouts: unknown {bad}; choose from ['list', 'one']")
+    try:
+        thread_counts = [int(t) for t in args.threads.split(",") if t] or [torch.get_num_threads()]
+    except ValueError:
+        ap.error(f"--threads must be comma-separated integers >= 1, got {args.threads!r}")
+    if min(thread_counts) < 1:
+        ap.error(f"--threads must be >= 1, got {args.threads!r}")
     device = torch.device(args.device)
     impls = implementations(device)
     if args.impls:
@@ -248,46 +333,44 @@ def main(argv: list[str] | None = None) -> list[Result]:
         if unknown:
             ap.error(f"--impls: unknown {unknown}; choose from {sorted(impls)}")
         impls = {k: v for k, v in impls.items() if k in wanted}
-    threads = torch.get_num_threads() if device.type == "cpu" else None
-    print(f"device={device} threads={threads} torch={torch.__version__} reps={args.reps}")
+    print(f"device={device} torch={torch.__version__} reps={args.reps} (order rotated each rep)")
     print("torch's own bf16-moment fused AdamW: none in this torch (fused keeps param dtype)")
     for name, f in impls.items():
         if isinstance(f, str):
             print(f"skip {name}: {f}")
     results: list[Result] = []
-    header = f"{'impl':<24}{'params':>10}{'median ms':>12}{'state B/param':>15}{'vs fused':>10}"
-    header += f"{'GB/s':>9}" + (f"{'% peak':>8}" if args.peak_gbps else "")
-    print(header)
+    header = f"{'impl':<24}{'params':>10}{'median ms':>12}{'min-max ms':>18}{'state B/param':>15}"
+    header += f"{'vs fused':>10}{'GB/s':>9}" + (f"{'% peak':>8}" if args.peak_gbps else "")
     runnable = {k: v for k, v in impls.items() if not isinstance(v, str)}
-    warm_process(device)
-    for n in sizes:
-        base: float | None = None
-        for r in measure_size(runnable, n, device, args.reps, args.warmup):
-            results.append(r)
-            if r.impl == "torch-fused-fp32":
-                base = r.median_s
-            ratio = f"{base / r.median_s:10.2f}" if base else f"{'-':>10}"
-            gbps = TRAFFIC_BYTES_PER_PARAM.get(r.impl, math.nan) * n / r.median_s / 1e9
-            line = f"{r.impl:<24}{n:>10}{r.median_s * 1e3:12.3f}{r.state_bytes_per_param:15.3f}"
-            line += f"{ratio}{gbps:9.1f}"
-            if args.peak_gbps:
-                line += f"{100 * gbps / args.peak_gbps:7.1f}%"
-            print(line, flush=True)
+    for threads in thread_counts:
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+        warm_process(device)
+        for layout in layouts:
+            print(f"\nthreads={threads if device.type == 'cpu' else '-'} layout={layout}")
+            print(header)
+            for n in sizes:
+                base: float | None = None
+                for r in measure_size(runnable, n, device, args.reps, args.warmup, layout):
+                    results.append(r)
+                    if r.impl == "torch-fused-fp32":
+                        base = r.median_s
+                    ratio = f"{base / r.median_s:10.2f}" if base else f"{'-':>10}"
+                    gbps = TRAFFIC_BYTES_PER_PARAM.get(r.impl, math.nan) * r.params / r.median_s
+                    gbps /= 1e9
+                    spread = f"{r.min_s * 1e3:.3f}-{r.max_s * 1e3:.3f}"
+                    line = f"{r.impl:<24}{r.params:>10}{r.median_s * 1e3:12.3f}{spread:>18}"
+                    line += f"{r.state_bytes_per_param:15.3f}{ratio}{gbps:9.1f}"
+                    if args.peak_gbps:
+                        line += f"{100 * gbps / args.peak_gbps:7.1f}%"
+                    print(line, flush=True)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        records = [
-            {
-                "impl": r.impl,
-                "params": r.params,
-                "median_s": r.median_s,
-                "state_bytes_per_param": r.state_bytes_per_param,
-            }
-            for r in results
-        ]
-        args.json.write_text(json.dumps(records, indent=1))
-    if results and args.png:
+        args.json.write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
+    one = [r for r in results if r.layout == "one" and r.threads in (None, thread_counts[-1])]
+    if one and args.png:
         try:
-            plot(results, args.png)
+            plot(one, args.png)
             print(f"plot: {args.png}")
         except ImportError as exc:
             print(f"no plot: matplotlib is not importable ({exc})")

@@ -1,0 +1,144 @@
+"""Host cost of optladder for many small tensors: construction and one step, against
+torch's fused AdamW on the same params in the same process.
+
+Two transformer-like shapes (issue 9): 2,000 tensors of 4,096 elements and 20,000
+tensors of 256 elements, float32 params and grads on the CPU. For each rung
+(``rung=`` forces it past the memory gate) and for ``torch.optim.AdamW(fused=True)``:
+
+- construction: seconds to build the optimizer (optladder's includes its one probe of
+  the device's fused kernel and the decision; torch's has none);
+- step: seconds of one ``step()`` once the state exists (warm-up steps first).
+
+Each rep builds and steps every implementation once, in an order rotated by one each
+rep so that no implementation always runs first or last; reported are the median and
+the min-max over reps, and the ratio of medians ``torch / optladder`` (above 1 is
+faster than torch, below 1 slower). Run with 1 and 2 threads (``--threads 1,2``).
+
+Usage::
+
+    python bench/overhead.py                       # both shapes, 1 and 2 threads, 5 reps
+    python bench/overhead.py --reps 9 --shapes 2000x4096 --threads 2
+
+Not a test: the numbers depend on the machine and on what else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+import optladder
+
+Build = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def implementations(rungs: list[str]) -> dict[str, Build]:
+    """Name -> a function that builds the optimizer over a list of params."""
+    impls: dict[str, Build] = {
+        "torch-fused-fp32": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    }
+    for rung in rungs:
+        impls[f"optladder-{rung}"] = lambda ps, r=rung: optladder.choose_optimizer(  # type: ignore[misc]
+            ps, lr=1e-3, rung=r, free_memory="1TiB", environ={}
+        )
+    return impls
+
+
+def make_params(count: int, numel: int) -> list[torch.nn.Parameter]:
+    """``count`` float32 params of ``numel`` elements each, with float32 grads (seeded)."""
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for _ in range(count):
+        p = torch.nn.Parameter(torch.randn(numel, generator=gen))
+        p.grad = torch.randn(numel, generator=gen) * 1e-3
+        params.append(p)
+    return params
+
+
+def one_rep(
+    impls: dict[str, Build], order: list[str], count: int, numel: int, warmup: int
+) -> dict[str, tuple[float, float]]:
+    """Build and step each implementation in ``order``: name -> (build s, step s)."""
+    out: dict[str, tuple[float, float]] = {}
+    for name in order:
+        params = make_params(count, numel)
+        gc.collect()
+        t0 = time.perf_counter()
+        opt = impls[name](params)
+        t_build = time.perf_counter() - t0
+        for _ in range(warmup):
+            opt.step()
+        t0 = time.perf_counter()
+        opt.step()
+        t_step = time.perf_counter() - t0
+        out[name] = (t_build, t_step)
+        del opt, params
+    return out
+
+
+def spread(xs: list[float]) -> str:
+    """``median [min-max]`` in milliseconds."""
+    return f"{statistics.median(xs) * 1e3:9.2f} [{min(xs) * 1e3:.2f}-{max(xs) * 1e3:.2f}]"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print one table per (threads, shape)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shapes", default="2000x4096,20000x256", help="COUNTxNUMEL,...")
+    ap.add_argument("--threads", default="1,2", help="torch thread counts to run")
+    ap.add_argument("--rungs", default="fp32,bf16,8bit", help="optladder rungs to run")
+    ap.add_argument("--reps", type=int, default=5, help="reps (>= 3)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed one")
+    args = ap.parse_args(argv)
+    if args.reps < 3:
+        ap.error(f"--reps must be >= 3, got {args.reps}")
+    if args.warmup < 1:
+        ap.error(f"--warmup must be >= 1 (the state must exist), got {args.warmup}")
+    shapes = []
+    for s in args.shapes.split(","):
+        try:
+            count, numel = (int(x) for x in s.lower().split("x"))
+        except ValueError:
+            ap.error(f"--shapes: {s!r} is not COUNTxNUMEL like 2000x4096")
+        shapes.append((count, numel))
+    rungs = [r for r in args.rungs.split(",") if r]
+    unknown = sorted(set(rungs) - set(optladder.RUNGS))
+    if unknown:
+        ap.error(f"--rungs: unknown {unknown}; choose from {list(optladder.RUNGS)}")
+    impls = implementations(rungs)
+    # The 8bit rung warns once per build that it is not fused on the CPU: said once here.
+    warnings.filterwarnings("ignore", category=optladder.OptladderWarning)
+    logging.getLogger("optladder").setLevel(logging.ERROR)
+    print("(optladder 8bit-rung warnings about the unfused CPU path are silenced here)")
+    names = list(impls)
+    print(f"torch={torch.__version__} reps={args.reps} (median [min-max] ms; ratio torch/impl)")
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for count, numel in shapes:
+            builds: dict[str, list[float]] = {n: [] for n in names}
+            steps: dict[str, list[float]] = {n: [] for n in names}
+            for rep in range(args.reps):
+                order = names[rep % len(names) :] + names[: rep % len(names)]
+                for name, (b, s) in one_rep(impls, order, count, numel, args.warmup).items():
+                    builds[name].append(b)
+                    steps[name].append(s)
+            base_b = statistics.median(builds["torch-fused-fp32"])
+            base_s = statistics.median(steps["torch-fused-fp32"])
+            print(f"\nthreads={threads}  {count:,} x {numel:,} float32")
+            print(f"{'impl':<20}{'build ms':>28}{'x':>7}{'step ms':>28}{'x':>7}")
+            for name in names:
+                rb = base_b / statistics.median(builds[name])
+                rs = base_s / statistics.median(steps[name])
+                line = f"{name:<20}{spread(builds[name]):>28}{rb:7.2f}"
+                print(line + f"{spread(steps[name]):>28}{rs:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
