@@ -12,6 +12,7 @@ from optladder.selector.optimizer import (
     Escalation,
     LadderOptimizer,
     OptimizerOutOfMemoryError,
+    PartialStepError,
 )
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "LadderOptimizer",
     "OptimizerOutOfMemoryError",
     "OptladderWarning",
+    "PartialStepError",
     "adopt",
     "choose_optimizer",
     "describe_error",

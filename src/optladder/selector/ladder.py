@@ -171,6 +171,7 @@ class Ladder:
                     raise
                 message = describe_error(exc)
                 if opt.committed_steps != committed:
+                    self._accumulating_at = None
                     self._escalate_after_commit(exc, message)
                     return None
                 if opt.zero_grad_calls == zeroed and self._accumulating_at == committed:
