@@ -307,3 +307,26 @@ def test_cuda_graph_replay_matches_eager_launches() -> None:
     for k in ("p", "m", "v", "s"):
         for a, b in zip(t[k], ref[k], strict=True):
             assert torch.equal(a, b), k
+
+
+def test_the_optimizer_commit_allocates_nothing_with_a_tensor_lr() -> None:
+    """Tables and a tensor lr's device copy are made in prepare_step: commit_step
+    allocates nothing the dispatcher sees, and the lr it uses is the group's current one."""
+    from memtools import FailNthAllocation
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(3000, device=DEVICE))
+    twin = torch.nn.Parameter(p.detach().clone())
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    opt = LadderAdamW([p], lr=lr, seed=SEED, backend="triton")
+    ref = LadderAdamW([twin], lr=torch.tensor(1e-2), seed=SEED, backend="triton")
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        twin.grad = p.grad.clone()
+        opt.prepare_step()
+        with FailNthAllocation() as counter:
+            opt.commit_step()
+        assert counter.count == 0
+        ref.step()
+    assert opt.state[p]["step"].item() == 2.0 and opt.state[p]["step"].dtype == torch.float64
+    assert torch.equal(p, twin)

@@ -212,6 +212,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self._plan: Any = None
         self._cpu_batch: Any = None
         self._offsets: torch.Tensor | None = None  # the C kernel's offsets table
+        self._lr_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}  # Triton's lr
         self._scratch: dict[torch.device, Any] = {}
         super().__init__(params, defaults)
 
@@ -354,7 +355,7 @@ class LadderAdamW(torch.optim.Optimizer):
                     if st["step"].device != p.device:
                         st["step"] = st["step"].to(p.device)
                 if routes["triton"]:
-                    self._prepare_triton(routes["triton"])
+                    self._prepare_triton(group, routes["triton"])
                 if routes["cpu"] and not self._load_cpu_kernel(routes["cpu"], reasons):
                     routes["eager"] += routes["cpu"]
                     routes["cpu"] = []
@@ -378,13 +379,18 @@ class LadderAdamW(torch.optim.Optimizer):
         self.eager_reasons = reasons
         return created
 
-    def _prepare_triton(self, items: list[tuple[torch.Tensor, int]]) -> None:
+    def _prepare_triton(self, group: dict[str, Any], items: list[tuple[torch.Tensor, int]]) -> None:
         """Build the Triton kernel's device tables for one group's params (one table per
-        (device, grad dtype), as :meth:`_step_triton` launches), so the launch in the
-        commit allocates nothing."""
+        (device, grad dtype), as :meth:`_step_triton` launches) and a tensor lr's float32
+        copy on each device, so the launch in the commit allocates nothing."""
         from optladder.optimizers.kernels import triton_adamw
 
-        for batch in self._triton_batches(items).values():
+        lr = group["lr"]
+        for (device, _), batch in self._triton_batches(items).items():
+            if isinstance(lr, torch.Tensor):
+                self._lr_tensors[(id(group), device)] = (
+                    lr.detach().to(device=device, dtype=torch.float32).reshape(())
+                )
             states = [self.state[p] for p, _ in batch]
             triton_adamw.prepare_tables(
                 [p.detach() for p, _ in batch],
@@ -483,6 +489,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self._plan = None
         self._cpu_batch = None
         self._offsets = None
+        self._lr_tensors.clear()
         self._scratch.clear()
 
     def commit_step(
@@ -608,8 +615,9 @@ class LadderAdamW(torch.optim.Optimizer):
                 if st["step"].device != device:
                     st["step"] = st["step"].to(device)
             lr_tensor = None
-            if isinstance(lr, torch.Tensor):
-                lr_tensor = lr.detach().to(device=device, dtype=torch.float32).reshape(())
+            if isinstance(lr, torch.Tensor):  # copied in prepare; the value as of now
+                lr_tensor = self._lr_tensors.pop((id(group), device))
+                lr_tensor.copy_(lr.detach().reshape(()))
             torch.ops.optladder.adamw_bf16_(
                 [p.detach() for p, _ in batch],
                 [cast(torch.Tensor, p.grad).detach() for p, _ in batch],
