@@ -424,7 +424,7 @@ class LadderAdamW(torch.optim.Optimizer):
         """
         limit = BF16_MAX_STEP if self.moment_dtype == torch.bfloat16 else MAX_STEP
         for _, routes in plan:
-            for p, i in routes["cpu"] + routes["eager"]:
+            for p, i in routes["cpu"] + routes["eager"]:  # one host read each
                 step = int(self.state[p]["step"].item())
                 if not 0 <= step <= limit:
                     raise ValueError(

@@ -52,9 +52,11 @@ def check_step_inputs(
 ) -> None:
     """Refuse, before anything is allocated or written, what would fail half-way:
     out-of-range group hyperparameters, sparse grads, grads of another shape, dtype or
-    device, step counts the engine cannot step from (those kept on the host; see
-    :func:`optladder.optimizers.migrate.step_limit`), and (for torch's fused AdamW) grads
-    laid out unlike their param, which its CPU kernel silently mis-updates.
+    device, bitsandbytes step counts its kernel cannot take (see
+    :func:`optladder.optimizers.migrate.step_limit`; :class:`LadderAdamW` checks its own,
+    torch's float64 steps cannot leave their range by stepping from a checkpoint that
+    loaded), and (for torch's fused AdamW) grads laid out unlike their param, which its
+    CPU kernel silently mis-updates.
 
     Args:
         engine: the rung's optimizer.
@@ -65,7 +67,8 @@ def check_step_inputs(
     Raises:
         ValueError: naming the group or param, what was found and what is allowed.
     """
-    fused = not isinstance(engine, LadderAdamW) and not is_bnb_engine(engine)
+    bnb = is_bnb_engine(engine)
+    fused = not isinstance(engine, LadderAdamW) and not bnb
     names = group_names or {}
     for gi, group in enumerate(engine.param_groups):
         name = names.get(id(group), f"group {gi}")
@@ -85,10 +88,9 @@ def check_step_inputs(
                     f"{where} has a {g.dtype} grad of shape {tuple(g.shape)} on {g.device}; "
                     f"the param is {p.dtype} of shape {tuple(p.shape)} on {p.device}"
                 )
-            st = engine.state.get(p)
-            step = st.get("step") if st else None
-            if step is not None and not (isinstance(step, torch.Tensor) and step.is_cuda):
-                check_step_range(read_step({"step": step}), engine, p, where)
+            st = engine.state.get(p) if bnb else None
+            if st and "step" in st:  # a Python int (LadderAdamW checks its own steps)
+                check_step_range(read_step(st), engine, p, where)
             if fused and group.get("fused") and g.stride() != p.stride():
                 raise ValueError(
                     f"{where} has a grad with strides {g.stride()} but the param has "
