@@ -265,8 +265,11 @@ def main(argv: list[str] | None = None) -> list[Run]:
             print(f"stdlib-lm {name:<21} done in {runs[-1].seconds:.1f}s", flush=True)
     print(report(runs))
     if args.png:
-        plot(runs, args.png)
-        print(f"plot: {args.png}")
+        try:
+            plot(runs, args.png)
+            print(f"plot: {args.png}")
+        except ImportError as exc:  # the table above is the result; the plot is extra
+            print(f"no plot: matplotlib is not importable ({exc}); pip install 'matplotlib>=3.7'")
     return runs
 
 

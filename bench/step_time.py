@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
             plot(one, args.png)
             print(f"plot: {args.png}")
         except ImportError as exc:
-            print(f"no plot: matplotlib is not importable ({exc})")
+            print(f"no plot: matplotlib is not importable ({exc}); pip install 'matplotlib>=3.7'")
     return results
 
 

@@ -4,7 +4,9 @@ Trains a tiny GPT-2 (built from a ``GPT2Config``, nothing downloaded: 2 layers, 
 a 256-symbol byte vocabulary) as a byte-level language model on the source text of a few
 Python standard-library modules. The optimizer comes from
 :func:`optladder.choose_optimizer` and reaches the Trainer through
-``optimizers=(opt, scheduler)`` with a warmup-then-cosine schedule.
+``optimizers=(opt, scheduler)`` with a warmup-then-cosine schedule. (To keep the Trainer's
+no-decay grouping, pass ``optimizer_cls_and_kwargs=(optladder.AdamW, {...})`` instead; see
+:mod:`optladder.integrations.hf`.)
 
 How the ladder's retry fits the Trainer's loop:
 
@@ -15,13 +17,14 @@ How the ladder's retry fits the Trainer's loop:
   same optladder object, so the schedule goes on across the move. A plain ``Trainer``
   gets this.
 - An OOM in forward or backward happens in ``Trainer.training_step``, which the Trainer
-  does not rerun: the error would end ``train()``. :class:`LadderTrainer` overrides
-  ``training_step`` to run it through :class:`optladder.Ladder`: on such an OOM the grads
+  does not rerun: the error would end ``train()``. ``LadderTrainer``
+  (:mod:`optladder.integrations.hf`) overrides ``training_step`` to run it through
+  :class:`optladder.Ladder`: on such an OOM the grads
   are zeroed, the RNG state restored, the optimizer moved one rung down (its state
   shrinks, leaving room for activations) and the micro-batch rerun. The Trainer's
   optimizer step, scheduler step and ``zero_grad`` follow as usual.
 - A rerun starts from zeroed grads, so it must cover the whole gradient-accumulation
-  window; ``training_step`` covers one micro-batch, so :class:`LadderTrainer` requires
+  window; ``training_step`` covers one micro-batch, so ``LadderTrainer`` requires
   ``gradient_accumulation_steps=1`` (with more, use a plain ``Trainer``: the optimizer
   step is still guarded).
 - Put the model on the training device before building the optimizer: that device's
@@ -30,7 +33,8 @@ How the ladder's retry fits the Trainer's loop:
   ``trainer.train(resume_from_checkpoint=...)`` moves a policy-chosen optimizer to the
   rung the checkpoint had escalated to.
 
-Needs ``transformers`` and ``accelerate`` (``pip install 'optladder[integrations]'``).
+Needs ``transformers`` and ``accelerate`` (the ``integrations`` extra:
+``pip install -e ".[integrations]"`` in the clone).
 Run it::
 
     python examples/hf_trainer.py --max-steps 60
@@ -51,13 +55,13 @@ import torch
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
-    Trainer,
     TrainerCallback,
     TrainingArguments,
     get_cosine_schedule_with_warmup,
 )
 
-from optladder import Ladder, LadderOptimizer, choose_optimizer
+from optladder import LadderOptimizer, choose_optimizer
+from optladder.integrations.hf import LadderTrainer
 
 TEXT_MODULES = (textwrap, json, argparse)
 """Standard-library modules whose source text is the training corpus."""
@@ -102,45 +106,6 @@ def make_model(block_size: int = 64, seed: int = 0) -> GPT2LMHeadModel:
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"  # GPT-2's class name does not say; silences a warning
     return model
-
-
-class LadderTrainer(Trainer):
-    """A ``Trainer`` whose ``training_step`` (forward and backward of one micro-batch) is
-    rerun one rung down when it runs out of memory.
-
-    Pass the optladder optimizer in ``optimizers=(opt, scheduler)``. OOMs in the
-    optimizer step are handled by the optimizer itself, as in a plain ``Trainer``.
-
-    Raises:
-        TypeError: if ``optimizers[0]`` is not an optladder optimizer.
-        ValueError: if ``args.gradient_accumulation_steps > 1`` (a rerun of one
-            micro-batch would drop the grads of the window's earlier ones).
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if not isinstance(self.optimizer, LadderOptimizer):
-            raise TypeError(
-                "LadderTrainer needs optimizers=(opt, scheduler) with opt from "
-                f"optladder.choose_optimizer, got {type(self.optimizer).__name__}"
-            )
-        if self.args.gradient_accumulation_steps > 1:
-            raise ValueError(
-                "LadderTrainer reruns one micro-batch on OOM, which would drop the grads of "
-                "the accumulation window's earlier micro-batches; got "
-                f"gradient_accumulation_steps={self.args.gradient_accumulation_steps}. Use 1, "
-                "or a plain Trainer (OOMs in the optimizer step are still handled)."
-            )
-        self.ladder = Ladder(self.optimizer)
-
-    def training_step(
-        self,
-        model: torch.nn.Module,
-        inputs: dict[str, torch.Tensor | Any],
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> torch.Tensor:
-        """``Trainer.training_step`` through :meth:`optladder.Ladder.run`."""
-        return self.ladder.run(super().training_step, model, inputs, num_items_in_batch)
 
 
 class RungHistory(TrainerCallback):

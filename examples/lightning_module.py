@@ -14,7 +14,9 @@ How the ladder's retry fits Lightning's loop:
   module is needed for that.
 - An OOM in forward or backward escapes the closure, and so ``optimizer.step``. The
   module overrides the ``optimizer_step`` hook to call ``optimizer.step(closure=...)``
-  through :class:`optladder.Ladder`: on such an OOM the grads are zeroed, the RNG state
+  through ``optladder.integrations.lightning.ladder_optimizer_step`` (or mix in its
+  ``LadderStep``), which uses :class:`optladder.Ladder`: on such an OOM the grads are
+  zeroed, the RNG state
   restored, the optimizer moved one rung down and the step rerun, closure included, on
   the same batch. This covers one batch, so keep ``accumulate_grad_batches=1`` (with
   accumulation, Lightning runs the window's earlier closures outside ``optimizer_step``).
@@ -25,7 +27,8 @@ How the ladder's retry fits Lightning's loop:
   records the rung; ``fit(..., ckpt_path=...)`` moves a policy-chosen optimizer to the
   rung the checkpoint had escalated to.
 
-Needs ``lightning`` (``pip install 'optladder[integrations]'``). Run it::
+Needs ``lightning`` (the ``integrations`` extra: ``pip install -e ".[integrations]"`` in
+the clone). Run it::
 
     python examples/lightning_module.py --epochs 3
 """
@@ -42,8 +45,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from optladder import Ladder, LadderOptimizer, choose_optimizer
+from optladder import LadderOptimizer, choose_optimizer
 from optladder.demo import load_digits_split
+from optladder.integrations.lightning import ladder_optimizer_step
 
 
 class DigitsModule(L.LightningModule):
@@ -58,7 +62,6 @@ class DigitsModule(L.LightningModule):
 
     Attributes:
         opt: the optladder optimizer (set by ``configure_optimizers``).
-        ladder: the :class:`optladder.Ladder` guarding each optimizer step.
         losses: the training loss of every step.
         rungs: the rung after every step.
         lrs: the learning rate every step ran with.
@@ -82,7 +85,6 @@ class DigitsModule(L.LightningModule):
         self.rung = rung
         self.free_memory = free_memory
         self.opt: LadderOptimizer | None = None
-        self.ladder: Ladder | None = None
         self.losses: list[float] = []
         self.rungs: list[str] = []
         self.lrs: list[float] = []
@@ -103,7 +105,6 @@ class DigitsModule(L.LightningModule):
         self.opt = choose_optimizer(
             self, lr=self.lr, weight_decay=0.01, rung=self.rung, free_memory=self.free_memory
         )
-        self.ladder = Ladder(self.opt)
         scheduler = torch.optim.lr_scheduler.OneCycleLR(
             self.opt, max_lr=self.lr, total_steps=self.total_steps
         )
@@ -121,9 +122,9 @@ class DigitsModule(L.LightningModule):
     ) -> None:
         """Lightning's optimizer step (closure: forward, ``zero_grad``, backward), rerun
         one rung down when the closure runs out of memory."""
-        assert self.ladder is not None and self.opt is not None
+        assert self.opt is not None
         self.lrs.append(self.opt.param_groups[0]["lr"])
-        self.ladder.run(optimizer.step, closure=optimizer_closure)
+        ladder_optimizer_step(self, optimizer, optimizer_closure)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Record the step's loss and the rung it ended on."""

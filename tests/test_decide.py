@@ -11,13 +11,14 @@ The default gate is int(0.25 * free): fp32 fits from free = 32,000,000, bf16 fro
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from pydantic import ValidationError
 from torch import nn
 
-from optladder.optimizers import capabilities as capabilities_module
 from optladder.optimizers import probe_capabilities, spec
 from optladder.policies import (
     Decision,
@@ -402,6 +403,47 @@ def test_summary(free: int, verdict: str) -> None:
     assert text.splitlines()[0].startswith(f"rung {'fp32' if free else '8bit'} (policy)")
 
 
+def test_summary_lines_show_params_every_rungs_bytes_and_fused() -> None:
+    # 15,999,999 free: the gate 3,999,999 passes only 8bit (2,033,304 bytes)
+    d = decide(ONE_M, 15_999_999, caps(bf16_fused=False), free_memory_source="probed (test)")
+    lines = d.summary().splitlines()
+    assert lines[0] == (
+        "rung 8bit (policy): fits: state 1.94 MiB against a gate of 3.81 MiB "
+        "(25% of 15.26 MiB free; probed (test))"
+    )  # 2,033,304 / 2**20 = 1.939; 3,999,999 / 2**20 = 3.815; 15,999,999 / 2**20 = 15.259
+    assert lines[1] == "params: 1,000,000 trainable in 1 tensor (float32)"
+    assert lines[2] == (
+        "state bytes: fp32 8,000,000 (7.63 MiB); bf16 4,000,000 (3.81 MiB); "
+        "8bit 2,033,304 (1.94 MiB) (chosen)"
+    )
+    assert lines[3] == (
+        "fused on cpu: fp32 yes; bf16 no (bf16 has no fused kernel on cpu (test)); "
+        "8bit no (8bit has no fused kernel on cpu (test))"
+    )
+    assert lines[4] == "why:"
+    assert lines[5:] == [f"- {r}" for r in d.reasons]
+    assert len(lines) == 5 + len(d.reasons)
+
+
+def test_summary_names_an_unavailable_rung() -> None:
+    d = decide(ONE_M, 10**12, caps(bnb=False))
+    assert "8bit unavailable (bitsandbytes is not installed (test))" in d.summary()
+
+
+def test_proactive_bf16_reason_says_why_in_plain_words() -> None:
+    d = decide(synthetic(FIFTY_M), 10**12, caps(bf16_fused=True))
+    assert d.rung == "bf16"
+    (reason,) = [r for r in d.reasons if "start at bf16" in r]
+    # README's convergence table: the causal LM, bf16 stochastic +0.05% train / +0.14% eval
+    assert "tracked fp32 AdamW within 0.05% of its final train loss" in reason
+    assert "0.14% of its eval loss" in reason
+    assert "half the memory (4 bytes a param instead of 8)" in reason
+    assert "bench/" not in reason  # an installed package ships no bench/
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    (lm_row,) = [line for line in readme.splitlines() if line.startswith("| causal LM")]
+    assert "| +0.05% / +0.14% |" in lm_row  # the measured figure the reason cites
+
+
 # ------------------------------------------------------------------------- Policy
 
 
@@ -487,13 +529,15 @@ def test_probe_runs_a_step_rather_than_assuming(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_probe_without_bitsandbytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    def missing() -> None:
-        raise ImportError("No module named 'bitsandbytes'")
-
-    monkeypatch.setattr(capabilities_module, "import_bitsandbytes", missing)
+    # None in sys.modules is how Python blocks an import: find_spec answers None, as for
+    # a package that is not installed
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     c = probe_capabilities("cpu")
     assert c.available["8bit"] is False
-    assert "No module named 'bitsandbytes'" in c.unavailable_reasons["8bit"]
+    assert c.unavailable_reasons["8bit"] == (
+        "the 8bit rung is unavailable: bitsandbytes is not installed "
+        "(pip install 'bitsandbytes>=0.45')"
+    )
     d = decide(ONE_M, 15_999_999, c)  # 8bit would be the rung: skipped
     assert (d.rung, d.fits) == ("bf16", False)
     with pytest.raises(ValueError, match="bitsandbytes"):

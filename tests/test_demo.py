@@ -49,7 +49,7 @@ def test_cli_demo_pinned(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_demo_bad_free_memory(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--free-memory=-2MiB", "--epochs", "1"]) == 2
-    assert "free_memory='-2MiB'" in capsys.readouterr().err
+    assert "--free-memory='-2MiB' is not a byte count: negative" in capsys.readouterr().err
 
 
 def test_bf16_autocast_learns_digits() -> None:

@@ -27,6 +27,17 @@ The cases:
   the sharded run matches an unsharded one bit for bit, through a migration back to
   fp32; a state_dict round trip, a step on FSDP's own grads, and a ``Partial`` grad
   (reduced in the update) work too.
+- ``dcp_same_world``: the README's DCP recipe under FSDP2 on 2 ranks, on the fp32 and
+  8bit rungs, after an escalation (an OOM on rank 1 while the state exists) and with a
+  pinned group, with a head that never stepped before the save: the loaded state equals
+  the saved one bit for bit (8-bit codes and block scales included), the head has no
+  state, and 3 more steps equal the uninterrupted run's.
+- ``dcp_full_state_dict``: ``full_state_dict=True`` on the 8bit rung holds whole codes
+  and every element's block scale (checked against each rank's live state); broadcast
+  back from rank 0 it resumes bit for bit; in one unsharded optimizer, the params whose
+  blocks are unchanged resume bit for bit and the others stay within the 8-bit rounding.
+- ``dcp_reshard``: 2 ranks -> 1 and 1 -> 2 (1-rank meshes over 1-rank process groups):
+  fp32 exact; 8bit exact where the blocks are unchanged, else within the rounding.
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ from optladder import (
 from optladder.optimizers import build_engine
 from optladder.optimizers.migrate import read_step
 from optladder.optimizers.transaction import prepare_step
+from optladder.sharding import is_dtensor, local_tensor
 
 WORLD = 2
 COLLECTIVE_TIMEOUT_S = 60
@@ -146,6 +158,24 @@ def test_oom_in_one_ranks_pinned_group_escalates_the_others_on_every_rank(
 
 def test_fsdp2_footprint_and_8bit_rung_on_local_shards(outcomes: list[dict[str, str]]) -> None:
     _check(outcomes, "fsdp")
+
+
+def test_fsdp2_dcp_round_trip_is_exact_on_every_rung_escalated_pinned_and_never_stepped(
+    outcomes: list[dict[str, str]],
+) -> None:
+    _check(outcomes, "dcp_same_world")
+
+
+def test_fsdp2_full_state_dict_holds_whole_8bit_state_and_resumes(
+    outcomes: list[dict[str, str]],
+) -> None:
+    _check(outcomes, "dcp_full_state_dict")
+
+
+def test_fsdp2_dcp_reshards_2_to_1_and_1_to_2_within_the_8bit_rounding(
+    outcomes: list[dict[str, str]],
+) -> None:
+    _check(outcomes, "dcp_reshard")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -446,12 +476,391 @@ def _case_fsdp(rank: int) -> None:
     assert torch.equal(a.to_local(), b.to_local())
 
 
+# ---------------------------------------------------------------------------- DCP cases
+# Weights of the checkpoint cases, by name: (global shape, first step with a grad).
+# "a": 6,144 elements, 3,072 per rank (whole 256-element blocks: its 8-bit blocks are the
+# same on 1 and 2 ranks); "c": 7,000, rows of 1,000 split 4 + 3, so rank 1's shard
+# starts mid-block (its blocks differ between 1 and 2 ranks); "b": 512 (float32 state on
+# the 8bit rung; no grad at step 0, so an OOM at step 1 migrates the others' state);
+# "h": 5,120, a head frozen until step 4 (never stepped when the checkpoint is taken).
+_DCP_PARAMS = {"a": ((64, 96), 0), "c": ((7, 1000), 0), "b": ((8, 64), 1), "h": ((5, 1024), 4)}
+_SAVE_AT, _STEPS = 3, 6
+_CONFIGS = ("fp32", "8bit", "escalated", "pinned")
+_ckpt_dir: list[Path] = []  # set by _worker: a directory both ranks share
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(7)  # the same init on every rank
+        for name, (shape, _) in _DCP_PARAMS.items():
+            self.register_parameter(name, nn.Parameter(torch.randn(shape, generator=gen) / 10))
+
+
+def _build(config: str, mesh: Any) -> tuple[_Net, LadderOptimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Net()
+    if mesh is not None:
+        fully_shard(model, mesh=mesh)
+    kw: dict[str, Any] = {"lr": 1e-2, "free_memory": "1GiB", "environ": {}}
+    if config == "pinned":
+        groups = [
+            {"params": [model.a, model.c, model.h]},
+            {"params": [model.b], "rung": "fp32"},
+        ]
+        return model, choose_optimizer(groups, rung="8bit", **kw)
+    rung = None if config == "escalated" else config
+    return model, choose_optimizer(model, rung=rung, **kw)
+
+
+def _set_dcp_grads(model: _Net, step: int) -> None:
+    """The same full grads on every world size; each rank takes its rows (FSDP2's
+    ``torch.chunk`` split of dim 0)."""
+    for i, (name, (shape, first)) in enumerate(_DCP_PARAMS.items()):
+        p = getattr(model, name)
+        if step < first:
+            p.grad = None
+            continue
+        g = torch.randn(shape, generator=torch.Generator().manual_seed(100 * step + i))
+        p.grad = _shard_of(g, p) if is_dtensor(p) else g
+
+
+def _run(model: _Net, opt: LadderOptimizer, steps: range, oom_at: int | None = None) -> None:
+    rank = dist.get_rank()
+    for s in steps:
+        _set_dcp_grads(model, s)
+        fail = s == oom_at and rank == 1
+        with FailNthAllocation(1) if fail else contextlib.nullcontext():
+            opt.step()
+        opt.zero_grad()
+
+
+def _dcp_save(model: _Net, opt: LadderOptimizer, path: Path, pg: Any = None) -> None:
+    """The README's recipe: save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.save(state, checkpoint_id=str(path), process_group=pg)
+
+
+def _dcp_load(model: _Net, opt: LadderOptimizer, path: Path, pg: Any = None) -> None:
+    """The README's recipe: load (the checkpoint's rung first, then its state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    probe = {"optim": {"param_groups": opt.state_dict()["param_groups"]}}
+    planner = DefaultLoadPlanner(allow_partial_load=True)
+    dcp.load(probe, checkpoint_id=str(path), planner=planner, process_group=pg)
+    opt.follow_checkpoint(probe["optim"]["param_groups"])
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=str(path), process_group=pg)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+
+
+def _gather_rows(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor from each rank's rows of ``t`` (``t`` itself on a 1-rank mesh)."""
+    if not is_dtensor(p) or p.device_mesh.size() == 1:  # type: ignore[attr-defined]
+        return t.clone()
+    parts: list[Any] = [None] * WORLD
+    dist.all_gather_object(parts, t)
+    return torch.cat(parts)
+
+
+def _dequantized(opt: LadderOptimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Whole-param moments, as float32 values and (8-bit) codes and per-element block
+    absmax, computed here from the live state of each rank's shard (an independent
+    dequantization: ``qmap[code] * absmax[element // 256]`` over the local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    st = opt.state[p]
+    shard = local_tensor(p)
+    out: dict[str, torch.Tensor] = {}
+    for i, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
+        if name in st:
+            m = st[name]
+            local = (m.to_local() if isinstance(m, DTensor) else m).float()
+        else:
+            inner = st.get("__bnb_optimizer_quant_state__", st)
+            codes = inner[f"state{i}"] if f"state{i}" in inner else st[f"state{i}"]
+            if codes.dtype == torch.uint8:
+                block = torch.arange(codes.numel()) // 256
+                scale = inner[f"absmax{i}"][block].reshape(shard.shape)
+                local = inner[f"qmap{i}"][codes.long()] * scale
+                out[f"codes{i}"] = _gather_rows(codes.reshape(shard.shape), p)
+                out[f"scale{i}"] = _gather_rows(scale, p)
+            else:
+                local = codes.float()
+        out[name] = _gather_rows(local.reshape(shard.shape), p)
+    return out
+
+
+def _local_states(opt: LadderOptimizer) -> list[dict[str, Any]]:
+    """Each param's live state on this rank's shard, copied (bnb's wrapping undone)."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            st = dict(opt.state.get(p, {}))
+            st.update(st.pop("__bnb_optimizer_quant_state__", {}))
+            out.append(
+                {
+                    k: (v.to_local() if isinstance(v, DTensor) else v).clone()
+                    if isinstance(v, torch.Tensor)
+                    else v
+                    for k, v in st.items()
+                }
+            )
+    return out
+
+
+def _assert_same_states(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
+    assert [sorted(s) for s in got] == [sorted(s) for s in want]
+    for pi, (a, b) in enumerate(zip(got, want)):
+        for k in a:
+            x, y = a[k], b[k]
+            if k == "step":
+                assert float(x) == float(y), (pi, k, x, y)
+            else:
+                assert x.dtype == y.dtype and torch.equal(x, y), (pi, k)
+
+
+def _full_params(model: _Net) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if is_dtensor(p) else p.detach()).clone()  # type: ignore[attr-defined]
+        for n, p in model.named_parameters()
+    }
+
+
+def _assert_within_8bit_rounding(
+    opt: LadderOptimizer,
+    model: _Net,
+    before: dict[str, dict[str, torch.Tensor]],
+    exact: tuple[str, ...],
+) -> None:
+    """The moments of ``model``'s params in ``opt`` against ``before`` (from
+    :func:`_dequantized`): equal, codes included, for the params named in ``exact``;
+    for the others, each element within half the widest gap of the code book times its
+    block's absmax (bitsandbytes rounds to the nearest code; 1 % slack for float
+    rounding), and not all equal (the blocks did change)."""
+    for name, old in before.items():
+        p = model.get_parameter(name)
+        new = _dequantized(opt, p)
+        if name in exact:
+            assert sorted(new) == sorted(old), name
+            for k in new:
+                assert torch.equal(new[k], old[k]), (name, k)
+            continue
+        st = opt.state[p]
+        inner = st.get("__bnb_optimizer_quant_state__", st)
+        for i, m in ((1, "exp_avg"), (2, "exp_avg_sq")):
+            gap = inner[f"qmap{i}"].sort().values.diff().max()
+            bound = 0.505 * gap * new[f"scale{i}"]
+            assert ((new[m] - old[m]).abs() <= bound).all(), (name, m)
+            assert not torch.equal(new[m], old[m]), (name, m)
+
+
+def _dcp_steps(opt: LadderOptimizer) -> list[int]:
+    """Each param's step count; 0 for a param without state."""
+    return [
+        read_step(opt.state[p]) if opt.state.get(p) else 0
+        for g in opt.param_groups
+        for p in g["params"]
+    ]
+
+
+def _case_dcp_same_world(rank: int) -> None:
+    """DCP save and load on 2 ranks, every configuration: the resumed run's state
+    right after the load and its params over 3 more steps equal the uninterrupted
+    run's bit for bit; the never-stepped head loads as no state."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for config in _CONFIGS:
+        path = _ckpt_dir[0] / f"w2_{config}"
+        model, opt = _build(config, mesh)
+        _run(model, opt, range(_SAVE_AT), oom_at=1 if config == "escalated" else None)
+        if config == "escalated":
+            assert [(e.from_rung, e.to_rung, e.step) for e in opt.escalations] == [
+                ("fp32", "8bit", 1)
+            ]
+            assert _all_same((opt.rung, _dcp_steps(opt)))
+        assert not opt.state.get(model.h)
+        saved = _local_states(opt)
+        _dcp_save(model, opt, path)
+        _run(model, opt, range(_SAVE_AT, _STEPS))
+        want = _full_params(model)
+
+        model2, opt2 = _build(config, mesh)
+        _dcp_load(model2, opt2, path)
+        assert opt2.rung == opt.rung and [g["rung"] for g in opt2.param_groups] == [
+            g["rung"] for g in opt.param_groups
+        ], config
+        _assert_same_states(_local_states(opt2), saved)
+        assert not opt2.state.get(model2.h)  # step 0 in the checkpoint: no state
+        _run(model2, opt2, range(_SAVE_AT, _STEPS))
+        got = _full_params(model2)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (config, name)
+        assert _dcp_steps(opt2) == _dcp_steps(opt)
+
+
+def _case_dcp_full_state_dict(rank: int) -> None:
+    """8bit rung: the full state dict holds every element of every moment (codes laid
+    out like the whole param, block scales per row); broadcast back into 2 ranks it
+    resumes bit for bit; loaded into one unsharded optimizer, the params whose blocks
+    are the same unsharded resume bit for bit, and the moments of the others stay within
+    the 8-bit format's rounding."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model, opt = _build("8bit", mesh)
+    _run(model, opt, range(_SAVE_AT))
+    saved = _local_states(opt)
+    names = [n for n, _ in model.named_parameters()]
+    moments = {n: _dequantized(opt, p) for n, p in model.named_parameters() if opt.state.get(p)}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_optimizer_state_dict(model, opt, options=options)
+    params_at_save = _full_params(model)
+    _run(model, opt, range(_SAVE_AT, _STEPS))
+    want = _full_params(model)
+    if rank == 0:
+        a = full["state"]["a"]
+        assert a["state1"].shape == (64, 96) and a["state1"].dtype == torch.uint8
+        assert torch.equal(a["state1"], moments["a"]["codes1"])
+        assert torch.equal(a["state2"], moments["a"]["codes2"])
+        c = full["state"]["c"]
+        # each element's block scale, read back from the row table and phases
+        slot = (c["block_phase"].long()[:, None] + torch.arange(1000)) // 256
+        for i in (1, 2):
+            scale = c[f"block_absmax{i}"].gather(1, slot)
+            assert torch.equal(scale, moments["c"][f"scale{i}"])
+            values = c[f"qmap{i}"][c[f"state{i}"].long()] * scale
+            name = ("exp_avg", "exp_avg_sq")[i - 1]
+            assert torch.equal(values, moments["c"][name])
+        assert full["state"]["b"]["state1"].shape == (8, 64)
+        assert full["state"]["h"]["step"] == 0  # never stepped: zero state, step 0
+
+    # Broadcast from rank 0 into a fresh 2-rank optimizer: exact.
+    model2, opt2 = _build("8bit", mesh)
+    model2.load_state_dict(
+        {n: _shard_of(params_at_save[n], p) for n, p in model2.named_parameters()}
+    )
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_optimizer_state_dict(model2, opt2, full if rank == 0 else {}, options=options)
+    _assert_same_states(_local_states(opt2), saved)
+    _run(model2, opt2, range(_SAVE_AT, _STEPS))
+    got = _full_params(model2)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+    # Into one unsharded optimizer, keyed by index as opt.state_dict() keys it. Both
+    # ranks do it, in step (choose_optimizer and step agree over the default group).
+    shared = [full]
+    dist.broadcast_object_list(shared, src=0)
+    full = shared[0]
+    plain = _Net()
+    plain.load_state_dict(params_at_save)
+    single = choose_optimizer(plain, lr=1e-2, rung="8bit", free_memory="1GiB", environ={})
+    sd = {
+        "state": {names.index(k): v for k, v in full["state"].items()},
+        "param_groups": [
+            {**g, "params": [names.index(k) for k in g["params"]]} for g in full["param_groups"]
+        ],
+    }
+    single.load_state_dict(sd)
+    _assert_within_8bit_rounding(single, plain, moments, exact=("a", "b"))
+    _run(plain, single, range(_SAVE_AT, _STEPS))
+    for name in ("a", "b"):
+        assert torch.equal(plain.get_parameter(name).detach(), want[name]), name
+    assert not torch.equal(plain.c.detach(), params_at_save["c"])
+
+
+def _shard_of(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``full`` as a DTensor laid out like ``p`` (its rows on this rank)."""
+    from torch.distributed.tensor import DTensor
+
+    size, r = p.device_mesh.size(), p.device_mesh.get_local_rank()  # type: ignore[attr-defined]
+    rows = -(-full.shape[0] // size)
+    start = min(r * rows, full.shape[0])
+    local = full[start : min(start + rows, full.shape[0])].contiguous()
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())  # type: ignore[attr-defined]
+
+
+def _case_dcp_reshard(rank: int) -> None:
+    """A DCP checkpoint of 2 ranks loads on 1, and one of 1 rank on 2, on the fp32 and
+    8bit rungs (the bf16 rung takes no DTensors). fp32: exact. 8bit: exact for the params
+    whose blocks are the same on both world sizes ("a"; "b" keeps float32 state), the
+    params then resume bit for bit; "c"'s blocks differ, so its moments are requantized,
+    within the format's rounding. Each rank runs its own 1-rank job (a 1-rank mesh and
+    process group) in step with the other, as choose_optimizer and step agree over the
+    default group."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    mesh2 = init_device_mesh("cpu", (WORLD,))
+    singles = [dist.new_group([r]) for r in range(WORLD)]
+    mine = singles[rank]
+    mesh1 = DeviceMesh.from_group(mine, "cpu")
+    root = _ckpt_dir[0]
+    for config in ("fp32", "8bit"):
+        exact = ("a", "b", "c") if config == "fp32" else ("a", "b")
+        # 2 -> 1
+        model, opt = _build(config, mesh2)
+        _run(model, opt, range(_SAVE_AT))
+        moments = {n: _dequantized(opt, p) for n, p in model.named_parameters() if opt.state.get(p)}
+        _dcp_save(model, opt, root / f"reshard_{config}_w2")
+        _run(model, opt, range(_SAVE_AT, _STEPS))
+        want = _full_params(model)
+        model1, opt1 = _build(config, mesh1)
+        _dcp_load(model1, opt1, root / f"reshard_{config}_w2", pg=mine)
+        assert not opt1.state.get(model1.h)
+        _assert_within_8bit_rounding(opt1, model1, moments, exact)
+        _run(model1, opt1, range(_SAVE_AT, _STEPS))
+        got = _full_params(model1)
+        for name in exact:
+            assert torch.equal(got[name], want[name]), (config, "2 -> 1", name)
+        # 1 -> 2
+        path = root / f"reshard_{config}_w1_rank{rank}"
+        model1, opt1 = _build(config, mesh1)
+        _run(model1, opt1, range(_SAVE_AT))
+        moments = {
+            n: _dequantized(opt1, p) for n, p in model1.named_parameters() if opt1.state.get(p)
+        }
+        _dcp_save(model1, opt1, path, pg=mine)
+        _run(model1, opt1, range(_SAVE_AT, _STEPS))
+        want = _full_params(model1)
+        dist.barrier()
+        model, opt = _build(config, mesh2)
+        _dcp_load(model, opt, root / f"reshard_{config}_w1_rank0")
+        assert not opt.state.get(model.h)
+        _assert_within_8bit_rounding(opt, model, moments, exact)
+        _run(model, opt, range(_SAVE_AT, _STEPS))
+        got = _full_params(model)
+        for name in exact:
+            assert torch.equal(got[name], want[name]), (config, "1 -> 2", name)
+
+
 CASES: dict[str, Callable[[int], None]] = {
     "decision": _case_decision,
     "oom_step": _case_oom_step,
     "pinned": _case_pinned,
     "pinned_group": _case_pinned_group,
     "fsdp": _case_fsdp,
+    "dcp_same_world": _case_dcp_same_world,
+    "dcp_full_state_dict": _case_dcp_full_state_dict,
+    "dcp_reshard": _case_dcp_reshard,
 }
 
 
@@ -467,6 +876,7 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
     )
     recorded: dict[str, str] = {}
     path = Path(out_dir) / f"rank{rank}.json"
+    _ckpt_dir.append(Path(out_dir))
     for case, run in CASES.items():
         try:
             run(rank)

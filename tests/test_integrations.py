@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import subprocess
 import sys
 from collections.abc import Callable
 from functools import cache
@@ -367,3 +368,258 @@ def test_lightning_oom_in_forward_reruns_the_closure_one_rung_down(lit: ModuleTy
     assert module.lrs == pytest.approx(_one_cycle_lrs(1e-2, 10))
     assert module.losses[-1] < 0.7 * module.losses[0]
     assert lit.evaluate_accuracy(module) > 0.5
+
+
+# ------------------------------------------------- optladder.integrations, by import
+def test_import_optladder_imports_no_framework() -> None:
+    code = (
+        "import sys, optladder; "
+        "print(sorted(m for m in ('transformers', 'accelerate', 'lightning', "
+        "'optladder.integrations') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def _tiny_gpt2(seed: int = 0) -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=32,
+        n_positions=16,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+class _Cycles(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Token blocks that count up modulo 32 from a per-example start: learnable."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = (torch.arange(16) + i) % 32
+        return {"input_ids": ids, "labels": ids}
+
+
+def _hf_args(out: Path, **kw: Any) -> Any:
+    from transformers import TrainingArguments
+
+    base: dict[str, Any] = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=8,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        logging_steps=1,
+        seed=0,
+    )
+    return TrainingArguments(**(base | kw))
+
+
+def test_hf_trainer_takes_optladder_adamw_as_a_class(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Trainer(optimizer_cls_and_kwargs=(optladder.AdamW, {...}))``: the Trainer's
+    no-decay grouping reaches the optimizer; it trains, escalates on an OOM in the step,
+    saves, and a resumed run moves to the checkpoint's rung and ends where the first did."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import Trainer
+
+    from optladder import AdamW
+    from optladder.integrations import unwrap_optimizer
+
+    cls_and_kwargs = (AdamW, {"lr": 1e-2, "free_memory": FREE})
+    args = _hf_args(tmp_path, max_steps=8, save_strategy="steps", save_steps=4, weight_decay=0.1)
+    model = _tiny_gpt2()
+    first = Trainer(
+        model=model, args=args, train_dataset=_Cycles(), optimizer_cls_and_kwargs=cls_and_kwargs
+    )
+    _oom_in_optimizer_step(monkeypatch, at_call=2)
+    first.train()
+    monkeypatch.undo()
+    opt = unwrap_optimizer(first.optimizer)
+    assert type(opt) is AdamW and first.optimizer.optimizer is opt
+    assert unwrap_optimizer(_hf_scheduler(first).optimizer) is opt  # the Trainer's schedule
+
+    # HF's grouping: biases and LayerNorm params in a group with weight_decay 0
+    norms = {
+        id(p) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()
+    }
+    no_decay = {id(p) for n, p in model.named_parameters() if n.endswith("bias") or id(p) in norms}
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert {id(p) for p in opt.param_groups[1]["params"]} == no_decay
+    assert {id(p) for p in opt.param_groups[0]["params"]} == {
+        id(p) for p in model.parameters()
+    } - no_decay
+
+    assert [(e.from_rung, e.to_rung, e.step) for e in opt.escalations] == [("fp32", "bf16", 1)]
+    assert opt.rung == "bf16" and _steps(opt) == {8}
+    losses = [e["loss"] for e in first.state.log_history if "loss" in e]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5
+
+    resumed = Trainer(
+        model=_tiny_gpt2(),
+        args=_hf_args(tmp_path, max_steps=8, weight_decay=0.1),
+        train_dataset=_Cycles(),
+        optimizer_cls_and_kwargs=cls_and_kwargs,
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    opt2 = unwrap_optimizer(resumed.optimizer)
+    assert opt2.rung == "bf16" and opt2.decision.origin == "checkpoint"
+    assert opt2.escalations == [] and _steps(opt2) == {8}
+    assert [g["weight_decay"] for g in opt2.param_groups] == [0.1, 0.0]
+    for a, b in zip(first.model.parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_hf_ladder_trainer_builds_optladder_adamw_from_the_arguments(tmp_path: Path) -> None:
+    """Without an optimizer, LadderTrainer builds optladder.AdamW from the
+    TrainingArguments, and reruns a micro-batch whose forward ran out of memory."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from optladder import AdamW
+    from optladder.integrations import unwrap_optimizer
+    from optladder.integrations.hf import LadderTrainer
+
+    model = _tiny_gpt2()
+    forwards = _oom_in_forward(model, at_call=3)
+    args = _hf_args(
+        tmp_path,
+        max_steps=5,
+        learning_rate=2e-3,
+        adam_beta1=0.8,
+        adam_epsilon=1e-7,
+        weight_decay=0.05,
+    )
+    trainer = LadderTrainer(model=model, args=args, train_dataset=_Cycles())
+    trainer.train()
+    opt = unwrap_optimizer(trainer.optimizer)
+    assert type(opt) is AdamW and trainer.ladder.optimizer is opt
+    assert (opt.defaults["lr"], opt.defaults["betas"], opt.defaults["eps"]) == (
+        2e-3,
+        (0.8, 0.999),
+        1e-7,
+    )
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
+    assert len(forwards) == 6 and trainer.state.global_step == 5
+    assert [(e.from_rung, e.to_rung, e.step) for e in opt.escalations] == [("fp32", "bf16", 2)]
+    assert _steps(opt) == {5}
+    with pytest.raises(TypeError, match=r"optimizer_cls_and_kwargs=\(optladder\.AdamW"):
+        LadderTrainer(
+            model=model,
+            args=args,
+            optimizer_cls_and_kwargs=(torch.optim.AdamW, {}),
+        )
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "8bit", "pinned"])
+def test_accelerate_reports_an_amp_overflow_step_skipped(mode: str) -> None:
+    """accelerate's AcceleratedOptimizer (what HF Trainer uses) with a GradScaler: an
+    overflow step is reported skipped, changes nothing, and the scheduler stays; a
+    finite step is not skipped. (accelerate learns of a skip only from ``step()`` not
+    being called.)"""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
+
+    from optladder import AdamW
+
+    Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Linear(80, 4))
+    if mode == "pinned":
+        groups = [
+            {"params": list(model[0].parameters())},
+            {"params": list(model[1].parameters()), "rung": "8bit"},
+        ]
+        opt = AdamW(groups, 1e-2, free_memory=FREE)
+    else:
+        opt = AdamW(model.parameters(), 1e-2, rung=mode, free_memory=FREE)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    wrapped = AcceleratedOptimizer(opt, device_placement=False, scaler=scaler)
+    wrapped_sched = AcceleratedScheduler(
+        sched, wrapped, step_with_optimizer=True, split_batches=True
+    )
+    skipped = []
+    for overflow in (False, True, False):
+        wrapped.zero_grad()
+        scaler.scale(model(torch.ones(2, 64)).square().mean()).backward()
+        if overflow:
+            model[0].weight.grad[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        wrapped.step()
+        wrapped_sched.step()
+        skipped.append(wrapped.step_was_skipped)
+        if overflow:
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+            assert opt.last_step_skipped
+    assert skipped == [False, True, False]
+    assert sched.last_epoch == 2  # two real steps
+    assert _steps(opt) == {2}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lightning_ladder_step_mixin_reruns_one_rung_down() -> None:
+    pytest.importorskip("lightning")
+    import lightning as L
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    from optladder import AdamW
+    from optladder.integrations import unwrap_optimizer
+    from optladder.integrations.lightning import LadderStep
+
+    class Net(LadderStep, L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 1))
+            self.opt: AdamW | None = None
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            self.opt = AdamW(self.parameters(), 1e-2, free_memory=FREE)
+            return self.opt
+
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8
+    )
+    module = Net()
+    forwards = _oom_in_forward(module.net, at_call=3)
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, loader)
+    opt = module.opt
+    assert opt is not None
+    assert len(forwards) == 9 and trainer.global_step == 8
+    assert [(e.from_rung, e.to_rung, e.step) for e in opt.escalations] == [("fp32", "bf16", 2)]
+    assert _steps(opt) == {8}
+    # Lightning's wrapper is an instance of the optimizer's class: unwrap past it
+    assert isinstance(trainer.optimizers[0], AdamW)
+    assert unwrap_optimizer(LightningOptimizer(opt)) is opt
+    with pytest.raises(TypeError, match="got SGD holding SGD"):
+        unwrap_optimizer(torch.optim.SGD(module.parameters()))

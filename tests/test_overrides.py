@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-import pytest
-from pydantic import ValidationError
+import warnings
 
-from optladder.policies.overrides import OverrideError, Overrides, read_overrides
+import pytest
+
+from optladder.errors import OptladderWarning
+from optladder.policies.overrides import (
+    OverrideError,
+    Overrides,
+    read_overrides,
+    unknown_variables,
+)
 
 BF16 = "OPTLADDER_BF16_ADAM"
 EIGHT = "OPTLADDER_8BIT_ADAM"
@@ -190,15 +197,66 @@ def test_os_environ_names_are_case_sensitive(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv(BF16.lower(), "1")
     monkeypatch.setenv("OPTLADDER_EIGHT_BIT_ADAM", "1")  # a field name, not the variable
     monkeypatch.setenv("OPTLADDER_UNRELATED", "x")
-    assert read_overrides() == Overrides()
+    with pytest.warns(OptladderWarning) as record:
+        assert read_overrides() == Overrides()
+    # ignored, but each said aloud
+    warned = sorted(str(w.message).split("=")[0] for w in record)
+    assert warned == sorted([BF16.lower(), "OPTLADDER_EIGHT_BIT_ADAM", "OPTLADDER_UNRELATED"])
 
 
-def test_overrides_are_frozen() -> None:
-    overrides = read_overrides(environ={BF16: "1"})
-    with pytest.raises(ValidationError):
-        overrides.forced = "8bit"  # type: ignore[misc]
+# Misspellings people write, and the variable each one meant (by hand).
+MISSPELLINGS = [
+    ("OPTLADDER_8BIT", "OPTLADDER_8BIT_ADAM"),
+    ("OPTLADDER_BF16", "OPTLADDER_BF16_ADAM"),
+    ("OPTLADDER_BF16ADAM", "OPTLADDER_BF16_ADAM"),
+    ("OPTLADDER_8BIT_ADAMW", "OPTLADDER_8BIT_ADAM"),
+    ("OPTLADDER_RUNGS", "OPTLADDER_RUNG"),
+    ("OPTLADDER_RUN", "OPTLADDER_RUNG"),
+    ("Optladder_Bf16", "OPTLADDER_BF16_ADAM"),
+]
 
 
-def test_a_non_string_variable_value_is_refused() -> None:
-    with pytest.raises(OverrideError, match="OPTLADDER_BF16_ADAM=1 must be a string"):
-        read_overrides(None, {"OPTLADDER_BF16_ADAM": 1})  # type: ignore[dict-item]
+@pytest.mark.parametrize(("name", "meant"), MISSPELLINGS)
+def test_a_misspelled_variable_warns_naming_the_closest(name: str, meant: str) -> None:
+    with pytest.warns(OptladderWarning) as record:
+        assert read_overrides(environ={name: "1"}) == Overrides()  # ignored
+    (warning,) = record
+    assert str(warning.message) == (
+        f"{name}='1' is not an optladder variable and is ignored; did you mean {meant}? "
+        "(optladder reads OPTLADDER_BF16_ADAM, OPTLADDER_8BIT_ADAM, OPTLADDER_RUNG)"
+    )
+
+
+@pytest.mark.parametrize("name", [BF16, EIGHT, RUNG])
+def test_a_known_name_in_another_case_warns_that_names_are_case_sensitive(name: str) -> None:
+    value = "bf16" if name == RUNG else "1"
+    with pytest.warns(OptladderWarning, match=f"names are case-sensitive: did you mean {name}\\?"):
+        assert read_overrides(environ={name.lower(): value}) == Overrides()
+
+
+def test_known_and_unrelated_names_do_not_warn() -> None:
+    environ = {BF16: "0", EIGHT: "1", "HOME": "/root", "MY_OPTLADDER_X": "1", "OPTLADDER": "1"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_overrides(environ=environ).forced == "8bit"
+
+
+def test_unknown_variables_lists_every_one_in_order() -> None:
+    environ = {"OPTLADDER_8BIT": "1", RUNG: "fp32", "optladder_rung": "bf16", "PATH": "/bin"}
+    assert unknown_variables(environ) == [
+        ("OPTLADDER_8BIT", "OPTLADDER_8BIT_ADAM"),
+        ("optladder_rung", "OPTLADDER_RUNG"),
+    ]
+
+
+def test_choose_optimizer_warns_at_the_callers_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from optladder import choose_optimizer
+
+    monkeypatch.setenv("OPTLADDER_8BIT", "1")
+    with pytest.warns(OptladderWarning, match="did you mean OPTLADDER_8BIT_ADAM") as record:
+        opt = choose_optimizer(torch.nn.Linear(2, 2), lr=1e-3, free_memory="1GiB")
+    assert opt.rung == "fp32"  # the misspelled variable did not act
+    (warning,) = [w for w in record if "OPTLADDER_8BIT" in str(w.message)]
+    assert warning.filename == __file__  # stacklevel: the user's call, not optladder's

@@ -41,7 +41,8 @@ import torch
 
 from optladder import Decision
 from optladder.cli import main
-from optladder.plan import PlanError, make_plan, parse_count, shipped_configs
+from optladder.plan import PlanError, make_plan, min_free_memory, parse_count, shipped_configs
+from optladder.units import format_bytes
 
 pytest.importorskip("transformers")
 
@@ -103,7 +104,7 @@ def test_gpt2_counts_and_state_bytes(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_llama_2_7b(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = plan_cli(capsys, "--model-config", "llama-2-7b", "--free-memory", "24GiB")
-    assert code == 0
+    assert code == 1  # nothing fits: the exit status says so
     assert "6,738,415,616 trainable params in 291 tensors" in out
     for rung in ("fp32", "bf16", "8bit"):
         assert cell_bytes(row(out, rung)[1]) == LLAMA2_7B[rung]
@@ -196,7 +197,7 @@ def test_rung_chosen_for_free_memory(
     capsys: pytest.CaptureFixture[str], free: str, rung: str, fits: bool
 ) -> None:
     code, out, _ = plan_cli(capsys, "--model-config", "gpt2", "--free-memory", free, *NO_PROACTIVE)
-    assert code == 0
+    assert code == (0 if fits else 1)
     assert row(out, rung)[0] == f"{rung} <- chosen"
     assert sum("<- chosen" in line for line in out.splitlines()) == 1
     assert row(out, rung)[4] == ("yes" if fits else "no")
@@ -381,9 +382,17 @@ def test_bad_config_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present here")
 def test_absent_device_needs_free_memory(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = plan_cli(capsys, "--params", "1e6")  # --device cuda by default
-    assert code == 2
+    code, out, err = plan_cli(capsys, "--params", "1e6")  # --device cuda by default
+    assert code == 3  # no decision, but no failure: the estimates and how to plan
     assert "--device='cuda' is not present" in err and "pass --free-memory" in err
+    assert "Traceback" not in err and "free memory unknown" in out
+    # fp32 8 bytes/param; bf16 4; 8bit 2 + 8 per 256-element block (3,907 blocks) + 2,048
+    state = {"fp32": 8_000_000, "bf16": 4_000_000, "8bit": 2_000_000 + 8 * 3_907 + CODEBOOKS}
+    for rung, n in state.items():
+        cells = row(out, rung)
+        assert cells[0] == rung and cell_bytes(cells[1]) == n
+        # needs free: the gate is 25% of free memory, so 4x the state
+        assert cells[3] == format_bytes(4 * n)
 
 
 def test_override_variables_act(
@@ -395,3 +404,23 @@ def test_override_variables_act(
     monkeypatch.setenv("OPTLADDER_RUNG", "fp64")
     code, _, err = plan_cli(capsys, "--params", "1e6", "--free-memory", "1TiB")
     assert code == 2 and "OPTLADDER_RUNG='fp64'" in err
+
+
+def test_min_free_memory_is_the_least_free_memory_that_passes_the_gate() -> None:
+    assert min_free_memory(8_000_000, 0.25) == 32_000_000  # 4x the state
+    assert min_free_memory(10, 0.3) == 34  # int(0.3 * 34) = 10, int(0.3 * 33) = 9
+    assert min_free_memory(0, 0.25) == 0
+    for fraction in (0.1, 0.25, 0.3, 0.7, 1.0):
+        for state in range(200):
+            free = min_free_memory(state, fraction)
+            # the gate as decide() computes it: int(fraction * free)
+            assert int(fraction * free) >= state
+            assert free == 0 or int(fraction * (free - 1)) < state
+
+
+def test_sharded_bytes_are_exact_for_huge_counts() -> None:
+    n = 2**60 - 1  # the largest count: fp32 state 2**63 - 8 bytes, past float precision
+    plan = make_plan(params=n, device="cpu", free_memory="1TiB", world_size=3)
+    fp32 = {row.rung: row for row in plan.rows}["fp32"]
+    assert fp32.state_bytes == 8 * n
+    assert fp32.per_rank_bytes == (8 * n + 2) // 3  # ceil by integers

@@ -175,12 +175,14 @@ def test_fp32_eager_for_bf16_params_keeps_float32_moments() -> None:
         ("fp32", True, "AdamW", "fused"),
         ("fp32", False, "AdamW", "foreach"),
         ("bf16", False, "LadderAdamW", None),
-        ("8bit", False, "AdamW8bit", None),
+        ("8bit", False, "LadderAdamW8bit", None),
     ],
 )
 def test_build_engine_kinds(rung: str, fused: bool, engine: str, flag: str | None) -> None:
     opt = _build(rung, fused)([torch.nn.Parameter(torch.zeros(4))])
     assert type(opt).__name__ == engine
+    if rung == "8bit":  # bitsandbytes' AdamW8bit, with optladder's state-format rule
+        assert type(opt).__mro__[1].__name__ == "AdamW8bit"
     if flag is not None:
         assert opt.defaults[flag] is True
 

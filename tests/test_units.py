@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optladder.units import format_bytes, parse_bytes
+from optladder.units import MAX_BYTES, MAX_COUNT, format_bytes, parse_bytes, parse_count
 
 
 @pytest.mark.parametrize(
@@ -108,3 +108,52 @@ def test_format_bytes(n: int, expected: str) -> None:
 def test_parse_bytes_refuses_more_than_an_int64(value: object) -> None:
     with pytest.raises(ValueError, match="from 0 to 2\\*\\*63 - 1"):
         parse_bytes(value)
+
+
+def test_parse_bytes_takes_integers_of_any_type() -> None:
+    np = pytest.importorskip("numpy")
+    assert parse_bytes(np.int64(2**33)) == 2**33
+    assert type(parse_bytes(np.int64(5))) is int
+    with pytest.raises(ValueError, match="negative"):
+        parse_bytes(np.int32(-1))
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("-5GiB", "negative"),
+        (-1, "negative"),
+        ("24XB", "unit 'XB' is not known"),
+        ("lots", "not a number with an optional unit"),
+        ("1e400", "more than 2**63 - 1 bytes"),
+        (2**63, "more than 2**63 - 1 bytes"),
+        (float("inf"), "not a finite number"),
+        ([1], "a list is neither a number nor a string"),
+    ],
+)
+def test_parse_bytes_says_what_is_wrong(value: object, why: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_bytes(value, "--free-memory")
+    assert str(info.value).startswith(f"--free-memory={value!r} is not a byte count: {why}; ")
+
+
+def test_an_ambiguous_unit_gives_both_readings() -> None:
+    with pytest.raises(ValueError) as info:
+        parse_bytes("24G")
+    assert "write 24GiB (1,073,741,824 bytes per GiB, powers of 1024)" in str(info.value)
+    assert "or 24GB (1,000,000,000 bytes per GB, powers of 1000)" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("7B", 7 * 10**9), ("1.5e9", 1_500_000_000), ("1152921504606846975", 2**60 - 1)],
+)
+def test_parse_count_accepts_up_to_max_count(value: str, expected: int) -> None:
+    assert parse_count(value, "--params") == expected
+    assert MAX_COUNT == 2**60 - 1 == MAX_BYTES // 8  # fp32 state, 8 bytes a param, fits
+
+
+@pytest.mark.parametrize("value", ["1e308", "1e400", "1152921504606846976", 2**60, "0"])
+def test_parse_count_refuses_over_max_count(value: object) -> None:
+    with pytest.raises(ValueError, match=r"^--params=.* is not a count; expected a whole number"):
+        parse_count(value, "--params")

@@ -17,7 +17,7 @@ from torch import nn
 from optladder.optimizers.state import measure_state_bytes
 from optladder.policies.footprint import measure_footprint
 from optladder.rungs import RUNGS, Rung
-from optladder.selector.choose import choose_optimizer
+from optladder.selector.adamw import choose_optimizer
 from optladder.units import format_bytes
 
 
@@ -48,12 +48,15 @@ def load_digits_split(
     Shapes: ``x_*`` is ``(n, 64)`` float32, ``y_*`` is ``(n,)`` int64; n is 1,437 / 360.
 
     Raises:
-        ImportError: without scikit-learn (install ``optladder[demo]``).
+        ImportError: without scikit-learn (the message says how to install it).
     """
     try:
         from sklearn.datasets import load_digits
     except ImportError as exc:
-        raise ImportError("the demo needs scikit-learn: pip install 'optladder[demo]'") from exc
+        raise ImportError(
+            "the demo needs scikit-learn: pip install 'scikit-learn>=1.3' (what optladder's "
+            "demo extra installs)"
+        ) from exc
     data = load_digits()
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0
     y = torch.tensor(data.target, dtype=torch.int64)

@@ -56,7 +56,7 @@ def child(steps: int, hidden: int, log: Callable[[str], None] = print) -> int:
     from optladder.demo import load_digits_split
     from optladder.optimizers.adamw import LadderAdamW
     from optladder.policies.footprint import measure_footprint
-    from optladder.selector.choose import choose_optimizer
+    from optladder.selector.adamw import choose_optimizer
     from optladder.selector.ladder import Ladder
 
     x_train, y_train, x_test, y_test = load_digits_split(0)

@@ -24,10 +24,8 @@ import importlib
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Mapping
-from decimal import Decimal, InvalidOperation
 from importlib import resources
 from pathlib import Path
 from typing import Any, TextIO
@@ -35,6 +33,7 @@ from typing import Any, TextIO
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from optladder import units
 from optladder.optimizers import probe_capabilities
 from optladder.policies import (
     Decision,
@@ -58,13 +57,16 @@ DTYPES: dict[str, torch.dtype] = {
 }
 """Param dtypes ``--dtype`` accepts."""
 
-_COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
-_COUNT = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)([kmbgt]?)$")
-
 
 class PlanError(ValueError):
     """Bad input to :func:`make_plan`; the message names the option, its value, and
     what is allowed."""
+
+
+class FreeMemoryUnknownError(PlanError):
+    """The target device is not on this machine and no ``free_memory`` was given, so
+    there is nothing to decide against (the state bytes can still be estimated: pass
+    ``free_memory=0`` and read each row's ``min_free_memory``)."""
 
 
 class PlanRow(BaseModel):
@@ -78,6 +80,8 @@ class PlanRow(BaseModel):
         share_of_free: ``per_rank_bytes / free_memory``; None when no memory is free.
         passes_gate: whether ``per_rank_bytes`` is at most the gate
             (``memory_fraction * free_memory`` bytes).
+        min_free_memory: the least free bytes of one device under which
+            ``per_rank_bytes`` passes the gate (:func:`min_free_memory`).
         fused: whether the rung's engine runs on a fused kernel on the target device.
         chosen: whether the decision picked this rung.
     """
@@ -89,6 +93,7 @@ class PlanRow(BaseModel):
     per_rank_bytes: int
     share_of_free: float | None
     passes_gate: bool
+    min_free_memory: int
     fused: bool
     chosen: bool
 
@@ -131,45 +136,41 @@ class Plan(BaseModel):
 
 
 def parse_count(value: object, name: str = "--params", minimum: int = 1) -> int:
-    """Parse a count of elements such as ``124439808``, ``"7e9"``, ``"1.5B"`` or ``"350M"``.
-
-    Suffixes (case-insensitive): ``k`` (10**3), ``M`` (10**6), ``B`` or ``G`` (10**9),
-    ``T`` (10**12). ``_`` and ``,`` separators are ignored. The value must be a whole
-    number (``"1.5e9"`` is fine, ``"2.5"`` is not).
+    """:func:`optladder.units.parse_count`, raising :class:`PlanError`.
 
     Args:
-        value: an ``int`` or a string.
+        value: an ``int`` or a string such as ``"7e9"``, ``"1.5B"``, ``"350M"``.
         name: the option it came from, for the error message.
         minimum: the least value allowed.
 
     Returns:
-        The count, an ``int >= minimum``.
+        The count, an ``int`` from ``minimum`` to :data:`optladder.units.MAX_COUNT`.
 
     Raises:
-        PlanError: if the value is not a whole number ``>= minimum``.
+        PlanError: if the value is not a whole number in that range.
     """
-    error = PlanError(
-        f"{name}={value!r} is not a count; expected a whole number >= {minimum:,}, "
-        "e.g. 124439808, 7e9, 1.5e9, 7B, 350M"
-    )
-    if isinstance(value, bool):
-        raise error
-    if isinstance(value, int):
-        number = Decimal(value)
-    elif isinstance(value, str):
-        text = value.strip().lower().replace("_", "").replace(",", "")
-        match = _COUNT.match(text)
-        if match is None:
-            raise error
-        try:
-            number = Decimal(match.group(1)) * _COUNT_SUFFIXES[match.group(2)]
-        except InvalidOperation:
-            raise error from None
-    else:
-        raise error
-    if not number.is_finite() or number != number.to_integral_value() or number < minimum:
-        raise error
-    return int(number)
+    try:
+        return units.parse_count(value, name, minimum)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+
+
+def min_free_memory(state_bytes: int, memory_fraction: float) -> int:
+    """The least free memory (bytes) under which ``state_bytes`` passes the memory gate.
+
+    The gate is ``int(memory_fraction * free_memory)`` bytes (:func:`optladder.decide`),
+    so this is the smallest integer ``F`` with ``int(memory_fraction * F) >= state_bytes``.
+
+    Args:
+        state_bytes: optimizer-state bytes (per rank), ``>= 0``.
+        memory_fraction: the policy's gate fraction, in ``(0, 1]``.
+    """
+    free = math.ceil(state_bytes / memory_fraction)
+    while int(memory_fraction * free) < state_bytes:  # float rounding: at most a step or two
+        free += 1
+    while free > 0 and int(memory_fraction * (free - 1)) >= state_bytes:
+        free -= 1
+    return free
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -241,7 +242,8 @@ def model_from_config(path: Path) -> tuple[torch.nn.Module, str]:
         import transformers
     except ImportError as exc:
         raise ImportError(
-            "--model-config needs transformers: pip install 'optladder[plan]' "
+            "--model-config needs transformers: pip install 'transformers>=4.40' (what "
+            "optladder's plan extra installs) "
             f"({type(exc).__name__}: {exc})"
         ) from exc
     try:
@@ -343,9 +345,10 @@ def _free_memory(
     if free_memory is not None:
         return parse_bytes(free_memory, "--free-memory"), "given as --free-memory"
     if not present:
-        raise PlanError(
+        raise FreeMemoryUnknownError(
             f"--device={str(device)!r} is not present on this machine, so its free memory "
-            "cannot be probed; pass --free-memory, e.g. --free-memory 80GiB"
+            "cannot be probed; to plan for that device, pass --free-memory with its free "
+            "bytes, e.g. --free-memory 80GiB (an 80 GB GPU) or --free-memory 141GB"
         )
     try:
         probe = probe_free_memory(device)
@@ -359,7 +362,7 @@ def _shard(state: Mapping[Rung, int], codebook_bytes: int, world_size: int) -> d
     per_rank: dict[Rung, int] = {}
     for rung in RUNGS:
         books = codebook_bytes if rung == "8bit" else 0
-        per_rank[rung] = math.ceil((state[rung] - books) / world_size) + books
+        per_rank[rung] = -(-(state[rung] - books) // world_size) + books  # exact int ceil
     return per_rank
 
 
@@ -403,6 +406,7 @@ def make_plan(
         The :class:`Plan`.
 
     Raises:
+        FreeMemoryUnknownError: ``free_memory`` is None and ``device`` is not present.
         PlanError: bad or missing input (the message names the option).
         ImportError: ``model_config`` without transformers installed.
         optladder.OverrideError: an unknown or contradictory ``OPTLADDER_*`` variable.
@@ -510,6 +514,7 @@ def make_plan(
             per_rank_bytes=per_rank[r],
             share_of_free=per_rank[r] / free if free else None,
             passes_gate=per_rank[r] <= decision.budget_bytes,
+            min_free_memory=min_free_memory(per_rank[r], decision.policy.memory_fraction),
             fused=capabilities.fused[r],
             chosen=r == decision.rung,
         )
@@ -536,12 +541,16 @@ def _bytes_cell(n: int) -> str:
     return f"{n:,} ({format_bytes(n)})"
 
 
-def print_plan(plan: Plan, file: TextIO | None = None) -> None:
+def print_plan(plan: Plan, file: TextIO | None = None, *, decided: bool = True) -> None:
     """Print a plan: the model and target, a table with one row per rung, the decision.
 
     Args:
         plan: from :func:`make_plan`.
         file: where to print; default ``sys.stdout`` (looked up now).
+        decided: False when the free memory is unknown (the plan was made with
+            ``free_memory=0`` only for its estimates): the free memory, the gate's
+            verdicts and the decision are left out; each rung's state bytes and the free
+            memory it needs are printed.
     """
     from rich.console import Console
     from rich.table import Table
@@ -549,40 +558,54 @@ def print_plan(plan: Plan, file: TextIO | None = None) -> None:
     out = file if file is not None else sys.stdout
     console = Console(file=out, highlight=False)
     if not console.is_terminal:  # a pipe or a file: no 80-column wrap of the numbers
-        console = Console(file=out, highlight=False, width=120)
+        console = Console(file=out, highlight=False, width=140)
     d = plan.decision
     tensors = "1 tensor" if plan.param_tensors == 1 else f"{plan.param_tensors:,} tensors"
     lines = [
         f"model: {plan.source}",
         f"       {plan.trainable_params:,} trainable params in {tensors} "
         f"({', '.join(plan.dtypes)})",
-        f"target: {plan.device}, world size {plan.world_size}; free memory "
-        f"{_bytes_cell(plan.free_memory)} per device ({plan.free_memory_source})",
-        f"gate: {d.policy.memory_fraction:.0%} of free memory = "
-        f"{_bytes_cell(plan.budget_bytes)} per rank",
-        *(f"note: {note}" for note in plan.notes),
     ]
+    if decided:
+        lines += [
+            f"target: {plan.device}, world size {plan.world_size}; free memory "
+            f"{_bytes_cell(plan.free_memory)} per device ({plan.free_memory_source})",
+            f"gate: {d.policy.memory_fraction:.0%} of free memory = "
+            f"{_bytes_cell(plan.budget_bytes)} per rank",
+        ]
+    else:
+        lines.append(
+            f"target: {plan.device}, world size {plan.world_size}; free memory unknown "
+            f"(gate: {d.policy.memory_fraction:.0%} of it)"
+        )
+    lines += [f"note: {note}" for note in plan.notes]
     for line in lines:
         console.print(line, markup=False, soft_wrap=True)
     table = Table(title=None, show_lines=False)
     table.add_column("rung", no_wrap=True)
     table.add_column("state bytes", justify="right", no_wrap=True)
     table.add_column(f"per rank (/{plan.world_size})", justify="right", no_wrap=True)
-    table.add_column("of free", justify="right", no_wrap=True)
-    table.add_column("passes gate", no_wrap=True)
+    if decided:
+        table.add_column("of free", justify="right", no_wrap=True)
+        table.add_column("passes gate", no_wrap=True)
+    table.add_column("needs free", justify="right", no_wrap=True)
     table.add_column("fused", no_wrap=True)
     for row in plan.rows:
         share = "-" if row.share_of_free is None else f"{row.share_of_free:.1%}"
+        verdict = [share, "yes" if row.passes_gate else "no"] if decided else []
+        chosen = decided and row.chosen
         table.add_row(
-            f"{row.rung} <- chosen" if row.chosen else row.rung,
+            f"{row.rung} <- chosen" if chosen else row.rung,
             _bytes_cell(row.state_bytes),
             _bytes_cell(row.per_rank_bytes),
-            share,
-            "yes" if row.passes_gate else "no",
+            *verdict,
+            format_bytes(row.min_free_memory),
             "yes" if row.fused else "no",
-            style="bold" if row.chosen else None,
+            style="bold" if chosen else None,
         )
     console.print(table)
+    if not decided:
+        return
     console.print("decision:", markup=False)
     console.print(d.summary(), markup=False, soft_wrap=True)
     if not d.fits and d.origin == "policy":

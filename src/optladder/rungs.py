@@ -6,7 +6,8 @@ neither.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,7 +27,12 @@ BNB_BLOCKSIZE = 256
 """Elements per block of bitsandbytes' block-wise optimizer state; one float32 absmax per
 block and moment (``Optimizer2State.init_state``, bitsandbytes >= 0.45)."""
 
-BNB_DTYPES = ("float32", "bfloat16", "float16")
+FLOAT32_MATH_DTYPES = ("float32", "bfloat16", "float16")
+"""Param dtypes an engine that computes in float32 steps exactly: float32 itself, and the
+two narrower float types, whose values float32 holds exactly. A float64 param stepped in
+float32 math is rounded to float32 precision on every write, even with ``lr=0``."""
+
+BNB_DTYPES = FLOAT32_MATH_DTYPES
 """Param dtypes bitsandbytes' 8-bit optimizers step (``Optimizer2State.update_step``)."""
 
 BNB_QMAP_BYTES = 2 * 256 * 4
@@ -76,6 +82,143 @@ class Capabilities(BaseModel):
     available: dict[Rung, bool] = Field(default_factory=lambda: dict.fromkeys(RUNGS, True))
     unavailable_reasons: dict[Rung, str] = Field(default_factory=dict)
     slow: dict[Rung, str] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RungAccepts:
+    """What one rung steps exactly: one row of :data:`RUNG_ACCEPTS` (plain data).
+
+    Attributes:
+        dtypes: names of the param dtypes the rung steps, e.g. ``("float32", ...)``.
+        complex: whether complex params are among them.
+        sharded: whether DTensor (FSDP2) params are stepped (on their local shards).
+        sharded_reason: why not, when ``sharded`` is False.
+        min_quantized_numel: the size rule: a param of at least this many elements (a
+            DTensor's global count) gets quantized state, a smaller one float32 moments;
+            None when the rung has no size rule.
+        engine: what steps it, in which arithmetic, and where the rule comes from.
+    """
+
+    dtypes: tuple[str, ...]
+    complex: bool
+    sharded: bool
+    sharded_reason: str = ""
+    min_quantized_numel: int | None = None
+    engine: str = ""
+
+
+FP32_WIDE_DTYPES = ("float64", "complex64", "complex128")
+"""Dtypes the fp32 rung steps with torch's AdamW only (moments and math in the param's
+dtype): optladder's AdamW computes in float32 and takes real params."""
+LOW_PRECISION_DTYPES = ("bfloat16", "float16")
+"""Dtypes the fp32 rung steps with optladder's AdamW (float32 moments and math), because
+torch's AdamW would keep their moments in their own dtype."""
+
+RUNG_ACCEPTS: dict[Rung, RungAccepts] = {
+    "fp32": RungAccepts(
+        dtypes=("float32", "float64", "bfloat16", "float16", "complex64", "complex128"),
+        complex=True,
+        sharded=True,
+        engine=(
+            "torch.optim.AdamW for float32, float64 and complex params (math and moments in "
+            "the param's dtype); optladder's AdamW (float32 moments and math) when bfloat16 "
+            "or float16 params are among them, which then cannot take float64 or complex ones"
+        ),
+    ),
+    "bf16": RungAccepts(
+        dtypes=FLOAT32_MATH_DTYPES,
+        complex=False,
+        sharded=False,
+        sharded_reason=(
+            "the bf16 rung's AdamW (LadderAdamW) steps plain tensors only, not DTensor "
+            "(FSDP2) params"
+        ),
+        engine="optladder's LadderAdamW: bfloat16 moments, float32 math",
+    ),
+    "8bit": RungAccepts(
+        dtypes=BNB_DTYPES,
+        complex=False,
+        sharded=True,
+        min_quantized_numel=BNB_MIN_8BIT_SIZE,
+        engine=(
+            "bitsandbytes' AdamW8bit (Optimizer2State.update_step: float32, bfloat16 and "
+            "float16 params, float32 math); a non-contiguous param is stepped through a "
+            "contiguous copy written back in place"
+        ),
+    ),
+}
+"""What each rung accepts: the one table read by ``decide`` (which rungs the policy may
+pick), the param checks of construction, ``add_param_group``, moves and checkpoint loads,
+and the engines' own builders."""
+
+PARAM_DTYPES: tuple[str, ...] = tuple(
+    dict.fromkeys(d for accepts in RUNG_ACCEPTS.values() for d in accepts.dtypes)
+)
+"""Every param dtype some rung steps; anything else (float8, integers, bool) is refused."""
+
+
+def _either(names: tuple[str, ...] | list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def param_refusal(rung: Rung, dtype: str, *, sharded: bool = False) -> str | None:
+    """Why ``rung`` cannot step one param, from :data:`RUNG_ACCEPTS`, or None.
+
+    Args:
+        rung: the rung.
+        dtype: the param's dtype name, e.g. ``"float64"``.
+        sharded: whether the param is a DTensor.
+
+    Returns:
+        A clause such as ``"the 8bit rung takes float32, bfloat16 or float16 params"``.
+    """
+    accepts = RUNG_ACCEPTS[rung]
+    if dtype.startswith("complex") and not accepts.complex:
+        return f"the {rung} rung takes real params only: use rung='fp32'"
+    if dtype not in accepts.dtypes:
+        return f"the {rung} rung takes {_either(list(accepts.dtypes))} params"
+    if sharded and not accepts.sharded:
+        return accepts.sharded_reason
+    return None
+
+
+def rung_refusal(
+    rung: Rung, dtypes: Iterable[str], *, sharded: bool = False, subject: str = "the model"
+) -> str | None:
+    """Why ``rung`` cannot step params of ``dtypes`` together (one engine), or None.
+
+    Besides each param's own rule (:func:`param_refusal`), the fp32 rung cannot mix
+    float64/complex params (torch's AdamW) with bfloat16/float16 ones (optladder's AdamW,
+    float32 math): one engine steps the groups that follow the decision.
+
+    Args:
+        rung: the rung.
+        dtypes: dtype names of the params, e.g. ``("float32", "float64")``.
+        sharded: whether any param is a DTensor.
+        subject: names the params in the sentence, e.g. ``"the model"``.
+    """
+    accepts = RUNG_ACCEPTS[rung]
+    names = sorted(set(dtypes))
+    if any(d.startswith("complex") for d in names) and not accepts.complex:
+        return f"{rung} takes real params only and {subject} has complex params"
+    other = [d for d in names if d not in accepts.dtypes]
+    if other:
+        return (
+            f"{rung} takes {', '.join(accepts.dtypes)} params and {subject} has "
+            f"{', '.join(other)} params"
+        )
+    wide = [d for d in names if d in FP32_WIDE_DTYPES]
+    low = [d for d in names if d in LOW_PRECISION_DTYPES]
+    if rung == "fp32" and wide and low:
+        return (
+            f"fp32 steps {', '.join(wide)} params with torch's AdamW and {', '.join(low)} "
+            f"params with optladder's AdamW (float32 math), and {subject} has both among "
+            f"the params that follow the decision; put the {', '.join(wide)} params in a "
+            "param group of their own that pins the fp32 rung ({'params': ..., 'rung': 'fp32'})"
+        )
+    if sharded and not accepts.sharded:
+        return accepts.sharded_reason
+    return None
 
 
 RUNG_KEY = "rung"

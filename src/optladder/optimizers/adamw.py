@@ -29,6 +29,7 @@ from optladder.optimizers.rounding import (
     round_moments,
 )
 from optladder.optimizers.steps import BF16_MAX_STEP, MAX_STEP, STEP_DTYPE
+from optladder.rungs import FLOAT32_MATH_DTYPES
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -73,6 +74,11 @@ def validate_hyperparams(
             raise ValueError(
                 f"lr as a tensor must have one real element, got shape {tuple(lr.shape)}"
             )
+        if lr.device.type == "meta":
+            raise ValueError(
+                "lr is a tensor on the meta device, which holds no value; pass a number or "
+                "a one-element tensor on the CPU or the params' device"
+            )
         lr_value = _real(float(lr.item()))
     else:
         lr_value = _real(lr)
@@ -92,12 +98,22 @@ def validate_hyperparams(
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
 
 
+UNSUPPORTED_GROUP_FLAGS = ("amsgrad", "maximize", "differentiable")
+"""torch AdamW options no rung keeps: a group may hold them only as False."""
+
+
 def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
-    """:func:`validate_hyperparams` on the values a param group sets; a key the group
-    leaves out takes the optimizer's default, which is checked where it is given.
+    """:func:`validate_hyperparams` on the values a param group sets, and its options:
+    ``seed`` and ``rounding`` (exactly ``"stochastic"`` or ``"nearest"``) where set,
+    ``decoupled_weight_decay`` and ``maximize`` bools, and :data:`UNSUPPORTED_GROUP_FLAGS`
+    only False. A key the group leaves out takes the
+    optimizer's default, which is checked where it is given.
+
+    Called wherever a group's values can come in: construction, ``add_param_group``,
+    checkpoint loads, and before every step (a group dict edited by hand).
 
     Raises:
-        ValueError: naming the hyperparameter, its value and the allowed range.
+        ValueError: naming the hyperparameter or option, its value and what is allowed.
     """
     validate_hyperparams(
         group.get("lr", 0.0),
@@ -105,18 +121,13 @@ def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
         group.get("eps", 0.0),
         group.get("weight_decay", 0.0),
     )
-
-
-def validate_group_options(group: Mapping[str, Any]) -> None:
-    """Check the options :class:`LadderAdamW` reads from a param group at each step:
-    ``seed`` and ``rounding`` (see :mod:`optladder.optimizers.rounding`),
-    ``decoupled_weight_decay`` and ``maximize`` (bools).
-
-    Raises:
-        ValueError: naming the option, its value and what is allowed.
-    """
-    check_seed(group.get("seed", 0))
-    check_rounding(group.get("rounding", "stochastic"))
+    for flag in UNSUPPORTED_GROUP_FLAGS:
+        if group.get(flag):
+            raise ValueError(f"{flag}={group[flag]!r} is not supported by optladder's rungs")
+    if "seed" in group:
+        check_seed(group["seed"])
+    if "rounding" in group:
+        check_rounding(group["rounding"])
     for flag in ("decoupled_weight_decay", "maximize"):
         if flag in group and not isinstance(group[flag], bool):
             raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
@@ -222,7 +233,9 @@ class LadderAdamW(torch.optim.Optimizer):
         """Add a param group, refusing params this optimizer cannot step.
 
         Raises:
-            ValueError: if a param is complex or not floating point.
+            ValueError: if a param's dtype is not one this optimizer steps exactly in
+                float32 math (:data:`optladder.rungs.FLOAT32_MATH_DTYPES`: float64 would be
+                rounded to float32 precision; complex and non-float dtypes are refused).
         """
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -233,8 +246,12 @@ class LadderAdamW(torch.optim.Optimizer):
                     "optladder's AdamW take real params only: use the fp32 rung "
                     "(rung='fp32') for complex params"
                 )
-            if not p.is_floating_point():
-                raise ValueError(f"param {i} of the new group has dtype {p.dtype}; need floating")
+            if str(p.dtype).removeprefix("torch.") not in FLOAT32_MATH_DTYPES:
+                raise ValueError(
+                    f"param {i} of the new group has dtype {p.dtype}; optladder's AdamW "
+                    f"computes in float32 and takes {', '.join(FLOAT32_MATH_DTYPES)} params "
+                    "(float64 params run on the fp32 rung's torch AdamW)"
+                )
         param_group["params"] = params
         super().add_param_group(param_group)
 
@@ -315,7 +332,7 @@ class LadderAdamW(torch.optim.Optimizer):
 
         for gi, group in enumerate(self.param_groups):
             try:
-                validate_group_options(group)
+                validate_group_hyperparams(group)
             except ValueError as exc:
                 raise ValueError(f"group {gi}: {exc}") from None
         plan: list[tuple[dict[str, Any], dict[str, list[tuple[torch.Tensor, int]]]]] = []

@@ -11,7 +11,7 @@ from optladder.optimizers.adamw import LadderAdamW
 from optladder.optimizers.eightbit import build_8bit
 from optladder.optimizers.fp32 import build_fp32
 from optladder.optimizers.rounding import Rounding
-from optladder.rungs import Capabilities, Rung
+from optladder.rungs import RUNG_ACCEPTS, Capabilities, Rung
 from optladder.sharding import is_dtensor
 
 ENGINE_KEYS = (
@@ -35,11 +35,10 @@ an engine that must not use it."""
 
 
 DTENSOR_UNSUPPORTED: dict[Rung, str] = {
-    "bf16": (
-        "the bf16 rung's AdamW (LadderAdamW) steps plain tensors only, not DTensor (FSDP2) params"
-    ),
+    rung: accepts.sharded_reason for rung, accepts in RUNG_ACCEPTS.items() if not accepts.sharded
 }
-"""Rungs whose engine cannot step DTensor params, and why. torch's AdamW (the fp32 rung
+"""Rungs whose engine cannot step DTensor params, and why (from
+:data:`optladder.rungs.RUNG_ACCEPTS`). torch's AdamW (the fp32 rung
 of float32 params) steps DTensors; the 8bit rung steps their local shards
 (:func:`optladder.optimizers.eightbit.ladder_adamw8bit_class`). The fp32 rung of
 bfloat16/float16 params runs LadderAdamW too and refuses DTensors at build time."""

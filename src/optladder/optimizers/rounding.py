@@ -73,12 +73,14 @@ def check_seed(seed: object) -> None:
 
 
 def check_rounding(rounding: object) -> None:
-    """Raise unless ``rounding`` is ``"stochastic"`` or ``"nearest"``.
+    """Raise unless ``rounding`` is exactly ``"stochastic"`` or ``"nearest"`` (a str,
+    case-sensitive: the engines compare with ``== "stochastic"``, so any other spelling
+    would silently mean round-to-nearest).
 
     Raises:
         ValueError: naming ``rounding``, its value and the allowed values.
     """
-    if rounding not in ("stochastic", "nearest"):
+    if not isinstance(rounding, str) or rounding not in ("stochastic", "nearest"):
         raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
 
 

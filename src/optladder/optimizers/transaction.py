@@ -132,6 +132,8 @@ def prepare_step(
                         engine.init_state(group, p, gi, pi)  # type: ignore[attr-defined]
                     else:
                         engine.state[p].update(_torch_adam_init(group, p))
+            if bnb and hasattr(engine, "prepare_contiguous"):
+                engine.prepare_contiguous()  # copies of non-contiguous params, see eightbit
     except BaseException:
         rollback_step(engine, created)
         raise
@@ -142,16 +144,25 @@ def rollback_step(engine: torch.optim.Optimizer, created: list[torch.Tensor]) ->
     """Drop the state :func:`prepare_step` created and any scratch it holds."""
     for p in created:
         engine.state.pop(p, None)
-    if isinstance(engine, LadderAdamW):
+    if hasattr(engine, "release_scratch"):  # LadderAdamW, the 8bit engine's copies
         engine.release_scratch()
 
 
 def commit_step(engine: torch.optim.Optimizer) -> None:
-    """Run the engine's step on the state :func:`prepare_step` allocated."""
+    """Run the engine's step on the state :func:`prepare_step` allocated.
+
+    The engine's ``step`` runs without the wrapper ``torch.optim.Optimizer`` puts around
+    every optimizer class's ``step`` (which runs the global step hooks of
+    ``torch.optim.optimizer.register_optimizer_step_pre_hook``/``_post_hook``): the
+    optladder optimizer's own ``step`` already ran them, and they must run once per step.
+    """
     if isinstance(engine, LadderAdamW):
         engine.commit_step()
     else:
-        engine.step()
+        step: Any = type(engine).step
+        if getattr(step, "hooked", False):  # torch's profile_hook_step: unwrap it once
+            step = step.__wrapped__
+        step(engine)
 
 
 @contextlib.contextmanager

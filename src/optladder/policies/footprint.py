@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from optladder.bnb_overrides import quantized_8bit
 from optladder.rungs import (
     BNB_BLOCKSIZE,
     BNB_MIN_8BIT_SIZE,
@@ -83,7 +84,12 @@ def fp32_moment_dtype(param_dtype: torch.dtype) -> torch.dtype:
 
 
 def rung_state_bytes(
-    rung: Rung, numel: int, dtype: torch.dtype, local_numel: int | None = None
+    rung: Rung,
+    numel: int,
+    dtype: torch.dtype,
+    local_numel: int | None = None,
+    *,
+    quantize: bool | None = None,
 ) -> int:
     """State bytes one param of ``numel`` elements and ``dtype`` needs on ``rung``.
 
@@ -96,6 +102,10 @@ def rung_state_bytes(
             default ``numel`` (an unsharded param). On the ``8bit`` rung each rank
             quantizes its own shard: one float32 absmax per started 256-element block
             of the shard.
+        quantize: ``8bit`` only: whether the param gets 8-bit codes; default
+            bitsandbytes' size rule (``numel >= 4096``). False for a param that a
+            bitsandbytes override keeps in 32 bits
+            (:func:`optladder.bnb_overrides.quantized_8bit`).
 
     Returns:
         Bytes of ``exp_avg`` plus ``exp_avg_sq`` held by this rank (``8bit``: codes plus
@@ -115,7 +125,7 @@ def rung_state_bytes(
         return 2 * local * fp32_moment_dtype(dtype).itemsize
     if rung == "bf16":
         return 2 * local * 2
-    if numel < BNB_MIN_8BIT_SIZE:
+    if not (numel >= BNB_MIN_8BIT_SIZE if quantize is None else quantize):
         return 2 * local * 4
     return 2 * local + 2 * 4 * math.ceil(local / BNB_BLOCKSIZE)
 
@@ -124,16 +134,21 @@ def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
     """Turn a module, an iterable of params, or param groups into param groups.
 
     Args:
-        model_or_params: a ``torch.nn.Module``, a tensor, an iterable of tensors, or an
-            iterable of dicts each with a ``"params"`` entry (other keys are kept).
+        model_or_params: a ``torch.nn.Module``, a tensor, an iterable of tensors or of
+            ``(name, tensor)`` pairs (``model.named_parameters()``), or an iterable of
+            dicts each with a ``"params"`` entry of either kind (other keys are kept).
 
     Returns:
         A new list of new dicts; each ``"params"`` is a list of the given tensors in
-        order (a module's ``parameters()`` already lists a tied weight once).
+        order (a module's ``parameters()`` already lists a tied weight once). Named
+        params give their group a ``"param_names"`` list, as ``torch.optim.Optimizer``
+        (2.6 and later) keeps it.
 
     Raises:
-        TypeError: if an element is neither a tensor nor a param group dict.
-        ValueError: if there are no params at all.
+        TypeError: if an element is neither a tensor, a ``(str, tensor)`` pair nor a
+            param group dict.
+        ValueError: if there are no params at all; if some params are named and others
+            not (torch's rule: all or none, over all groups).
     """
     if isinstance(model_or_params, torch.nn.Module):
         items: list[Any] = list(model_or_params.parameters())
@@ -158,9 +173,9 @@ def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
                 raise ValueError(f"param group {i} has no 'params' key")
             params = g["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
-            groups.append({**g, "params": params})
-    elif all(isinstance(x, torch.Tensor) for x in items):
-        groups = [{"params": items}]
+            groups.append(_split_names({**g, "params": params}, f"param group {i}"))
+    elif all(isinstance(x, torch.Tensor) or _is_named(x) for x in items):
+        groups = [_split_names({"params": items}, "model_or_params")]
     else:
         bad = next((x for x in items if not isinstance(x, (torch.Tensor, Mapping))), None)
         found = "both" if bad is None else f"a {type(bad).__name__}"
@@ -171,7 +186,43 @@ def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
         for pi, p in enumerate(g["params"]):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"param {pi} of group {gi} is a {type(p).__name__}, not a tensor")
+    named = ["param_names" in g for g in groups]
+    if any(named) and not all(named):
+        raise ValueError(
+            f"param groups {[i for i, n in enumerate(named) if n]} name their params and "
+            f"groups {[i for i, n in enumerate(named) if not n]} do not; torch's optimizers "
+            "take named params in every group or in none"
+        )
     return groups
+
+
+def _is_named(x: object) -> bool:
+    """Whether ``x`` is a ``(name, tensor)`` pair, as ``named_parameters()`` yields."""
+    return (
+        isinstance(x, tuple)
+        and len(x) == 2
+        and isinstance(x[0], str)
+        and isinstance(x[1], torch.Tensor)
+    )
+
+
+def _split_names(group: dict[str, Any], where: str) -> dict[str, Any]:
+    """``group`` with ``(name, tensor)`` pairs in ``"params"`` split into tensors and a
+    ``"param_names"`` list (torch's ``add_param_group`` does the same).
+
+    Raises:
+        ValueError: if only some of the params are named.
+    """
+    params = group["params"]
+    named = [_is_named(p) for p in params]
+    if not any(named):
+        return group
+    if not all(named):
+        raise ValueError(
+            f"{where}: params {[i for i, n in enumerate(named) if not n][:5]} have no name "
+            "while others are (name, tensor) pairs; name all of them or none"
+        )
+    return {**group, "params": [p for _, p in params], "param_names": [n for n, _ in params]}
 
 
 def storage_key(p: torch.Tensor) -> tuple[Any, ...] | None:
@@ -226,12 +277,16 @@ def trainable_params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
 
 def _state_bytes(params: list[torch.Tensor], rung: Rung) -> int:
     """State bytes ``params`` need on ``rung`` in one engine (its code books included)."""
-    total = sum(rung_state_bytes(rung, p.numel(), p.dtype, local_numel(p)) for p in params)
-    if rung == "8bit":
-        total += BNB_QMAP_BYTES * len(
-            {str(p.device) for p in params if p.numel() >= BNB_MIN_8BIT_SIZE}
-        )
-    return total
+    if rung != "8bit":
+        return sum(rung_state_bytes(rung, p.numel(), p.dtype, local_numel(p)) for p in params)
+    total = 0
+    devices = set()
+    for i, p in enumerate(params):
+        quantize = quantized_8bit(p, f"trainable param {i}")
+        total += rung_state_bytes(rung, p.numel(), p.dtype, local_numel(p), quantize=quantize)
+        if quantize:
+            devices.add(str(p.device))
+    return total + BNB_QMAP_BYTES * len(devices)
 
 
 def measure_footprint(model_or_params: object) -> Footprint:
@@ -241,7 +296,9 @@ def measure_footprint(model_or_params: object) -> Footprint:
     read. The ``8bit`` estimate follows bitsandbytes' own rule (``min_8bit_size`` 4096:
     smaller tensors keep two float32 moments; larger ones keep uint8 codes plus one
     float32 absmax per 256-element block, per moment; plus 2,048 bytes of code books per
-    device) and equals what ``bitsandbytes.optim.AdamW8bit`` allocates.
+    device) and its per-param overrides (``bnb.nn.StableEmbedding``,
+    ``GlobalOptimManager.override_config(p, "optim_bits", 32)``: two float32 moments),
+    and equals what ``bitsandbytes.optim.AdamW8bit`` allocates.
 
     A param group that pins its rung (``{"params": ..., "rung": "fp32"}``, see
     :func:`optladder.rungs.group_pin`) is counted on that rung for every rung's
@@ -262,8 +319,9 @@ def measure_footprint(model_or_params: object) -> Footprint:
 
     Raises:
         TypeError: if the input is not a module, params, or param groups.
-        ValueError: if no param has ``requires_grad=True``, or a group pins something
-            that is not a rung.
+        ValueError: if no param has ``requires_grad=True``, a group pins something
+            that is not a rung, or a bitsandbytes override sets ``optim_bits`` to
+            anything but 8 or 32.
     """
     groups = normalize_param_groups(model_or_params)
     params = trainable_params(groups)

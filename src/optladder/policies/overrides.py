@@ -9,21 +9,33 @@ Variables (read when :func:`read_overrides` is called, never at import):
 
 Booleans accept ``1/0/true/false/on/off`` in any case. The ``rung=`` argument beats every
 variable. The style follows the seed design's ``AIDOTNET_BF16_ADAM`` switch.
+
+Names are case-sensitive. Any other name that starts with ``OPTLADDER_`` in any case
+(``OPTLADDER_8BIT=1``, ``optladder_rung=bf16``) is ignored with an
+:class:`optladder.OptladderWarning` naming the closest known variable
+(:func:`unknown_variables`), so a typo is not silently a no-op.
 """
 
 from __future__ import annotations
 
+import difflib
+import os
+import warnings
 from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from optladder.errors import OptladderWarning, user_stacklevel
 from optladder.rungs import Rung, parse_rung
 
 ENV_BF16 = "OPTLADDER_BF16_ADAM"
 ENV_8BIT = "OPTLADDER_8BIT_ADAM"
 ENV_RUNG = "OPTLADDER_RUNG"
+KNOWN_VARIABLES = (ENV_BF16, ENV_8BIT, ENV_RUNG)
+"""Every environment variable optladder reads (case-sensitive)."""
+_PREFIX = "OPTLADDER_"
 _TRUE = ("1", "true", "on")
 _FALSE = ("0", "false", "off")
 _BOOL_VALUES = "1, 0, true, false, on, off (any case)"
@@ -83,6 +95,44 @@ def _parse_switch(name: str, value: object) -> bool | None:
     raise OverrideError(f"{name}={value!r} is not understood; accepted values: {_BOOL_VALUES}")
 
 
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The ``OPTLADDER_*`` names in ``environ`` that optladder does not read.
+
+    A name counts when it starts with ``OPTLADDER_`` in any case and is not exactly one
+    of :data:`KNOWN_VARIABLES`; so ``optladder_rung`` (the right name in the wrong case)
+    is unknown too.
+
+    Args:
+        environ: the environment, e.g. ``os.environ``.
+
+    Returns:
+        ``(name, closest)`` pairs in ``environ``'s order: ``closest`` is the known
+        variable nearest to ``name.upper()`` by :func:`difflib.SequenceMatcher`'s ratio
+        (the one :func:`difflib.get_close_matches` ranks first).
+    """
+    found = []
+    for name in environ:
+        if name in KNOWN_VARIABLES or not name.upper().startswith(_PREFIX):
+            continue
+        closest = difflib.get_close_matches(name.upper(), KNOWN_VARIABLES, n=1, cutoff=0.0)
+        found.append((name, closest[0]))
+    return found
+
+
+def _warn_unknown(environ: Mapping[str, str]) -> None:
+    for name, closest in unknown_variables(environ):
+        if name.upper() == closest:
+            hint = f"names are case-sensitive: did you mean {closest}?"
+        else:
+            hint = f"did you mean {closest}?"
+        warnings.warn(
+            f"{name}={environ[name]!r} is not an optladder variable and is ignored; {hint} "
+            f"(optladder reads {', '.join(KNOWN_VARIABLES)})",
+            OptladderWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
 def read_overrides(rung: str | None = None, environ: Mapping[str, str] | None = None) -> Overrides:
     """Read the overrides from the ``rung=`` argument and the environment.
 
@@ -95,11 +145,16 @@ def read_overrides(rung: str | None = None, environ: Mapping[str, str] | None = 
     Returns:
         The :class:`Overrides`.
 
+    Warns:
+        OptladderWarning: once per ``OPTLADDER_*`` name (any case) that is not one of
+            :data:`KNOWN_VARIABLES`, naming the closest known one; it is ignored.
+
     Raises:
         OverrideError: for an unknown value (naming the variable, its value and the
             accepted values) or a contradiction (both ``=1``; ``OPTLADDER_RUNG`` naming
             a rung that a ``=1`` or ``=0`` variable contradicts).
     """
+    _warn_unknown(os.environ if environ is None else environ)
     if environ is None:
         raw = _EnvVars()
         bf16_raw, eight_raw, rung_raw = raw.BF16_ADAM, raw.eight_bit_adam, raw.RUNG

@@ -2,8 +2,9 @@
 and the OOM ladder."""
 
 from optladder.oom import describe_error, is_oom
+from optladder.selector.adamw import AdamW, choose_optimizer
 from optladder.selector.adopt import adopt
-from optladder.selector.choose import InsufficientMemoryError, OptladderWarning, choose_optimizer
+from optladder.selector.choose import InsufficientMemoryError, OptladderWarning
 from optladder.selector.ladder import Ladder
 from optladder.selector.optimizer import (
     ORIGIN_KEY,
@@ -19,6 +20,7 @@ __all__ = [
     "ORIGIN_KEY",
     "REASON_KEY",
     "RUNG_KEY",
+    "AdamW",
     "Escalation",
     "InsufficientMemoryError",
     "Ladder",

@@ -8,7 +8,7 @@ import torch
 
 from optladder.optimizers.build import ENGINE_KEYS
 from optladder.optimizers.spec import to_fused_config
-from optladder.selector.choose import choose_optimizer
+from optladder.selector.adamw import choose_optimizer
 from optladder.selector.optimizer import LadderOptimizer
 
 

@@ -9,25 +9,33 @@ from typing import Any
 import torch
 
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
-from optladder.optimizers.eightbit import check_8bit_param
-from optladder.optimizers.rounding import check_rounding, check_seed
+from optladder.optimizers.eightbit import steps_noncontiguous
+from optladder.optimizers.migrate import foreign_group_reason
 from optladder.policies.decision import Decision, allowed_rungs
-from optladder.policies.footprint import storage_key
-from optladder.rungs import Rung, group_pin
+from optladder.policies.footprint import normalize_param_groups
+from optladder.rungs import (
+    FLOAT32_MATH_DTYPES,
+    FP32_WIDE_DTYPES,
+    PARAM_DTYPES,
+    Rung,
+    group_pin,
+    param_refusal,
+)
+from optladder.selector.overlap import first_shared_memory, self_overlaps
+from optladder.sharding import is_dtensor, local_tensor
 
 
 def check_group_options(group: Mapping[str, Any]) -> None:
     """Refuse per-group options that no rung keeps (instead of silently dropping them),
-    and an out-of-range bf16 seed or rounding mode.
+    and an out-of-range bf16 seed or a rounding mode other than exactly ``"stochastic"``
+    or ``"nearest"``; see
+    :func:`optladder.optimizers.adamw.validate_group_hyperparams`, which also runs
+    before every step.
 
     Raises:
         ValueError: naming the option, its value and what is allowed.
     """
-    for flag in ("amsgrad", "maximize", "differentiable"):
-        if group.get(flag):
-            raise ValueError(f"{flag}=True is not supported by optladder's rungs")
-    check_seed(group.get("seed", 0))
-    check_rounding(group.get("rounding", "stochastic"))
+    validate_group_hyperparams(group)
 
 
 def check_max_retries(max_retries: object) -> None:
@@ -40,12 +48,67 @@ def check_max_retries(max_retries: object) -> None:
         raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
 
 
+def check_param_collections(model_or_params: object) -> None:
+    """Refuse params given in a ``set`` (torch refuses them too: a set has no order, so
+    param order, and with it checkpoints, would change between runs).
+
+    Raises:
+        TypeError: naming where the set was found.
+    """
+    advice = "a set has no order, so checkpoints would not match between runs; pass a list"
+    if isinstance(model_or_params, set | frozenset):
+        raise TypeError(f"model_or_params is a set; {advice}")
+    if isinstance(model_or_params, list | tuple):
+        for gi, group in enumerate(model_or_params):
+            if isinstance(group, Mapping) and isinstance(group.get("params"), set | frozenset):
+                raise TypeError(f"param group {gi}['params'] is a set; {advice}")
+
+
+def check_new_group(param_group: object) -> dict[str, Any]:
+    """Check the argument of ``add_param_group`` as torch does, and return a new group
+    dict whose ``"params"`` is a list of tensors.
+
+    ``(name, param)`` pairs (``named_parameters()``) become ``"params"`` and
+    ``"param_names"``, as torch keeps them.
+
+    Raises:
+        TypeError: ``param_group`` is not a dict, or its ``"params"`` is a set.
+        ValueError: ``"params"`` is missing, empty, or holds something other than tensors.
+    """
+    if not isinstance(param_group, Mapping):
+        raise TypeError(
+            f"param_group must be a dict with a 'params' entry (as torch's add_param_group "
+            f"takes), got {type(param_group).__name__}; wrap it: {{'params': [...]}}"
+        )
+    group = dict(param_group)
+    params = group.get("params")
+    if isinstance(params, set | frozenset):
+        raise TypeError(
+            "param_group['params'] is a set; a set has no order, so checkpoints would not "
+            "match between runs; pass a list"
+        )
+    params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+    group["params"] = params
+    if any(isinstance(p, tuple) for p in params):  # (name, param) pairs, as torch takes
+        group = normalize_param_groups([group])[0]
+        params = group["params"]
+    if not params or not all(isinstance(p, torch.Tensor) for p in params):
+        raise ValueError("param_group['params'] must be a non-empty list of tensors")
+    return group
+
+
+def _dtype_name(p: torch.Tensor) -> str:
+    return str(p.dtype).removeprefix("torch.")
+
+
 def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> None:
     """Refuse what the rungs would silently get wrong: per-group options no rung keeps,
     out-of-range per-group hyperparameters, a pinned ``"rung"`` that is not a rung, a
-    param listed twice or two params over the same memory (each would be stepped twice),
-    expanded views (stride 0), non-leaf tensors and params that are not floating point
-    or complex.
+    param listed twice or params that share memory (each would be stepped, so shared
+    elements get more than one update: the same view, overlapping slices of one buffer,
+    a tensor beside a reshaped view of it), expanded views (stride 0) and other views
+    whose elements overlap, sparse params, non-leaf tensors and params of a dtype no rung
+    steps (:data:`optladder.rungs.PARAM_DTYPES`: float8 and integer dtypes are refused).
 
     Args:
         groups: all param groups (for ``add_param_group``: the live ones plus the new).
@@ -55,7 +118,7 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
         ValueError: naming the group or param, what was found and what is allowed.
     """
     seen: dict[int, str] = {}
-    storage: dict[tuple[Any, ...], str] = {}
+    named: list[tuple[torch.Tensor, str]] = []
     for gi, group in enumerate(groups):
         if group.get("decoupled_weight_decay", decoupled_weight_decay) != decoupled_weight_decay:
             raise ValueError(
@@ -66,7 +129,6 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
         group_pin(group, f"param group {gi}")
         try:
             check_group_options(group)
-            validate_group_hyperparams(group)
         except ValueError as exc:
             raise ValueError(f"param group {gi}: {exc}") from None
         for pi, p in enumerate(group["params"]):
@@ -74,29 +136,99 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
             if id(p) in seen:
                 raise ValueError(f"{where} is the same tensor as {seen[id(p)]}; list it once")
             seen[id(p)] = where
+            if p.layout != torch.strided:
+                raise ValueError(
+                    f"{where} is a sparse tensor (layout {p.layout}); the rungs step dense "
+                    "params (torch.strided): optimize a dense tensor (.to_dense())"
+                )
             if not (p.is_leaf or p.retains_grad):  # torch.optim's own rule
                 raise ValueError(
                     f"{where} is not a leaf tensor (it is computed from others); optimize leaf "
                     "params such as nn.Parameter"
                 )
-            if not (p.is_floating_point() or p.is_complex()):
+            if _dtype_name(p) not in PARAM_DTYPES:
                 raise ValueError(
-                    f"{where} has dtype {p.dtype}; the rungs step floating-point params "
-                    "(complex ones on fp32)"
+                    f"{where} has dtype {p.dtype}; the rungs step {', '.join(PARAM_DTYPES)} "
+                    "params (float64 and complex ones on fp32 only)"
                 )
             if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
                 raise ValueError(
                     f"{where} is an expanded view (a stride of 0): its elements share memory. "
                     "Optimize a real tensor (.contiguous())"
                 )
-            key = storage_key(p) if p.numel() > 0 else None  # empty tensors share no memory
-            if key is not None:
-                if key in storage:
-                    raise ValueError(
-                        f"{where} views the same memory as {storage[key]}; each would be "
-                        "stepped; optimize one of them"
-                    )
-                storage[key] = where
+            if self_overlaps(local_tensor(p)):
+                raise ValueError(
+                    f"{where} is a view whose elements overlap in memory (shape "
+                    f"{tuple(p.shape)}, stride {p.stride()}); optimize a real tensor "
+                    "(.contiguous())"
+                )
+            named.append((p, where))
+    clash = first_shared_memory(named)
+    if clash is not None:
+        raise ValueError(clash)
+
+
+def decoupled_mode(engine: torch.optim.Optimizer) -> bool:
+    """Whether ``engine`` decays the AdamW way (decoupled) rather than Adam's (coupled).
+
+    torch's Adam/AdamW and :class:`LadderAdamW` keep it in their defaults; the 8bit
+    engine keeps Adam mode as ``coupled_weight_decay`` (bitsandbytes itself only decays
+    the AdamW way).
+    """
+    if hasattr(engine, "coupled_weight_decay"):
+        return not engine.coupled_weight_decay
+    return bool(engine.defaults.get("decoupled_weight_decay", True))
+
+
+def check_checkpoint_groups(
+    groups: list[Any], decoupled_weight_decay: bool, *, need_params: bool = True
+) -> None:
+    """Check a checkpoint's param groups before anything moves or loads: dicts with a
+    ``"params"`` list, hyperparameters and options in range (``rounding`` exactly), a
+    ``"rung"``/``"rung_origin"`` that is a rung/an origin, groups that another optimizer
+    wrote (:func:`optladder.optimizers.migrate.foreign_group_reason`), and weight decay of
+    the other mode: a coupled-decay checkpoint (torch ``Adam``, ``decoupled_weight_decay``
+    False) with ``weight_decay > 0`` into a decoupled-decay optimizer (AdamW), or the
+    reverse, which construction refuses too (with ``weight_decay == 0`` the two are the
+    same update).
+
+    Args:
+        groups: the checkpoint's ``state_dict()["param_groups"]``.
+        decoupled_weight_decay: the live optimizer's mode.
+        need_params: whether each group must hold its ``"params"`` list (not for
+            :meth:`LadderOptimizer.follow_checkpoint`, which reads the rung entries only).
+
+    Raises:
+        ValueError: ``"param group {i} of the state_dict: ..."``, naming the key, its
+            value and what is allowed.
+    """
+    for gi, saved in enumerate(groups):
+        where = f"param group {gi} of the state_dict"
+        if not isinstance(saved, dict):
+            raise ValueError(f"{where} must be a dict, got {type(saved).__name__}")
+        if need_params and not isinstance(saved.get("params"), list):
+            raise ValueError(f"{where} has no 'params' list")
+        try:
+            validate_group_hyperparams(saved)
+            group_pin(saved, "its")
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        foreign = foreign_group_reason(saved)
+        if foreign is not None:
+            raise ValueError(f"{where}: {foreign}")
+        mode = saved.get("decoupled_weight_decay", decoupled_weight_decay)
+        if not isinstance(mode, bool):
+            raise ValueError(
+                f"{where}: 'decoupled_weight_decay' must be True or False, got {mode!r}"
+            )
+        if mode != decoupled_weight_decay and saved.get("weight_decay", 0.0):
+            saved_kind, live_kind = ("AdamW", "Adam") if mode else ("Adam", "AdamW")
+            raise ValueError(
+                f"{where} decays the {saved_kind} way (decoupled_weight_decay={mode}, "
+                f"weight_decay={saved['weight_decay']!r}) but this optimizer decays the "
+                f"{live_kind} way; build it with decoupled_weight_decay={mode} to load "
+                "this checkpoint"
+            )
 
 
 def check_pins(groups: list[dict[str, Any]], decision: Decision) -> None:
@@ -136,12 +268,16 @@ def check_params_for_rung(
     engine: torch.optim.Optimizer | None,
     group: str = "the new group",
 ) -> None:
-    """Refuse params ``rung``'s engine cannot step correctly.
+    """Refuse params ``rung``'s engine cannot step exactly.
 
-    Complex params run on the fp32 rung only; the 8-bit rung takes float32, bfloat16 and
-    float16; torch's AdamW (the fp32 rung of float32 params) would keep bfloat16/float16
-    params' moments in their own dtype and has no fused kernel for complex params, and
-    optladder's AdamW (the fp32 rung of bfloat16/float16 params) takes real params only.
+    The rung's own rules come from :data:`optladder.rungs.RUNG_ACCEPTS` (float64 and
+    complex params on fp32 only; DTensor params not on bf16). The engine's: torch's
+    AdamW (the fp32 rung of float32/float64 params) would keep bfloat16/float16 params'
+    moments in their own dtype and has no fused kernel for complex params; optladder's
+    AdamW (the fp32 rung of bfloat16/float16 params) computes in float32, so it takes
+    no float64 or complex params; bitsandbytes' plain ``AdamW8bit`` would move a
+    non-contiguous param to new storage (an 8bit engine built over such params steps
+    them through a contiguous copy instead).
 
     Args:
         params: the params of one group.
@@ -154,18 +290,20 @@ def check_params_for_rung(
         ValueError: naming the param, its dtype and what is allowed.
     """
     for pi, p in enumerate(params):
-        where = f"param {pi} of {group} ({p.dtype})"
-        if rung == "8bit":
-            check_8bit_param(p, f"param {pi} of {group}")
-        if p.is_complex() and rung != "fp32":
-            raise ValueError(f"{where}: the {rung} rung takes real params only")
+        name = f"param {pi} of {group}"
+        where = f"{name} ({p.dtype})"
+        refusal = param_refusal(rung, _dtype_name(p), sharded=is_dtensor(p))
+        if refusal is not None:
+            kind = f"is complex ({p.dtype})" if p.is_complex() else f"has dtype {p.dtype}"
+            raise ValueError(f"{name} {kind}; {refusal}")
         if engine is None:
             continue
-        if p.is_complex() and isinstance(engine, LadderAdamW):
+        if isinstance(engine, LadderAdamW) and _dtype_name(p) in FP32_WIDE_DTYPES:
             raise ValueError(
-                f"{where}: this fp32 rung runs optladder's AdamW (float32 moments for "
-                "bfloat16/float16 params), which takes real params only; create the optimizer "
-                "with the complex params among its params instead"
+                f"{where}: this fp32 rung runs optladder's AdamW (float32 moments and math "
+                f"for bfloat16/float16 params), which takes {', '.join(FLOAT32_MATH_DTYPES)} "
+                "params; put these params in a param group that pins the fp32 rung "
+                "({'params': ..., 'rung': 'fp32'}), or create the optimizer with them"
             )
         torch_engine = rung == "fp32" and not isinstance(engine, LadderAdamW)
         if torch_engine and p.dtype in (torch.bfloat16, torch.float16):
@@ -176,3 +314,15 @@ def check_params_for_rung(
             )
         if torch_engine and p.is_complex() and engine.defaults.get("fused"):
             raise ValueError(f"{where}: torch's fused AdamW has no kernel for complex params")
+        if rung == "8bit" and not steps_noncontiguous(engine) and not _contiguous(p):
+            raise ValueError(
+                f"{where} is not contiguous (stride {p.stride()}), and this optimizer's 8bit "
+                "engine (bitsandbytes' AdamW8bit) would move it to new storage, untying "
+                "the tensors that view it; create the optimizer with this param among its "
+                "params (its 8bit engine then steps a contiguous copy in place), or add "
+                "a contiguous param"
+            )
+
+
+def _contiguous(p: torch.Tensor) -> bool:
+    return local_tensor(p).is_contiguous()

@@ -1,14 +1,16 @@
-"""``choose_optimizer``: probe once, decide, build the rung, return one optimizer object."""
+"""Probe once, decide, build the rung's engine: what :class:`optladder.AdamW` runs at
+construction."""
 
 from __future__ import annotations
 
 import logging
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from optladder.errors import OptladderWarning  # re-exported: defined below policies
 from optladder.optimizers import build_engine, probe_capabilities, validate_hyperparams
 from optladder.optimizers.build import without_dtensor_unsupported
 from optladder.optimizers.rounding import Rounding, check_rounding, check_seed
@@ -23,14 +25,16 @@ from optladder.policies import (
     read_overrides,
     trainable_params,
 )
+from optladder.policies.decision import allowed_rungs
 from optladder.rungs import RUNGS, Rung, group_pin
 from optladder.selector.checks import (
     check_groups,
     check_max_retries,
+    check_param_collections,
     check_params_for_rung,
     check_pins,
 )
-from optladder.selector.optimizer import Escalation, LadderOptimizer
+from optladder.selector.optimizer import EngineBuilder, Escalation
 from optladder.units import format_bytes, parse_bytes
 
 logger = logging.getLogger("optladder")
@@ -51,18 +55,16 @@ class InsufficientMemoryError(RuntimeError):
         self.needed_bytes = decision.state_bytes[decision.rung]
         self.free_bytes = decision.free_memory
         self.budget_bytes = decision.budget_bytes
+        _, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
+        skipped = "".join(f" Not allowed: {why}." for why in excluded.values())
         super().__init__(
             f"optimizer state does not fit: the cheapest allowed rung ({decision.rung}) needs "
             f"{self.needed_bytes:,} bytes ({format_bytes(self.needed_bytes)}), but only "
             f"{self.budget_bytes:,} bytes may be used "
-            f"({decision.policy.memory_fraction:.0%} of {self.free_bytes:,} bytes free). "
+            f"({decision.policy.memory_fraction:.0%} of {self.free_bytes:,} bytes free).{skipped} "
             "Pass strict=False to build it anyway, raise Policy(memory_fraction=...), or "
             "free memory."
         )
-
-
-class OptladderWarning(UserWarning):
-    """A choice optladder made that the user should know about."""
 
 
 def _target_device(
@@ -82,7 +84,23 @@ def _target_device(
     return torch.device(devices[0])
 
 
-def choose_optimizer(
+class Built(NamedTuple):
+    """What :func:`decide_and_build` returns.
+
+    Attributes:
+        engine: the optimizer of the groups that follow the decision.
+        decision: the :class:`optladder.Decision`.
+        rebuild: builds a rung's engine over given groups (for escalations and pins).
+        groups: every param group, in the user's order (plain dicts).
+    """
+
+    engine: torch.optim.Optimizer
+    decision: Decision
+    rebuild: EngineBuilder
+    groups: list[dict[str, Any]]
+
+
+def decide_and_build(
     model_or_params: object,
     *,
     lr: float | torch.Tensor = 1e-3,
@@ -100,8 +118,10 @@ def choose_optimizer(
     max_retries: int = 2,
     on_escalate: Callable[[Escalation], None] | None = None,
     decoupled_weight_decay: bool = True,
-) -> LadderOptimizer:
-    """Choose a rung for the model's optimizer state and build an AdamW on it.
+    stacklevel: int = 2,
+) -> Built:
+    """Choose a rung for the model's optimizer state and build its engine (the work of
+    :class:`optladder.AdamW`'s constructor; see there for the user's view).
 
     Reads the trainable params' footprint and the device's free memory (probed once
     unless given), reads the overrides (``rung=`` beats ``OPTLADDER_RUNG``,
@@ -134,6 +154,7 @@ def choose_optimizer(
         on_escalate: called with each :class:`Escalation` when the ladder moves down.
         decoupled_weight_decay: True (default) for AdamW; False for Adam's coupled decay
             (``grad += weight_decay * param``), kept on every rung.
+        stacklevel: of the warning given when ``strict=False`` builds past the gate.
 
     Under ``torch.distributed`` every rank reaches the same decision: free memory is the
     minimum over ranks, each rung's state bytes the maximum over ranks, and rank 0's
@@ -143,7 +164,7 @@ def choose_optimizer(
     :data:`optladder.optimizers.build.DTENSOR_UNSUPPORTED`) are skipped for such models.
 
     Returns:
-        A :class:`LadderOptimizer`; ``.decision`` holds the :class:`optladder.Decision`.
+        The :class:`Built` engine, decision, rebuild function and param groups.
 
     Raises:
         ValueError: bad hyperparameters (per group too), ``free_memory``, ``rung``,
@@ -152,8 +173,9 @@ def choose_optimizer(
             trainable params; a rung that cannot take the params; a group pinning a
             disabled or unavailable rung, or pins that leave no trainable param to follow
             the decision.
-        TypeError: ``policy``, ``environ``, ``on_escalate`` or ``decoupled_weight_decay``
-            of the wrong type.
+        TypeError: ``policy``, ``environ``, ``on_escalate``, ``strict`` or
+            ``decoupled_weight_decay`` of the wrong type (``strict`` and
+            ``decoupled_weight_decay`` take a bool only); params given in a set.
         optladder.OverrideError: an unknown or contradictory override variable.
         InsufficientMemoryError: ``strict=True`` and no allowed rung passes the gate.
         ImportError: the 8bit rung without bitsandbytes.
@@ -161,11 +183,17 @@ def choose_optimizer(
     validate_hyperparams(lr, betas, eps, weight_decay)
     check_seed(seed)
     check_rounding(rounding)
-    _check_options(policy, environ, max_retries, on_escalate, decoupled_weight_decay)
+    _check_options(policy, environ, max_retries, on_escalate, decoupled_weight_decay, strict)
+    check_param_collections(model_or_params)
     groups = normalize_param_groups(model_or_params)
     check_groups(groups, decoupled_weight_decay)
     footprint = measure_footprint(groups)
     overrides = read_overrides(rung, environ)
+    asked = overrides.pinned or overrides.forced
+    if asked is not None:  # name the first param the asked rung cannot take
+        for gi, g in enumerate(groups):
+            if group_pin(g, f"param group {gi}") is None:
+                check_params_for_rung(g["params"], asked, None, f"group {gi}")
     target = _target_device(groups, device)
     if free_memory is None:
         probe = probe_free_memory(target)
@@ -192,7 +220,7 @@ def choose_optimizer(
             f"optladder: {decision.rung} state ({needed}) exceeds the memory gate "
             f"({format_bytes(decision.budget_bytes)}); building it anyway",
             OptladderWarning,
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
     hyper: dict[str, Any] = {
         "lr": lr,
@@ -216,14 +244,7 @@ def choose_optimizer(
             following.append(g)
     engine = rebuild(decision.rung, following, capabilities.fused[decision.rung])
     logger.info("optladder decision: %s", decision.summary())
-    return LadderOptimizer(
-        engine,
-        decision,
-        rebuild,
-        param_groups=groups,
-        max_retries=max_retries,
-        on_escalate=on_escalate,
-    )
+    return Built(engine, decision, rebuild, groups)
 
 
 def _check_options(
@@ -232,8 +253,14 @@ def _check_options(
     max_retries: object,
     on_escalate: object,
     decoupled_weight_decay: object,
+    strict: object = True,
 ) -> None:
     """Type checks of choose_optimizer's options, each naming the argument."""
+    if not isinstance(strict, bool):
+        raise TypeError(
+            f"strict must be True (raise when nothing fits) or False (build the cheapest "
+            f"allowed rung and warn), got {strict!r}"
+        )
     if policy is not None and not isinstance(policy, Policy):
         raise TypeError(f"policy must be an optladder.Policy, got {type(policy).__name__}")
     if environ is not None and not isinstance(environ, Mapping):

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from optladder.errors import OptladderWarning, user_stacklevel
 from optladder.oom import describe_error, is_oom
-from optladder.optimizers.adamw import unscale_grads_, validate_group_hyperparams
+from optladder.optimizers.adamw import unscale_grads_
 from optladder.optimizers.build import ENGINE_KEYS, dtype_names
 from optladder.optimizers.capabilities import probe_capabilities
+from optladder.optimizers.checkpoint import from_checkpoint_form, to_checkpoint_form, zero_state
 from optladder.optimizers.migrate import (
+    BNB_WRAPPED_KEY,
     check_param_state,
     check_step_range,
     convert_param_state,
@@ -49,11 +52,13 @@ from optladder.rungs import (
     group_pin,
 )
 from optladder.selector.checks import (
-    check_group_options,
+    check_checkpoint_groups,
     check_groups,
     check_max_retries,
+    check_new_group,
     check_params_for_rung,
     check_pins,
+    decoupled_mode,
 )
 from optladder.units import format_bytes
 
@@ -182,6 +187,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         max_retries: escalations allowed within one ``step()`` call, ``>= 0``.
         on_escalate: called with each :class:`Escalation`, after the move and before the
             retry.
+        defaults: the optimizer's ``defaults`` (torch's meaning: what ``add_param_group``
+            fills in), fixed here for the whole run whatever rung the state moves to;
+            default a copy of ``engine.defaults``.
 
     Raises:
         ValueError: if ``param_groups`` lacks a group of ``engine``, or holds a group
@@ -194,14 +202,40 @@ class LadderOptimizer(torch.optim.Optimizer):
         engine: their optimizer.
         pinned_engines: per pinned rung, the optimizer of the groups that pin it.
         escalations: the moves made so far.
-        last_step_skipped: whether the last ``step()`` was skipped by
-            ``torch.amp.GradScaler`` for an inf/NaN grad (keep an LR scheduler in step
-            with ``if not opt.last_step_skipped: scheduler.step()``).
+        last_step_skipped: whether the last ``torch.amp.GradScaler.step(opt)`` skipped
+            the step for an inf/NaN grad (keep an LR scheduler in step with
+            ``if not opt.last_step_skipped: scheduler.step()``).
     """
 
-    _step_supports_amp_scaling = True
-    """torch.amp.GradScaler hands ``grad_scale``/``found_inf`` to :meth:`step` instead of
-    stepping only when no grad overflowed, so the optimizer knows a step was skipped."""
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """False: ``torch.amp.GradScaler`` unscales and checks the grads itself and calls
+        :meth:`step` only when every grad is finite, as for torch's foreach AdamW.
+
+        So a skipped step is visible to whatever watches ``step()`` being called:
+        accelerate's ``AcceleratedOptimizer.step_was_skipped`` (and with it the Hugging
+        Face Trainer's scheduler), and torch's LR-scheduler order check; and Lightning
+        clips AMP grads (it refuses to for optimizers that unscale in ``step()``). The
+        fused alternative (True, as torch's fused AdamW) runs ``step()`` on an overflow
+        too, which those wrappers count as a step (huggingface/accelerate#4242).
+
+        ``GradScaler.step`` reads this attribute once, before it decides whether to
+        step; the read records that a scaler step began, and :attr:`last_step_skipped`
+        is True until :meth:`step` runs.
+        """
+        self._scaler_step_began = True
+        return False
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``GradScaler.step(opt)`` skipped the step (an inf/NaN grad),
+        or the last :meth:`step` was handed a nonzero ``found_inf``."""
+        return self._skipped or self._scaler_step_began
+
+    @last_step_skipped.setter
+    def last_step_skipped(self, value: bool) -> None:
+        self._skipped = bool(value)
+        self._scaler_step_began = False
 
     def __init__(
         self,
@@ -212,6 +246,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         param_groups: Sequence[dict[str, Any]] | None = None,
         max_retries: int = 2,
         on_escalate: Callable[[Escalation], None] | None = None,
+        defaults: Mapping[str, Any] | None = None,
     ) -> None:
         check_max_retries(max_retries)
         self._engine: torch.optim.Optimizer | None = None
@@ -243,6 +278,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 pinned.setdefault(pin, []).append((gi, group))
         self._mark_groups(engine.param_groups, decision)
         super().__init__(engine.param_groups, engine.defaults)
+        self.defaults = dict(engine.defaults if defaults is None else defaults)
         self.param_groups = order
         self.state = engine.state
         self._attach(engine)
@@ -312,7 +348,6 @@ class LadderOptimizer(torch.optim.Optimizer):
     def _attach(self, engine: torch.optim.Optimizer) -> None:
         self._engine = engine
         self._share_state(engine)
-        self.defaults = engine.defaults
 
     @staticmethod
     def _mark_groups(groups: list[dict[str, Any]], decision: Decision) -> None:
@@ -364,12 +399,14 @@ class LadderOptimizer(torch.optim.Optimizer):
         if self._engine is None:  # called by torch.optim.Optimizer.__init__
             super().add_param_group(param_group)
             return
-        group = dict(param_group)
-        params = group.get("params")
-        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
-        if not params or not all(isinstance(p, torch.Tensor) for p in params):
-            raise ValueError("param_group['params'] must be a non-empty list of tensors")
-        group["params"] = params
+        group = check_new_group(param_group)
+        params = group["params"]
+        if ("param_names" in group) != ("param_names" in self.param_groups[0]):
+            have = "named" if "param_names" in self.param_groups[0] else "unnamed"
+            raise ValueError(
+                f"this optimizer's params are {have}; the new group's must be too (torch's "
+                "rule: named params in every group or in none)"
+            )
         decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
         check_groups([*self.param_groups, group], decoupled)
         gi = len(self.param_groups)
@@ -412,11 +449,12 @@ class LadderOptimizer(torch.optim.Optimizer):
 
         The closure (optional) runs once, before the step; a retry reuses its grads.
 
-        Under ``torch.amp.GradScaler`` (this optimizer sets ``_step_supports_amp_scaling``,
-        as torch's fused optimizers do): the scaler hands over ``grad_scale`` and
-        ``found_inf``; on an overflow the step is skipped and nothing changes, step counts
-        included (``last_step_skipped`` becomes True); otherwise the grads are unscaled in
-        place after the prepare phase, and the step commits.
+        Under ``torch.amp.GradScaler`` the scaler unscales the grads and calls this only
+        when they are finite (see :attr:`_step_supports_amp_scaling`). A caller that sets
+        ``grad_scale``/``found_inf`` on the optimizer itself, as the scaler does for
+        torch's fused optimizers, gets them honoured: on a nonzero ``found_inf`` nothing
+        changes, step counts included (``last_step_skipped`` becomes True); otherwise the
+        grads are unscaled in place after the prepare phase, and the step commits.
 
         Returns:
             The closure's loss, or None.
@@ -424,7 +462,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         Raises:
             OptimizerOutOfMemoryError: out of memory with no rung left to move to (the
                 original error chained), the rung pinned, or ``max_retries`` used up.
+            ValueError: at a step before any committed, if a param is on the meta device
+                (the optimizer was built before ``model.to_empty()`` made new params).
         """
+        if self._steps == 0:  # until a step commits: params cannot become meta later
+            _refuse_meta_params(self.param_groups)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -434,7 +476,6 @@ class LadderOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = found_inf is not None and bool(found_inf.item() != 0)
         if self.last_step_skipped:
             return loss  # an overflow step changes nothing, step counts included
-        self._check_before_step()
         retries = 0
         while True:
             failure = self._two_phase_step(retries, grad_scale)
@@ -481,23 +522,6 @@ class LadderOptimizer(torch.optim.Optimizer):
             error.__traceback__ = None
         del error
         return message
-
-    def _check_before_step(self) -> None:
-        """The checks of every group's options that the engines would otherwise make
-        inside their step, after other groups were written (torch's AdamW refuses
-        ``amsgrad``... state it has not got; the bf16 rung's seed and flags).
-
-        Raises:
-            ValueError: naming the group, the option, its value and what is allowed.
-        """
-        for gi, group in enumerate(self.param_groups):
-            try:
-                check_group_options(group)
-                value = group.get("decoupled_weight_decay", True)
-                if not isinstance(value, bool):
-                    raise ValueError(f"decoupled_weight_decay must be True or False, got {value!r}")
-            except ValueError as exc:
-                raise ValueError(f"param group {gi}: {exc}") from None
 
     def _commit(
         self, engines: list[torch.optim.Optimizer], grad_scale: torch.Tensor | None
@@ -694,18 +718,74 @@ class LadderOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The engine's ``state_dict`` (torch's layout over all groups when some pin
         their rung); each param group records its rung, how it was reached and why.
+
+        Each param's state is in its checkpoint form
+        (:mod:`optladder.optimizers.checkpoint`): the engine's layout for plain params;
+        for DTensor params (FSDP2), DTensors whose global shapes do not depend on the
+        world size (8-bit codes laid out like the param, block scales per row), so
+        ``torch.distributed.checkpoint`` saves every rank's shard and
+        ``get_optimizer_state_dict(..., full_state_dict=True)`` gathers whole moments.
+        Once any param has state, a trainable param without state (no grad yet) is
+        saved as a zero state with ``step`` 0, which loads as no state.
+
         Hooks registered with ``register_state_dict_pre_hook``/``_post_hook`` run as
-        torch runs them."""
-        if self._pinned:
-            return super().state_dict()  # runs the hooks
+        torch runs them.
+
+        Raises:
+            ValueError: for 8-bit state of a DTensor param not sharded on dim 0.
+        """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict = self.engine.state_dict()  # bitsandbytes wraps its state for FSDP
+        state_dict: dict[str, Any]
+        if self._pinned:  # torch's layout over every group
+            params = [p for g in self.param_groups for p in g["params"]]
+            index = {id(p): i for i, p in enumerate(params)}
+            state_dict = {
+                "state": {index[id(p)]: st for p, st in self.state.items() if id(p) in index},
+                "param_groups": [
+                    {
+                        **{k: v for k, v in g.items() if k != "params"},
+                        "params": [index[id(p)] for p in g["params"]],
+                    }
+                    for g in self.param_groups
+                ],
+            }
+        else:
+            state_dict = self.engine.state_dict()  # bitsandbytes wraps its state for FSDP
+        state_dict["state"] = self._checkpoint_states(state_dict["state"])
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
                 state_dict = result
         return state_dict
+
+    def _checkpoint_states(self, states: dict[Any, Any]) -> dict[Any, Any]:
+        """Each param's saved state in its checkpoint form
+        (:func:`optladder.optimizers.checkpoint.to_checkpoint_form`: sharded 8-bit state
+        as DTensors), and, once any param has state, a zero state with ``step`` 0 for
+        each trainable param that has none yet (it never had a grad), so every
+        checkpoint of the run has the same keys."""
+        if not states:
+            return states
+        owner = {id(g): e for e in self._engines() for g in e.param_groups}
+        out: dict[Any, Any] = {}
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                where = f"param {index}"
+                st = states.get(index)
+                if st:
+                    out[index] = to_checkpoint_form(st, p, where)
+                elif p.requires_grad:
+                    engine = owner[id(group)]
+                    zero = zero_state(state_target(engine, group, p), p)
+                    # as the engine's own state_dict() lays it out (bitsandbytes wraps)
+                    wrapped = set(getattr(engine, "non_castable_tensor_keys", ()))
+                    if not self._pinned and wrapped & zero.keys():
+                        zero[BNB_WRAPPED_KEY] = {k: zero.pop(k) for k in wrapped & zero.keys()}
+                    out[index] = to_checkpoint_form(zero, p, where)
+                index += 1
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict`` saved from any rung into this optimizer.
@@ -717,7 +797,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         optimizer's rung. Groups that pin their rung keep it: their state is converted
         into it, whatever the checkpoint had. bf16 moments stay bfloat16, 8-bit state
         stays uint8 codes with float32 absmax, ``step`` lands where the engine keeps it,
-        and this optimizer's engine flags (``fused``, ``foreach``) are kept.
+        and this optimizer's engine flags (``fused``, ``foreach``) are kept. Sharded
+        8-bit state saved per row (by :meth:`state_dict` under FSDP2) loads exactly
+        when its blocks are this rank's blocks, and is requantized otherwise (another
+        world size; see :mod:`optladder.optimizers.checkpoint`). A saved state with
+        ``step`` 0 (a param that had not stepped) loads as no state.
         Hyperparameters (lr, betas, eps, weight_decay, a scheduler's ``initial_lr``, the
         bf16 seed) come from the checkpoint.
 
@@ -727,8 +811,13 @@ class LadderOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: if the checkpoint does not fit the params (group count, param
                 count, element count or shape), its state is malformed (missing keys,
-                wrong dtypes, absmax of the wrong length, amsgrad state), or its
-                hyperparameters are out of range; the optimizer is left unchanged.
+                wrong dtypes, absmax of the wrong length, sparse tensors) or cannot be
+                carried exactly (NaN or infinite moments, a step that is not a whole
+                number, state keys of another optimizer such as amsgrad's or NAdam's),
+                its groups were written by another optimizer (NAdam, RAdam, ...) or decay
+                the other way (Adam into AdamW or the reverse, with weight decay), or its
+                hyperparameters or options are out of range; the optimizer is left
+                unchanged.
         """
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # shallow, as torch does before its hooks
@@ -747,9 +836,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         saved_state = state_dict.get("state")
         if not isinstance(groups, list) or not isinstance(saved_state, dict):
             raise ValueError("state_dict must have a 'param_groups' list and a 'state' dict")
-        for gi, saved in enumerate(groups):
-            if not (isinstance(saved, dict) and isinstance(saved.get("params"), list)):
-                raise ValueError(f"param group {gi} of the state_dict has no 'params' list")
+        check_checkpoint_groups(groups, decoupled_mode(self.engine))
         live_groups = self.param_groups
         if len(groups) != len(live_groups):
             raise ValueError(
@@ -777,6 +864,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 f"the state_dict's state has entries for no param of its param groups: "
                 f"{sorted(map(repr, unknown))[:5]}{hint}"
             )
+        loaded: dict[Any, dict[str, Any]] = {}  # key -> state in a layout convert reads
         for pi, (key, p) in enumerate(pairs):
             st = saved_state.get(key)
             if st:
@@ -784,14 +872,10 @@ class LadderOptimizer(torch.optim.Optimizer):
                     raise ValueError(
                         f"param {pi}: its state must be a dict, got {type(st).__name__}"
                     )
+                st = from_checkpoint_form(st, p, f"param {pi}")
                 check_param_state(st, p, f"param {pi}")
-        for gi, saved in enumerate(groups):
-            try:
-                validate_group_hyperparams(saved)
-                check_group_options(saved)
-                group_pin(saved, "its")
-            except ValueError as exc:
-                raise ValueError(f"param group {gi} of the state_dict: {exc}") from None
+                if read_step(st) > 0:  # step 0: saved for a param that never stepped
+                    loaded[key] = st
         move_to = self._checkpoint_rung(groups)
         engine = self.engine
         saved_groups = [dict(g) for g in live_groups]
@@ -804,10 +888,12 @@ class LadderOptimizer(torch.optim.Optimizer):
             new_state: dict[torch.Tensor, dict[str, Any]] = {}
             group_of_param = [g for g in live_groups for _ in g["params"]]
             for pi, ((key, p), group) in enumerate(zip(pairs, group_of_param)):
-                saved_param_state = saved_state.get(key)
+                saved_param_state = loaded.get(key)
                 if saved_param_state:
-                    step = read_step(unwrap_bnb_state(saved_param_state))
-                    check_step_range(step, owner[id(group)], p, f"param {pi} of the state_dict")
+                    flat = unwrap_bnb_state(saved_param_state)
+                    if "step" in flat:
+                        where = f"param {pi} of the state_dict"
+                        check_step_range(read_step(flat), owner[id(group)], p, where)
                     target = state_target(owner[id(group)], group, p)
                     new_state[p] = convert_param_state(saved_param_state, p, target, copy=True)
         except BaseException:
@@ -859,7 +945,9 @@ class LadderOptimizer(torch.optim.Optimizer):
 
         Raises:
             ValueError: if ``param_groups`` is not a list of dicts, one per group of this
-                optimizer; nothing moves then.
+                optimizer, or a group is malformed (a ``"rung"`` that is not a rung, an
+                unknown ``"rung_origin"``, options out of range, another optimizer's
+                groups, weight decay of the other mode); nothing moves then.
         """
         if not isinstance(param_groups, Sequence) or not all(
             isinstance(g, dict) for g in param_groups
@@ -873,6 +961,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 f"the checkpoint has {len(param_groups)} param groups; this optimizer has "
                 f"{len(self.param_groups)}"
             )
+        check_checkpoint_groups(list(param_groups), decoupled_mode(self.engine), need_params=False)
         target = self._checkpoint_rung(list(param_groups))
         if target is not None:
             self.migrate_to(target, self._checkpoint_reason(target), origin="checkpoint")
@@ -894,7 +983,9 @@ class LadderOptimizer(torch.optim.Optimizer):
                 "or load into a pinned one)"
             )
             warnings.warn(
-                f"optladder: loading moves the optimizer to {rung}: {reason}", stacklevel=3
+                f"optladder: loading moves the optimizer to {rung}: {reason}",
+                OptladderWarning,
+                stacklevel=user_stacklevel(),
             )
             logger.warning("optladder: %s", reason)
         return reason
@@ -907,18 +998,23 @@ class LadderOptimizer(torch.optim.Optimizer):
             TypeError: always (``pickle``, ``copy.deepcopy``).
         """
         raise TypeError(
-            "a LadderOptimizer cannot be pickled or deep-copied; save opt.state_dict() and "
-            "load it into a new one from choose_optimizer (load_state_dict)"
+            f"an optladder {type(self).__name__} cannot be pickled or deep-copied; save "
+            "opt.state_dict() and load it into a new one (load_state_dict)"
         )
 
     def __repr__(self) -> str:
+        """torch's optimizer repr (every group's options but ``params``, keys sorted,
+        ``rung`` among them) after a header with the rung, whether it is fused, and the
+        engines."""
         fused = "fused" if self.decision.fused else "not fused"
         engine = type(self.engine).__name__
         pinned = "".join(
             f", pinned {rung}: {type(e).__name__} ({len(e.param_groups)} groups)"
             for rung, e in self._pinned.items()
         )
-        return f"{type(self).__name__}(rung={self.rung!r}, {fused}, engine={engine}{pinned})"
+        name = type(self).__name__
+        groups = super().__repr__().removeprefix(f"{name} (")
+        return f"{name} (rung={self.rung!r}, {fused}, engine={engine}{pinned}{groups}"
 
 
 def _move_refused(decision: Decision, rung: Rung) -> str | None:
@@ -943,3 +1039,23 @@ def _restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -
     for group, items in zip(groups, saved):
         group.clear()
         group.update(items)
+
+
+def _refuse_meta_params(groups: list[dict[str, Any]]) -> None:
+    """Raise if a param is on the meta device: it holds no values, and materializing a
+    meta model (``model.to_empty(device=...)``) makes new Parameters, so the optimizer's
+    params would never move (torch's optimizers step them silently; we refuse).
+
+    Raises:
+        ValueError: naming the first such param by group and place.
+    """
+    for gi, group in enumerate(groups):
+        for pi, p in enumerate(group["params"]):
+            if p.is_meta:
+                raise ValueError(
+                    f"param {pi} of group {gi} (shape {tuple(p.shape)}) is on the meta device: "
+                    "it holds no values, and model.to_empty(device=...) makes new Parameters "
+                    "that this optimizer does not hold, so its steps would update nothing. "
+                    "Build the optimizer after materializing the model (choose_optimizer("
+                    "model, ...) after model.to_empty(...) and the weights' init)"
+                )

@@ -3,8 +3,12 @@
 Nothing happens at import. The first call of :func:`load_library` (the first fused CPU
 step) compiles :data:`~optladder.optimizers.kernels._cpu_source.SOURCE` once, about 0.5
 seconds with gcc 12, into a shared object cached under
-``$XDG_CACHE_HOME/optladder/kernels`` (``~/.cache/optladder/kernels`` when unset), named by
-the hash of the source and the compiler command; later processes load it in milliseconds.
+``$XDG_CACHE_HOME/optladder/kernels`` (``~/.cache/optladder/kernels`` when unset or
+relative), named by the hash of the source and the compiler command; later processes load
+it in milliseconds. The cache is private and checked (:mod:`.cache`): a library is mapped
+only if it is this user's and its bytes match the SHA-256 recorded when it was built, else
+it is rebuilt; the verified bytes are loaded from an anonymous in-memory copy, so a file
+changed on disk afterwards cannot reach the process.
 ``python -m optladder.optimizers.kernels.cpu`` builds it ahead of time.
 
 One call updates every param of a group in one pass over memory: read the float32 param,
@@ -31,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from optladder.optimizers.kernels import cache
 from optladder.optimizers.kernels._cpu_source import SOURCE
 
 GRAD_DTYPE_CODES: dict[torch.dtype, int] = {
@@ -117,9 +122,12 @@ def unavailable_reason() -> str | None:
 
 
 def cache_dir() -> Path:
-    """Where built kernels are cached: ``$XDG_CACHE_HOME/optladder/kernels``."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "optladder" / "kernels"
+    """Where built kernels are cached: ``<cache root>/optladder/kernels``.
+
+    The root is ``$XDG_CACHE_HOME`` when it is an absolute path, else ``~/.cache``
+    (:func:`.cache.cache_root`). Nothing is created here.
+    """
+    return cache.cache_root() / "optladder" / "kernels"
 
 
 def _library_path(cc: str) -> Path:
@@ -138,44 +146,67 @@ def _compile(cc: str, src: Path, out: Path, openmp: bool) -> subprocess.Complete
 
 
 def build(force: bool = False) -> Path:
-    """Compile the kernel into the cache unless it is there; return the shared object.
+    """Compile the kernel into the private cache unless a verified build is there.
 
     The kernel is built with ``-fopenmp`` so that it runs on the OpenMP runtime torch has
     loaded (``libgomp.so.1``, matched by soname); where that build fails it is built with
-    plain pthreads.
+    plain pthreads. A cached file is reused only if :func:`.cache.read_trusted` accepts it
+    (ours, mode 0500/0600, bytes equal to the recorded SHA-256); a truncated, swapped or
+    planted file is replaced by a fresh build. The build is written in a private
+    temporary folder of the cache and renamed into place (:func:`.cache.install`).
 
     Args:
-        force: rebuild even if the cached file exists.
+        force: rebuild even if a verified build is cached.
 
     Returns:
         Path of the shared object.
 
     Raises:
-        KernelBuildError: with the compiler's message when the build fails.
+        KernelBuildError: with the compiler's message when the build fails, or when the
+            cache folder cannot be used safely (another user's, not a folder, unwritable).
     """
+    return _build(force)[0]
+
+
+def _build(force: bool) -> tuple[Path, bytes]:
+    """:func:`build`, also returning the verified bytes of the library (read once)."""
     reason = unavailable_reason()
     if reason is not None:
         raise KernelBuildError(reason)
     cc = compiler()
     assert cc is not None
     path = _library_path(cc)
-    if path.exists() and not force:
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src = Path(tmp) / "adamw_bf16.c"
-        src.write_text(SOURCE)
-        out = Path(tmp) / path.name
-        proc = _compile(cc, src, out, openmp=_uses_gnu_openmp())
-        if proc.returncode != 0:
-            proc = _compile(cc, src, out, openmp=False)
-        if proc.returncode != 0:
-            raise KernelBuildError(
-                f"building the bf16 CPU kernel with {cc} failed (exit {proc.returncode}):\n"
-                f"{proc.stderr[-4000:]}"
-            )
-        os.replace(out, path)  # atomic: a concurrent process sees the old or the new file
-    return path
+    try:
+        cache.ensure_private_dir(path.parent, cache.cache_root())
+    except cache.CacheError as exc:
+        raise KernelBuildError(f"the bf16 CPU kernel's cache is not used: {exc}") from exc
+    if not force:
+        try:
+            return path, cache.read_trusted(path)
+        except cache.UntrustedFileError:
+            pass  # missing, or not a build of ours: build it
+    try:
+        with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
+            src = Path(tmp) / "adamw_bf16.c"
+            fd = os.open(src, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(SOURCE)
+            out = Path(tmp) / path.name
+            proc = _compile(cc, src, out, openmp=_uses_gnu_openmp())
+            if proc.returncode != 0:
+                proc = _compile(cc, src, out, openmp=False)
+            if proc.returncode != 0:
+                raise KernelBuildError(
+                    f"building the bf16 CPU kernel with {cc} failed (exit {proc.returncode}):\n"
+                    f"{proc.stderr[-4000:]}"
+                )
+            data = cache.install(out, path)
+    except OSError as exc:
+        raise KernelBuildError(
+            f"the bf16 CPU kernel could not be written to its cache {path.parent} ({exc}); set "
+            "XDG_CACHE_HOME to a writable folder"
+        ) from exc
+    return path, data
 
 
 def _uses_gnu_openmp() -> bool:
@@ -194,29 +225,41 @@ def _uses_gnu_openmp() -> bool:
 def load_library() -> ctypes.CDLL:
     """Build (first use only) and load the kernel; cached for the life of the process.
 
+    The bytes loaded are those checked (or just built) by this call: a concurrent
+    process replacing the cached file in between cannot make it load something else.
+
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
     """
-    try:
-        path = build()
-    except OSError as exc:  # an unusable cache directory: unwritable, not a directory, ...
-        raise KernelBuildError(
-            f"the bf16 CPU kernel's cache directory is unusable ({exc}); set XDG_CACHE_HOME "
-            "to a writable directory"
-        ) from exc
-    return load(path)
+    path, data = _build(force=False)
+    return _declare(_load_bytes(data, path), path)
 
 
 def load(path: Path) -> ctypes.CDLL:
-    """Load a built kernel and declare its C signature.
+    """Load a built kernel, after checking it, and declare its C signature.
+
+    The file is read once and checked by :func:`.cache.read_trusted`; those bytes are
+    copied to an anonymous memory file (``memfd_create``) and loaded from there, so what
+    was checked is what is mapped (a file truncated or replaced on disk later is never
+    mapped). Where memory files cannot be mapped executable, the checked file is loaded
+    from its (private) path.
+
+    Args:
+        path: a library from :func:`build`.
 
     Raises:
-        KernelBuildError: if it cannot be loaded or has another ABI version.
+        KernelBuildError: if the file is not a verified build of this user (the reason is
+            in the message), cannot be loaded, or has another ABI version.
     """
     try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise KernelBuildError(f"loading the bf16 CPU kernel {path} failed: {exc}") from exc
+        data = cache.read_trusted(path)
+    except cache.CacheError as exc:
+        raise KernelBuildError(f"the bf16 CPU kernel is not loaded: {exc}") from exc
+    return _declare(_load_bytes(data, path), path)
+
+
+def _declare(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
+    """Check the ABI version of a loaded kernel and declare its C signature."""
     if lib.ol_abi_version() != 2:
         raise KernelBuildError(f"{path} has ABI {lib.ol_abi_version()}, expected 2")
     lib.ol_adamw_bf16_step.argtypes = (
@@ -228,6 +271,31 @@ def load(path: Path) -> ctypes.CDLL:
     )
     lib.ol_adamw_bf16_step.restype = ctypes.c_int
     return lib
+
+
+def _load_bytes(data: bytes, path: Path) -> ctypes.CDLL:
+    """dlopen ``data`` (the checked bytes of ``path``) from a memory file."""
+    try:
+        fd = os.memfd_create(path.name, os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        fd = -1
+    if fd >= 0:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            lib = ctypes.CDLL(f"/proc/self/fd/{fd}")
+        except OSError:
+            os.close(fd)  # e.g. vm.memfd_noexec forbids mapping it executable
+        else:
+            # The fd stays open while the process lives: the dynamic loader knows the
+            # library by this /proc path, which must not name another library later.
+            lib._optladder_memfd = fd  # type: ignore[attr-defined]
+            return lib
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelBuildError(f"loading the bf16 CPU kernel {path} failed: {exc}") from exc
 
 
 def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:

@@ -1,0 +1,226 @@
+"""Checkpoint forms of optimizer state (one process; the sharded runs are in
+test_distributed.py): the row form of 8-bit block scales against a hand computation,
+never-stepped params in state_dict() and DCP, and optimizers over meta params."""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+from optladder import choose_optimizer
+from optladder.optimizers.checkpoint import (
+    PHASE_KEY,
+    ROW_ABSMAX_KEYS,
+    _rows_from_blocks,
+    from_checkpoint_form,
+    row_slots,
+)
+from optladder.optimizers.migrate import read_step, unwrap_bnb_state
+from snapshots import assert_same, snapshot
+
+RUNGS = ("fp32", "bf16", "8bit")
+
+
+def _reference_table(absmax: list[float], rows: int, per_row: int) -> torch.Tensor:
+    """Row ``r``, slot ``k``: the absmax of the ``k``-th block row ``r``'s elements fall
+    in (blocks of 256 consecutive elements of the flattened shard), else 0."""
+    table = torch.zeros(rows, row_slots(per_row))
+    for r in range(rows):
+        blocks: list[int] = []
+        for c in range(per_row):
+            b = (r * per_row + c) // 256
+            if b not in blocks:
+                blocks.append(b)
+        for k, b in enumerate(blocks):
+            table[r, k] = absmax[b]
+    return table
+
+
+@pytest.mark.parametrize(("rows", "per_row"), [(7, 1000), (64, 96), (3, 256), (300, 1), (0, 50)])
+def test_row_table_holds_each_rows_block_scales(rows: int, per_row: int) -> None:
+    blocks = -(-rows * per_row // 256)
+    absmax = torch.arange(1, blocks + 1, dtype=torch.float32) / 7
+    table = _rows_from_blocks(absmax, rows, per_row)
+    assert torch.equal(table, _reference_table(absmax.tolist(), rows, per_row))
+
+
+def _row_form(codes: torch.Tensor, absmaxes: list[torch.Tensor], row_starts: list[int]) -> dict:
+    """The row form of a param whose flattened rows were quantized in shards starting
+    at ``row_starts`` (each shard's blocks restart at its first row)."""
+    rows, per_row = codes.shape
+    bounds = [*row_starts, rows]
+    tables, phases = [[], []], []
+    for s, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        phases += [((r - lo) * per_row) % 256 for r in range(lo, hi)]
+        for i in (0, 1):
+            tables[i].append(_reference_table(absmaxes[i][s].tolist(), hi - lo, per_row))
+    code = torch.linspace(-1, 1, 256)
+    return {
+        "step": 5,
+        "state1": codes,
+        "state2": codes.flip(0),
+        ROW_ABSMAX_KEYS[0]: torch.cat(tables[0]),
+        ROW_ABSMAX_KEYS[1]: torch.cat(tables[1]),
+        PHASE_KEY: torch.tensor(phases, dtype=torch.int32),
+        "qmap1": code,
+        "qmap2": code.abs(),
+    }
+
+
+def _shard_scales(rows: int, per_row: int, starts: list[int], seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    bounds = [*starts, rows]
+    return [
+        torch.rand(-(-(hi - lo) * per_row // 256), generator=gen) + 0.1
+        for lo, hi in itertools.pairwise(bounds)
+    ]
+
+
+def test_row_form_of_the_same_blocks_loads_exactly() -> None:
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (64, 96), dtype=torch.uint8, generator=gen)
+    # two shards of 32 rows (3,072 elements, 12 whole blocks): the unsharded blocks
+    starts = [0, 32]
+    scales = [_shard_scales(64, 96, starts, 1), _shard_scales(64, 96, starts, 2)]
+    form = _row_form(codes, scales, starts)
+    out = from_checkpoint_form(form, torch.zeros(64, 96), "param 0")
+    assert out["step"] == 5
+    assert torch.equal(out["state1"], codes) and torch.equal(out["state2"], codes.flip(0))
+    assert torch.equal(out["absmax1"], torch.cat(scales[0]))
+    assert torch.equal(out["absmax2"], torch.cat(scales[1]))
+
+
+def test_row_form_of_other_blocks_dequantizes_each_element_with_its_saved_block() -> None:
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (7, 1000), dtype=torch.uint8, generator=gen)
+    starts = [0, 4]  # rank 1's shard starts at element 4,000: mid-block unsharded
+    scales = [_shard_scales(7, 1000, starts, 1), _shard_scales(7, 1000, starts, 2)]
+    form = _row_form(codes, scales, starts)
+    out = from_checkpoint_form(form, torch.zeros(7, 1000), "param 0")
+    assert set(out) == {"step", "exp_avg", "exp_avg_sq"} and float(out["step"]) == 5
+    for i, (name, m) in enumerate((("exp_avg", codes), ("exp_avg_sq", codes.flip(0)))):
+        qmap, codes_list = form[f"qmap{i + 1}"].tolist(), m.tolist()
+        want = [[0.0] * 1000 for _ in range(7)]
+        for r in range(7):
+            shard = 0 if r < 4 else 1
+            scale = scales[i][shard].tolist()
+            for c in range(1000):
+                block = ((r - starts[shard]) * 1000 + c) // 256
+                want[r][c] = qmap[codes_list[r][c]] * scale[block]
+        # float32 product, as the reference computes it in float64 from float32 factors
+        assert torch.allclose(out[name], torch.tensor(want), rtol=2**-23, atol=0)
+
+
+def test_row_form_with_missing_or_misshapen_tensors_is_refused() -> None:
+    codes = torch.zeros(64, 96, dtype=torch.uint8)
+    scales = [_shard_scales(64, 96, [0], 1), _shard_scales(64, 96, [0], 2)]
+    form = _row_form(codes, scales, [0])
+    with pytest.raises(ValueError, match=r"param 3: the row form .* 'block_absmax2'"):
+        from_checkpoint_form(
+            {k: v for k, v in form.items() if k != "block_absmax2"}, torch.zeros(64, 96), "param 3"
+        )
+    with pytest.raises(ValueError, match=r"param 3: block_phase has shape \(63,\)"):
+        from_checkpoint_form(
+            {**form, PHASE_KEY: form[PHASE_KEY][1:]}, torch.zeros(64, 96), "param 3"
+        )
+
+
+# ---------------------------------------------------------------- never-stepped params
+class _AB(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.a = nn.Parameter(torch.randn(80, 64, generator=gen))  # 8-bit codes on 8bit
+        self.b = nn.Parameter(torch.randn(80, 64, generator=gen))  # no grad before step 2
+        self.frozen = nn.Parameter(torch.randn(3), requires_grad=False)
+
+
+def _build(model: _AB, rung: str):  # type: ignore[no-untyped-def]
+    return choose_optimizer(model, lr=1e-2, rung=rung, free_memory="1GiB", environ={})
+
+
+def _step(model: _AB, opt: torch.optim.Optimizer, s: int) -> None:
+    gen = torch.Generator().manual_seed(s)
+    model.a.grad = torch.randn(80, 64, generator=gen)
+    model.b.grad = torch.randn(80, 64, generator=gen) if s >= 2 else None
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_state_dict_saves_a_zero_state_for_a_param_that_never_stepped(rung: str) -> None:
+    model = _AB()
+    opt = _build(model, rung)
+    assert opt.state_dict()["state"] == {}  # nothing stepped yet: nothing allocated
+    _step(model, opt, 0)
+    state = opt.state_dict()["state"]
+    assert sorted(state) == [0, 1]  # the frozen param (index 2) gets none
+    b = unwrap_bnb_state(state[1])
+    a = unwrap_bnb_state(state[0])
+    assert read_step(b) == 0 and read_step(a) == 1
+    assert sorted(b) == sorted(a)  # the keys of a param that stepped
+    for k, v in b.items():
+        if isinstance(v, torch.Tensor) and not k.startswith("qmap") and k != "step":
+            assert v.dtype == a[k].dtype and v.shape == a[k].shape and not v.any(), k
+    assert not opt.state.get(model.b)  # saving allocated nothing in the optimizer
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_dcp_resume_with_a_never_stepped_param_equals_the_uninterrupted_run(rung: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = _AB()
+    opt = _build(model, rung)
+    _step(model, opt, 0)
+    _step(model, opt, 1)
+    with tempfile.TemporaryDirectory() as path:
+        dcp.save(
+            {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+            checkpoint_id=path,
+        )
+        saved = snapshot(opt)
+        for s in range(2, 5):
+            _step(model, opt, s)
+        model2 = _AB()
+        opt2 = _build(model2, rung)
+        probe = {"optim": {"param_groups": opt2.state_dict()["param_groups"]}}
+        dcp.load(probe, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+        opt2.follow_checkpoint(probe["optim"]["param_groups"])
+        state = {"model": model2.state_dict(), "optim": get_optimizer_state_dict(model2, opt2)}
+        dcp.load(state, checkpoint_id=path)
+        model2.load_state_dict(state["model"])
+        set_optimizer_state_dict(model2, opt2, state["optim"])
+    assert not opt2.state.get(model2.b)  # step 0 in the checkpoint: loads as no state
+    assert_same(snapshot(opt2), saved)
+    for s in range(2, 5):
+        _step(model2, opt2, s)
+    assert torch.equal(model2.a, model.a) and torch.equal(model2.b, model.b)
+    assert read_step(opt2.state[model2.b]) == 3
+
+
+# ---------------------------------------------------------------- meta params
+@pytest.mark.parametrize("rung", RUNGS)
+def test_an_optimizer_over_meta_params_is_refused_at_the_first_step(rung: str) -> None:
+    with torch.device("meta"):
+        model = nn.Linear(64, 64)
+    opt = choose_optimizer(model, lr=1e-3, rung=rung, free_memory="1GiB", environ={})
+    model.to_empty(device="cpu")  # new Parameters: the optimizer still holds the meta ones
+    nn.init.zeros_(model.weight)
+    nn.init.zeros_(model.bias)
+    model(torch.ones(2, 64)).sum().backward()
+    with pytest.raises(ValueError, match=r"param 0 of group 0 .* meta device.*after materializing"):
+        opt.step()
+    assert all(len(s) == 0 for s in opt.state.values())
+    # built after materializing, it steps: AdamW's first step moves by lr * g / (|g| + eps)
+    opt = choose_optimizer(model, lr=1e-3, rung=rung, free_memory="1GiB", environ={})
+    opt.step()
+    assert torch.allclose(model.bias, torch.full((64,), -1e-3 * 2 / (2 + 1e-8)), rtol=1e-2)

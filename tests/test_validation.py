@@ -1,0 +1,757 @@
+"""Bad input is refused before anything changes, with an error naming what was wrong;
+what is accepted is carried exactly (issue 14's cases rel-05, rel-14, rel-16, rel-18,
+rel-21, and the kinds without a script: overlapping params, coupled-decay checkpoints,
+checkpoints that cannot be carried exactly).
+
+Right values come from outside the code under test: torch's own optimizers, plain
+bitsandbytes ``AdamW8bit`` on a contiguous copy, hand computations (``0.001 * 0.999**50``)
+and brute-force element sets.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from memtools import FailNthAllocation
+from optladder import InsufficientMemoryError, choose_optimizer, decide, measure_footprint
+from optladder.optimizers import probe_capabilities
+from optladder.optimizers.migrate import unwrap_bnb_state
+from optladder.policies import Overrides
+from optladder.policies.decision import allowed_rungs
+from optladder.rungs import PARAM_DTYPES, RUNGS, param_refusal
+from snapshots import assert_failed_steps_change_nothing, assert_same, snapshot
+
+logging.getLogger("optladder").setLevel(logging.ERROR)
+GiB = "1GiB"
+
+
+def _grads(params: list[torch.Tensor], seed: int) -> None:
+    """Seeded grads laid out like their params, as autograd makes them."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        values = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype)
+        p.grad = torch.empty_like(p).copy_(values)
+
+
+# ---------------------------------------------------------------- the rung table
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int32, torch.bool])
+def test_dtypes_no_rung_steps_are_refused_at_build(dtype: torch.dtype) -> None:
+    """rel-05: float8 params used to pass construction and crash in torch's fused kernel
+    at the first step, leaving state behind."""
+    p = torch.zeros(64, 64).to(dtype)
+    with pytest.raises(ValueError, match=rf"param 0 of group 0 has dtype {dtype}; the rungs step"):
+        choose_optimizer([p], lr=1e-3, free_memory=GiB)
+    opt = choose_optimizer([torch.nn.Parameter(torch.zeros(4))], free_memory=GiB)
+    with pytest.raises(ValueError, match=rf"param 0 of group 1 has dtype {dtype}"):
+        opt.add_param_group({"params": [p]})
+    assert len(opt.param_groups) == 1 and len(opt.engine.param_groups) == 1
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+@pytest.mark.parametrize("dtype", [*PARAM_DTYPES, "float8_e4m3fn", "int64"])
+def test_the_table_decides_construction_and_the_policy(rung: str, dtype: str) -> None:
+    """One table: a rung the table refuses for a dtype is neither picked by decide()
+    nor built when asked for; one it accepts is both."""
+    torch_dtype = getattr(torch, dtype)
+    p = torch.nn.Parameter(torch.zeros(8, dtype=torch_dtype), requires_grad=dtype != "int64")
+    accepted = dtype in PARAM_DTYPES and param_refusal(rung, dtype) is None  # type: ignore[arg-type]
+    try:
+        choose_optimizer([p], rung=rung, free_memory=GiB)
+        built = True
+    except ValueError as exc:
+        built = False
+        assert "param 0 of group 0" in str(exc)
+    assert built == accepted
+    if dtype in PARAM_DTYPES:
+        footprint = measure_footprint([p])
+        caps = probe_capabilities("cpu", footprint.dtypes, footprint.has_complex)
+        allowed, why = allowed_rungs(footprint, caps, Overrides())
+        assert allowed[rung] == accepted, why.get(rung)
+
+
+def test_float64_params_are_never_rounded_to_float32() -> None:
+    """rel-18: under memory pressure the policy used to pick bf16 for float64 params,
+    whose float32 update moved them by 1e-12 with lr=0 and a zero grad."""
+    p = torch.nn.Parameter(torch.full((1000,), 1.0 + 1e-12, dtype=torch.float64))
+    before = p.detach().clone()
+    # 16,000 bytes of fp32 state against a gate of 8,000: nothing allowed fits
+    with pytest.raises(InsufficientMemoryError, match=r"cheapest allowed rung \(fp32\)"):
+        choose_optimizer([p], lr=0.0, weight_decay=0.0, free_memory=32_000)
+    with pytest.warns(UserWarning, match="fp32 state"):
+        opt = choose_optimizer([p], lr=0.0, weight_decay=0.0, free_memory=32_000, strict=False)
+    assert opt.rung == "fp32"
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(p.detach(), before)  # the exact value: nothing moved
+    for rung in ("bf16", "8bit"):
+        with pytest.raises(
+            ValueError, match=rf"param 0 of group 0 has dtype torch.float64; the {rung}"
+        ):
+            choose_optimizer([p], rung=rung, free_memory=GiB)
+        with pytest.raises(
+            ValueError, match=rf"param 0 of group 0 has dtype torch.float64; the {rung}"
+        ):
+            choose_optimizer([p], free_memory=GiB, environ={f"OPTLADDER_{rung.upper()}_ADAM": "1"})
+
+
+def test_float64_beside_bf16_params_needs_its_own_fp32_group() -> None:
+    """The fp32 rung of bfloat16 params runs optladder's AdamW (float32 math): float64
+    params beside them would be rounded too, so they are refused there and run exactly
+    in a group pinned to fp32 (torch's AdamW)."""
+    wide = torch.nn.Parameter(torch.full((64,), 1.0 + 1e-12, dtype=torch.float64))
+    low = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="put the float64 params in a param group"):
+        choose_optimizer([wide, low], free_memory=GiB)
+    opt = choose_optimizer([{"params": [wide], "rung": "fp32"}, {"params": [low]}], free_memory=GiB)
+    with pytest.raises(ValueError, match="takes float32, bfloat16, float16 params"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]})
+    ref = torch.nn.Parameter(wide.detach().clone())
+    torch_adamw = torch.optim.AdamW([ref], lr=1e-3, weight_decay=1e-2)
+    for s in range(3):
+        _grads([wide, low], s)
+        ref.grad = wide.grad.clone()
+        opt.step()
+        torch_adamw.step()
+    assert torch.equal(wide.detach(), ref.detach())  # torch's float64 AdamW, bit for bit
+
+
+# ---------------------------------------------------------------- group options
+
+
+BAD_ROUNDING = ["Stochastic", "NEAREST", " stochastic", "", None, 1]
+
+
+@pytest.mark.parametrize("bad", BAD_ROUNDING)
+def test_rounding_is_validated_wherever_it_can_be_set(bad: object) -> None:
+    """rel-16: any spelling other than "stochastic" used to mean round-to-nearest."""
+    match = "rounding must be 'stochastic' or 'nearest'"
+    p = torch.nn.Parameter(torch.zeros(64))
+    with pytest.raises(ValueError, match=match):
+        choose_optimizer([p], rung="bf16", rounding=bad, free_memory=GiB)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=match):
+        choose_optimizer([{"params": [p], "rounding": bad}], rung="bf16", free_memory=GiB)
+    opt = choose_optimizer([p], rung="bf16", free_memory=GiB)
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "rounding": bad})
+    _grads([p], 0)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0]["rounding"] = bad
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)
+    opt.param_groups[0]["rounding"] = bad  # edited by hand after construction
+    with pytest.raises(ValueError, match=rf"param group 0: {match}"):
+        opt.step()
+    opt.param_groups[0]["rounding"] = "stochastic"
+    assert_same(snapshot(opt), before)
+
+
+def test_stochastic_rounding_keeps_decaying_after_a_refused_typo() -> None:
+    """The right value of rel-16: v = 0.001 decays by 0.999 per zero-grad step, 50 steps
+    give 0.001 * 0.999**50 = 9.512e-4 (round-to-nearest would stall at 0.001)."""
+    p = torch.nn.Parameter(torch.zeros(10_000))
+    opt = choose_optimizer([p], rung="bf16", lr=1e-3, free_memory=GiB)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    opt.param_groups[0]["rounding"] = "Stochastic"
+    p.grad = torch.zeros_like(p)
+    with pytest.raises(ValueError):
+        opt.step()
+    opt.param_groups[0]["rounding"] = "stochastic"
+    for _ in range(50):
+        opt.step()
+    mean = opt.state[p]["exp_avg_sq"].double().mean().item()
+    first = float(torch.tensor(0.001).bfloat16())  # v after the first step, in bfloat16
+    assert abs(mean - first * 0.999**50) < 1e-6
+
+
+@pytest.mark.parametrize(("key", "value"), [("amsgrad", True), ("maximize", True), ("seed", -1)])
+def test_other_group_options_edited_by_hand_are_refused_before_the_step(
+    key: str, value: object
+) -> None:
+    p = torch.nn.Parameter(torch.randn(64))
+    opt = choose_optimizer([p], rung="bf16", free_memory=GiB)
+    _grads([p], 0)
+    opt.step()
+    opt.param_groups[0].setdefault(key, False)
+    before = snapshot(opt)
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=key):
+        opt.step()
+    opt.param_groups[0][key] = before[1]["param_groups"][0][key]
+    assert_same(snapshot(opt), before)
+
+
+# ---------------------------------------------------------------- 8bit and non-contiguous
+
+
+def _bnb_reference(base: torch.Tensor, steps: int, wd: float, coupled: bool) -> torch.Tensor:
+    """The same updates by plain bitsandbytes AdamW8bit on a contiguous param, Adam's
+    coupled decay added to the grad by hand."""
+    import bitsandbytes as bnb
+
+    q = torch.nn.Parameter(base.t().contiguous().clone())
+    ref = bnb.optim.AdamW8bit([q], lr=0.01, weight_decay=0.0 if coupled else wd, min_8bit_size=4096)
+    for s in range(steps):
+        _grads([q], s)
+        if coupled:
+            q.grad.add_(q.detach(), alpha=wd)
+        ref.step()
+    return q.detach()
+
+
+@pytest.mark.parametrize("shape", [(80, 64), (16, 8)])  # quantized (5,120 >= 4,096) and 32-bit
+@pytest.mark.parametrize("coupled", [False, True])
+def test_8bit_steps_a_noncontiguous_param_in_place(shape: tuple[int, int], coupled: bool) -> None:
+    """rel-14: bitsandbytes' update ran ``p.data = p.data.contiguous()``: the param got
+    new storage and the buffer it viewed stopped seeing updates."""
+    base = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    start = base.clone()
+    p = torch.nn.Parameter(base.t())
+    tied = base.t()  # another view of the same memory, as a tied weight would be
+    opt = choose_optimizer(
+        [p],
+        rung="8bit",
+        lr=0.01,
+        weight_decay=0.1,
+        decoupled_weight_decay=not coupled,
+        free_memory=GiB,
+    )
+    for s in range(3):
+        _grads([p], s)
+        opt.step()
+    assert p.data_ptr() == base.data_ptr() and torch.equal(tied, p.detach())
+    assert torch.equal(p.detach(), _bnb_reference(start, 3, 0.1, coupled))
+    st = opt.state[p]
+    assert st["state1"].is_contiguous()  # state kept in the param's logical order
+
+
+def test_an_escalation_to_8bit_keeps_views_tied() -> None:
+    base = torch.randn(80, 64, generator=torch.Generator().manual_seed(1))
+    start = base.clone()
+    p = torch.nn.Parameter(base.t())
+    opt = choose_optimizer([p], lr=0.01, weight_decay=0.1, free_memory=GiB)
+    opt.escalate("test")
+    opt.escalate("test")
+    assert opt.rung == "8bit"
+    for s in range(3):
+        _grads([p], s)
+        opt.step()
+    assert p.data_ptr() == base.data_ptr()
+    assert torch.equal(p.detach(), _bnb_reference(start, 3, 0.1, coupled=False))
+
+
+def test_8bit_noncontiguous_failed_steps_and_moves_change_nothing() -> None:
+    """Every allocation of a step (the contiguous copies included) and of a move to 8bit,
+    failed one at a time: nothing changes and no prepared copy is left behind."""
+
+    def prepared() -> torch.optim.Optimizer:
+        p = torch.nn.Parameter(torch.randn(80, 64, generator=torch.Generator().manual_seed(1)).t())
+        opt = choose_optimizer([p], rung="8bit", lr=0.01, free_memory=GiB)
+        _grads([p], 0)
+        opt.step()
+        _grads([p], 1)
+        return opt
+
+    reference = prepared()
+    with FailNthAllocation() as counter:
+        reference.step()
+    assert counter.count >= 1  # at least the param's contiguous copy
+    assert_failed_steps_change_nothing(prepared, counter.count, snapshot(reference))
+    assert not reference.engine._contiguous
+
+    for k in range(1, 12):
+        p = torch.nn.Parameter(torch.randn(80, 64, generator=torch.Generator().manual_seed(1)).t())
+        opt = choose_optimizer([p], rung=None, lr=0.01, free_memory=GiB)
+        _grads([p], 0)
+        opt.step()
+        before = snapshot(opt)
+        try:
+            with FailNthAllocation(k):
+                opt.migrate_to("8bit", "test", force=True)
+        except torch.OutOfMemoryError:
+            assert opt.rung == "fp32" and set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+            assert_same(snapshot(opt), before)
+        else:
+            assert opt.rung == "8bit"
+            break
+
+
+def test_a_noncontiguous_param_added_later_is_stepped_in_place() -> None:
+    """The 8bit engine is always optladder's subclass, so add_param_group takes a
+    non-contiguous param too: it is stepped in its own memory, like a contiguous copy."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(80, 64, generator=gen)
+    grad = torch.randn(64, 80, generator=gen)
+    results = []
+    for view in (True, False):
+        first = torch.nn.Parameter(torch.zeros(8))
+        opt = choose_optimizer([first], rung="8bit", free_memory=GiB, lr=0.01)
+        p = torch.nn.Parameter(base.clone().t() if view else base.t().contiguous())
+        ptr = p.data_ptr()
+        opt.add_param_group({"params": [p]})
+        for _ in range(3):
+            p.grad = grad.clone()
+            first.grad = torch.zeros(8)
+            opt.step()
+        assert p.data_ptr() == ptr and p.is_contiguous() == (not view)
+        results.append(p.detach().clone())
+    assert torch.equal(results[0], results[1])
+
+
+# ---------------------------------------------------------------- params sharing memory
+
+
+def _elements(t: torch.Tensor) -> set[int]:
+    """Brute force: the storage offsets (in elements) of every element of ``t``."""
+    return {
+        t.storage_offset() + sum(i * s for i, s in zip(idx, t.stride()))
+        for idx in np.ndindex(*t.shape)
+    }
+
+
+def _views() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    buf = torch.zeros(100)
+    mat = torch.zeros(8, 6)
+    return {
+        "overlapping slices": (buf[0:60], buf[50:100]),
+        "disjoint slices": (buf[0:50], buf[50:100]),
+        "tensor and a reshaped view": (mat, mat.view(48)),
+        "tensor and its transpose": (mat, mat.t()),
+        "column split": (mat[:, :3], mat[:, 3:]),
+        "interleaved columns": (mat[:, ::2], mat[:, 1::2]),
+        "overlapping columns": (mat[:, :4], mat[:, 3:]),
+        "a row inside a block": (mat[2], mat[1:4, 2:5]),
+        "a row beside a block": (mat[0], mat[1:4, 2:5]),
+    }
+
+
+@pytest.mark.parametrize("name", list(_views()))
+def test_params_sharing_elements_are_refused_whatever_the_shapes(name: str) -> None:
+    a, b = _views()[name]
+    shared = bool(_elements(a) & _elements(b))
+    params = [torch.nn.Parameter(a), torch.nn.Parameter(b)]
+    if shared:
+        with pytest.raises(ValueError, match=r"param 1 of group 0 .*(overlaps|same memory)"):
+            choose_optimizer(params, free_memory=GiB)
+        opt = choose_optimizer([params[0]], free_memory=GiB)
+        with pytest.raises(ValueError, match="param 0 of group 1"):
+            opt.add_param_group({"params": [params[1]]})
+        assert len(opt.param_groups) == 1
+    else:
+        choose_optimizer(params, free_memory=GiB)
+
+
+def test_random_views_of_one_buffer_are_refused_exactly_when_they_share_elements() -> None:
+    """Property: random strided views (non-self-overlapping) of one 240-element buffer;
+    refused iff the brute-force element sets intersect."""
+    rng = random.Random(7)
+    buf = torch.zeros(240)
+    for _ in range(300):
+        views = []
+        for _ in range(2):
+            rows, cols = rng.randint(1, 6), rng.randint(1, 6)
+            col_stride = rng.randint(1, 3)
+            row_stride = rng.choice([cols * col_stride, cols * col_stride + rng.randint(1, 5)])
+            if rng.random() < 0.3:
+                row_stride, col_stride = col_stride, row_stride * rows  # column-major
+            extent = (rows - 1) * row_stride + (cols - 1) * col_stride + 1
+            offset = rng.randint(0, 240 - extent) if extent <= 240 else None
+            if offset is None:
+                break
+            views.append(buf.as_strided((rows, cols), (row_stride, col_stride), offset))
+        if len(views) < 2 or any(len(_elements(v)) != v.numel() for v in views):
+            continue
+        shared = bool(_elements(views[0]) & _elements(views[1]))
+        try:
+            choose_optimizer([torch.nn.Parameter(v) for v in views], free_memory=GiB, rung="fp32")
+            refused = False
+        except ValueError:
+            refused = True
+        assert refused == shared, [(v.shape, v.stride(), v.storage_offset()) for v in views]
+
+
+def test_a_view_overlapping_itself_is_refused() -> None:
+    with pytest.raises(ValueError, match="elements overlap in memory"):
+        choose_optimizer([torch.nn.Parameter(torch.zeros(10).as_strided((4, 4), (1, 1)))])
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _trained(cls: type, seed: int = 0, **kwargs: object) -> tuple[torch.nn.Linear, dict]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 8)
+    opt = cls(model.parameters(), **kwargs)
+    for s in range(2):
+        _grads(list(model.parameters()), s)
+        opt.step()
+    return model, copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "match"),
+    [
+        (torch.optim.NAdam, {}, "momentum_decay"),
+        (torch.optim.RAdam, {}, "RAdam"),
+        (torch.optim.Adamax, {}, "capturable"),
+        (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, "nesterov"),
+        (torch.optim.RMSprop, {}, "centered"),
+        (torch.optim.Adagrad, {}, "lr_decay"),
+    ],
+)
+@pytest.mark.parametrize("rung", RUNGS)
+def test_other_optimizers_checkpoints_are_refused(
+    cls: type, kwargs: dict, match: str, rung: str
+) -> None:
+    model, saved = _trained(cls, **kwargs)
+    opt = choose_optimizer(model, rung=rung, free_memory=GiB)
+    _grads(list(model.parameters()), 5)
+    opt.step()
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)
+
+
+def test_nadam_state_keys_are_refused_by_name() -> None:
+    model, saved = _trained(torch.optim.NAdam)
+    for group in saved["param_groups"]:
+        group.pop("momentum_decay")
+        group["amsgrad"] = False  # disguised as an Adam group: the state still says NAdam
+    opt = choose_optimizer(model, free_memory=GiB)
+    with pytest.raises(ValueError, match="param 0: the state holds 'mu_product'"):
+        opt.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_coupled_and_decoupled_decay_checkpoints_do_not_mix(rung: str) -> None:
+    model, adam = _trained(torch.optim.Adam, weight_decay=0.1)
+    _, adamw = _trained(torch.optim.AdamW, weight_decay=0.1)
+    opt = choose_optimizer(model, rung=rung, free_memory=GiB)
+    with pytest.raises(
+        ValueError, match=r"decays the Adam way .* this optimizer decays the AdamW way"
+    ):
+        opt.load_state_dict(adam)
+    coupled = choose_optimizer(model, rung=rung, decoupled_weight_decay=False, free_memory=GiB)
+    with pytest.raises(
+        ValueError, match=r"decays the AdamW way .* this optimizer decays the Adam way"
+    ):
+        coupled.load_state_dict(adamw)
+    _, no_decay = _trained(torch.optim.Adam)  # weight_decay=0: the same update either way
+    opt.load_state_dict(no_decay)
+
+
+def test_an_adam_checkpoint_continues_exactly_in_adam_mode() -> None:
+    model, saved = _trained(torch.optim.Adam, weight_decay=0.1)
+    ref_model = copy.deepcopy(model)
+    ref = torch.optim.Adam(ref_model.parameters(), weight_decay=0.1)
+    ref.load_state_dict(copy.deepcopy(saved))
+    opt = choose_optimizer(model, rung="fp32", decoupled_weight_decay=False, free_memory=GiB)
+    opt.load_state_dict(saved)
+    for s in range(2, 4):
+        _grads(list(model.parameters()), s)
+        _grads(list(ref_model.parameters()), s)
+        opt.step()
+        ref.step()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+
+
+def _optladder_checkpoint(rung: str) -> tuple[torch.nn.Linear, dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(80, 64)  # a 5,120-element weight: quantized on 8bit
+    opt = choose_optimizer(model, rung=rung, free_memory=GiB)
+    for s in range(2):
+        _grads(list(model.parameters()), s)
+        opt.step()
+    return model, copy.deepcopy(opt.state_dict())
+
+
+def _flat_state(saved: dict, key: int) -> dict:
+    """The param's state, bitsandbytes' wrapped tensors moved to the top level (a layout
+    the loader takes too)."""
+    saved["state"][key] = unwrap_bnb_state(saved["state"][key])
+    return saved["state"][key]
+
+
+MUTATIONS = {
+    # name: (edit of a checkpoint, the rungs it applies to (state layout), refused?)
+    "NaN moment": (lambda sd, st: st[_values(st, 1)].view(-1).__setitem__(0, float("nan")), True),
+    "inf moment": (lambda sd, st: st[_values(st, 2)].view(-1).__setitem__(0, float("inf")), True),
+    "negative exp_avg_sq": (lambda sd, st: _neg(st), True),
+    "step 2.5": (lambda sd, st: st.__setitem__("step", 2.5), True),
+    "step -1": (lambda sd, st: st.__setitem__("step", -1), True),
+    "step True": (lambda sd, st: st.__setitem__("step", True), True),
+    "mu_product": (lambda sd, st: st.__setitem__("mu_product", torch.tensor(1.0)), True),
+    "max_exp_avg_sq": (lambda sd, st: st.__setitem__("max_exp_avg_sq", torch.zeros(1)), True),
+    "sparse moment": (lambda sd, st: st.__setitem__(_m1(st), _sparse(st[_m1(st)])), True),
+    "int moment": (lambda sd, st: st.__setitem__(_m1(st), st[_m1(st)].to(torch.int16)), True),
+    "moment of another size": (lambda sd, st: st.__setitem__(_m1(st), st[_m1(st)][:3]), True),
+    "rounding typo": (
+        lambda sd, st: sd["param_groups"][0].__setitem__("rounding", "Nearest"),
+        True,
+    ),
+    "rung int4": (lambda sd, st: sd["param_groups"][0].__setitem__("rung", "int4"), True),
+    "NAdam group key": (
+        lambda sd, st: sd["param_groups"][0].__setitem__("momentum_decay", 4e-3),
+        True,
+    ),
+    "coupled decay": (
+        lambda sd, st: sd["param_groups"][0].__setitem__("decoupled_weight_decay", False),
+        True,
+    ),
+    "lr NaN": (lambda sd, st: sd["param_groups"][0].__setitem__("lr", float("nan")), True),
+    "amsgrad": (lambda sd, st: sd["param_groups"][0].__setitem__("amsgrad", True), True),
+    # carried exactly: the same values in another form
+    "step as an int": (
+        lambda sd, st: st.__setitem__("step", int(torch.as_tensor(st["step"]).item())),
+        False,
+    ),
+    "step as a float64 tensor": (
+        lambda sd, st: st.__setitem__(
+            "step", torch.tensor(float(torch.as_tensor(st["step"]).item()), dtype=torch.float64)
+        ),
+        False,
+    ),
+    "initial_lr key": (
+        lambda sd, st: sd["param_groups"][0].__setitem__("initial_lr", sd["param_groups"][0]["lr"]),
+        False,
+    ),
+    "rung_reason edited": (
+        lambda sd, st: sd["param_groups"][0].__setitem__("rung_reason", "x"),
+        False,
+    ),
+}
+
+
+def _m1(st: dict) -> str:
+    return "state1" if "state1" in st else "exp_avg"
+
+
+def _m2(st: dict) -> str:
+    return "state2" if "state2" in st else "exp_avg_sq"
+
+
+def _values(st: dict, i: int) -> str:
+    """The float tensor that holds moment ``i``'s values: 8-bit codes' block scales."""
+    quantized = st.get(f"state{i}") is not None and st[f"state{i}"].dtype == torch.uint8
+    return f"absmax{i}" if quantized else (_m1(st) if i == 1 else _m2(st))
+
+
+def _neg(st: dict) -> None:
+    st[_values(st, 2)].view(-1)[0] = -1.0
+
+
+def _sparse(t: torch.Tensor) -> torch.Tensor:
+    return t.float().to_sparse()
+
+
+def test_malformed_checkpoints_property() -> None:
+    """Property test (seeded): a checkpoint of a random rung, edited by 1-2 random
+    mutations, loaded into an optimizer of a random rung: refused with optimizer and
+    params bit-identical, or accepted and then stepping exactly like the same optimizer
+    loaded from the clean checkpoint. Every mutation that cannot be carried exactly is
+    refused."""
+    rng = random.Random(14)
+    names = list(MUTATIONS)
+    sources = {rung: _optladder_checkpoint(rung) for rung in RUNGS}
+    for trial in range(40):
+        src = rng.choice(RUNGS)
+        dst = rng.choice(RUNGS)
+        # at most one edit that must be refused, after at most one that carries exactly
+        chosen = [
+            rng.choice([n for n in names if MUTATIONS[n][1] == refuse])
+            for refuse in rng.choice([(True,), (False,), (False, True)])
+        ]
+        model0, clean = sources[src]
+        saved = copy.deepcopy(clean)
+        key = rng.choice(list(saved["state"]))
+        for name in chosen:
+            MUTATIONS[name][0](saved, _flat_state(saved, key))
+        must_refuse = any(MUTATIONS[name][1] for name in chosen)
+
+        def fresh(
+            model0: torch.nn.Linear = model0, dst: str = dst
+        ) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
+            model = copy.deepcopy(model0)
+            opt = choose_optimizer(model, rung=dst, free_memory=GiB)
+            _grads(list(model.parameters()), 9)
+            opt.step()
+            return model, opt
+
+        model, opt = fresh()
+        before = snapshot(opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                opt.load_state_dict(saved)
+                refused = None
+            except ValueError as exc:
+                refused = exc
+        context = f"trial {trial}: {src} -> {dst}, {chosen}, state key {key}"
+        if refused is not None:
+            assert must_refuse, f"{context}: refused ({refused})"
+            assert_same(snapshot(opt), before)
+            continue
+        assert not must_refuse, f"{context}: accepted"
+        ref_model, ref = fresh()
+        ref.load_state_dict(copy.deepcopy(clean))
+        for s in range(2):
+            _grads(list(model.parameters()), 20 + s)
+            _grads(list(ref_model.parameters()), 20 + s)
+            opt.step()
+            ref.step()
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            assert torch.equal(a, b), context
+
+
+# ---------------------------------------------------------------- arguments (rel-21)
+
+
+def _model() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 8)
+
+
+def test_unclear_errors_now_name_the_argument() -> None:
+    """rel-21: each bad input gets a ValueError/TypeError naming it."""
+    m = _model()
+    opt = choose_optimizer(m, lr=1e-3, free_memory=GiB)
+    _grads(list(m.parameters()), 0)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].to_sparse()
+    fp = measure_footprint(m)
+    cases = [
+        (
+            lambda: choose_optimizer([torch.nn.Parameter(torch.randn(4, 4).to_sparse())]),
+            ValueError,
+            "is a sparse tensor",
+        ),
+        (
+            lambda: choose_optimizer(m, lr=torch.tensor(1e-3, device="meta")),
+            ValueError,
+            "lr is a tensor on the meta device",
+        ),
+        (
+            lambda: opt.add_param_group([torch.nn.Parameter(torch.randn(3))]),
+            TypeError,
+            "param_group must be a dict",
+        ),
+        (
+            lambda: opt.add_param_group({"params": {torch.nn.Parameter(torch.randn(3))}}),
+            TypeError,
+            r"param_group\['params'\] is a set",
+        ),
+        (
+            lambda: choose_optimizer({torch.nn.Parameter(torch.randn(3))}),
+            TypeError,
+            "model_or_params is a set",
+        ),
+        (
+            lambda: choose_optimizer([{"params": {torch.nn.Parameter(torch.randn(3))}}]),
+            TypeError,
+            r"param group 0\['params'\] is a set",
+        ),
+        (lambda: opt.load_state_dict(sd), ValueError, "param 0: exp_avg is a sparse tensor"),
+        (
+            lambda: decide(fp, 10**9, probe_capabilities("cpu"), {"memory_fraction": 0.5}),
+            TypeError,
+            "policy must be an optladder Policy",
+        ),  # type: ignore[arg-type]
+        (lambda: decide({}, 10**9, probe_capabilities("cpu")), TypeError, "footprint must be"),  # type: ignore[arg-type]
+        (lambda: choose_optimizer(m, free_memory=0, strict="no"), TypeError, "strict must be True"),  # type: ignore[arg-type]
+        (lambda: choose_optimizer(m, free_memory=0, strict=1), TypeError, "strict must be True"),  # type: ignore[arg-type]
+        (
+            lambda: opt.follow_checkpoint([{"rung": "int4", "rung_origin": "escalated"}]),
+            ValueError,
+            r"\['rung'\]='int4' is not a rung",
+        ),
+        (
+            lambda: opt.follow_checkpoint([{"rung": "8bit", "rung_origin": "nowhere"}]),
+            ValueError,
+            "is not an origin",
+        ),
+    ]
+    before = snapshot(opt)
+    for call, kind, match in cases:
+        with pytest.raises(kind, match=match):
+            call()
+    assert_same(snapshot(opt), before)
+    assert len(opt.param_groups) == 1
+
+
+def test_numpy_numbers_are_taken_like_python_ones() -> None:
+    m = _model()
+    a = choose_optimizer(m, free_memory=np.int64(2**33), lr=np.float32(0.5))
+    b = choose_optimizer(m, free_memory=2**33, lr=0.5)
+    assert a.decision.free_memory == b.decision.free_memory == 2**33
+    fp = measure_footprint(m)
+    caps = probe_capabilities("cpu")
+    assert decide(fp, np.int64(10**9), caps).rung == decide(fp, 10**9, caps).rung  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="free_memory"):
+        choose_optimizer(m, free_memory=np.int64(-1))
+
+
+BAD_ARGUMENTS = {
+    "lr": [-1.0, float("nan"), "1e-3", True, torch.tensor([1.0, 2.0])],
+    "betas": [(0.9,), (1.0, 0.999), (0.9, -0.1), "ab"],
+    "eps": [-1e-8, float("inf")],
+    "weight_decay": [-0.1, None],
+    "free_memory": [-1, "24 bananas", float("nan"), np.int64(-5)],
+    "rung": ["int4", 8, ""],
+    "seed": [-1, 2**64, 1.5],
+    "rounding": ["Stochastic", None],
+    "strict": ["no", 0, None],
+    "max_retries": [-1, 1.5, True],
+    "decoupled_weight_decay": [None, 1, "yes"],
+}
+GOOD_ARGUMENTS = {
+    "lr": [(np.float64(0.01), 0.01), (torch.tensor(0.01), 0.01)],
+    "free_memory": [(np.int64(2**30), 2**30), (np.float64(2**30), 2**30), ("1GiB", 2**30)],
+    "weight_decay": [(np.float32(0.25), 0.25)],
+}
+
+
+def test_random_arguments_property() -> None:
+    """Property test (seeded): choose_optimizer with one random argument from a pool of
+    bad values is refused with a ValueError/TypeError naming it and the params
+    unchanged; a good value in another type (NumPy, a tensor, a string) steps exactly
+    like its plain-Python equal."""
+    rng = random.Random(21)
+    for _ in range(40):
+        m = _model()
+        start = [p.detach().clone() for p in m.parameters()]
+        if rng.random() < 0.7:
+            name = rng.choice(list(BAD_ARGUMENTS))
+            value = rng.choice(BAD_ARGUMENTS[name])
+            kwargs = {"free_memory": GiB, name: value}
+            with pytest.raises((ValueError, TypeError)) as info:
+                choose_optimizer(m, **kwargs)
+            text = str(info.value)
+            assert name.split("_")[0] in text or name in text, (name, value, text)
+            assert all(torch.equal(a, b) for a, b in zip(start, m.parameters()))
+            continue
+        name = rng.choice(list(GOOD_ARGUMENTS))
+        value, plain = rng.choice(GOOD_ARGUMENTS[name])
+        ref_model = copy.deepcopy(m)
+        opt = choose_optimizer(m, **{"free_memory": GiB, name: value})
+        ref = choose_optimizer(ref_model, **{"free_memory": GiB, name: plain})
+        for s in range(2):
+            _grads(list(m.parameters()), s)
+            _grads(list(ref_model.parameters()), s)
+            opt.step()
+            ref.step()
+        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_model.parameters()))
