@@ -133,6 +133,20 @@ def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
             raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
 
 
+def _check_step_options(group: Mapping[str, Any]) -> None:
+    """The options :class:`LadderAdamW` reads at each step (it takes ``maximize=True``,
+    which optladder's rungs refuse): ``seed``, ``rounding``, bool flags.
+
+    Raises:
+        ValueError: naming the option, its value and what is allowed.
+    """
+    check_seed(group.get("seed", 0))
+    check_rounding(group.get("rounding", "stochastic"))
+    for flag in ("decoupled_weight_decay", "maximize"):
+        if not isinstance(group.get(flag, False), bool):
+            raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
+
+
 def unscale_grads_(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
     """Divide ``grads`` by ``torch.amp.GradScaler``'s scale, in place (allocates nothing)."""
     if grads:
@@ -332,7 +346,7 @@ class LadderAdamW(torch.optim.Optimizer):
 
         for gi, group in enumerate(self.param_groups):
             try:
-                validate_group_hyperparams(group)
+                _check_step_options(group)
             except ValueError as exc:
                 raise ValueError(f"group {gi}: {exc}") from None
         plan: list[tuple[dict[str, Any], dict[str, list[tuple[torch.Tensor, int]]]]] = []
