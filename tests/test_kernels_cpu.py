@@ -48,7 +48,7 @@ def _seed_state(opt: LadderAdamW, params: list[torch.nn.Parameter]) -> None:
     gen = torch.Generator().manual_seed(7)
     for k, p in enumerate(params):
         opt.state[p] = {
-            "step": torch.tensor(float(3 * k), dtype=torch.float32),
+            "step": torch.tensor(float(3 * k), dtype=torch.float64),
             "exp_avg": (torch.randn(p.shape, generator=gen) * 0.1).to(torch.bfloat16),
             "exp_avg_sq": (torch.rand(p.shape, generator=gen) * 0.01).to(torch.bfloat16),
         }
@@ -112,7 +112,7 @@ def _direct_step(threads: int, library: Any = None) -> torch.Tensor:
     _grads(params, 0, torch.float32)
     params = [p for p in params if p.grad is not None]
     moments = [torch.zeros_like(p, dtype=torch.bfloat16) for p in params for _ in range(2)]
-    steps = [torch.tensor(float(k)) for k in range(len(params))]
+    steps = [torch.tensor(float(k), dtype=torch.float64) for k in range(len(params))]
     table = cpu.KernelTable(
         [p.detach() for p in params], moments[0::2], moments[1::2], steps, list(range(len(params)))
     )

@@ -66,7 +66,7 @@ def _inputs(grad_dtype: torch.dtype, seed: int = 0) -> dict[str, list[torch.Tens
         out["g"].append((torch.randn(n, generator=gen) * scale).to(grad_dtype))
         out["m"].append((torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16))
         out["v"].append((torch.rand(n, generator=gen) * 0.01).to(torch.bfloat16))
-        out["s"].append(torch.tensor(float(step)))
+        out["s"].append(torch.tensor(float(step), dtype=torch.float64))
     out["p"][3] = out["p"][3].reshape(33, 17)
     for k in ("g", "m", "v"):
         out[k][3] = out[k][3].reshape(33, 17)
@@ -260,7 +260,7 @@ def test_second_moment_decays_in_the_kernel() -> None:
         p.grad = torch.zeros(n, device=DEVICE)
         opt = LadderAdamW([p], seed=seed, backend="triton")
         opt.state[p] = {
-            "step": torch.tensor(0.0, device=DEVICE),
+            "step": torch.tensor(0.0, dtype=torch.float64, device=DEVICE),
             "exp_avg": torch.zeros(n, dtype=torch.bfloat16, device=DEVICE),
             "exp_avg_sq": torch.ones(n, dtype=torch.bfloat16, device=DEVICE),
         }
@@ -300,3 +300,26 @@ def test_cuda_graph_replay_matches_eager_launches() -> None:
     for k in ("p", "m", "v", "s"):
         for a, b in zip(t[k], ref[k], strict=True):
             assert torch.equal(a, b), k
+
+
+def test_the_optimizer_commit_allocates_nothing_with_a_tensor_lr() -> None:
+    """Tables and a tensor lr's device copy are made in prepare_step: commit_step
+    allocates nothing the dispatcher sees, and the lr it uses is the group's current one."""
+    from memtools import FailNthAllocation
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(3000, device=DEVICE))
+    twin = torch.nn.Parameter(p.detach().clone())
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    opt = LadderAdamW([p], lr=lr, seed=SEED, backend="triton")
+    ref = LadderAdamW([twin], lr=torch.tensor(1e-2), seed=SEED, backend="triton")
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        twin.grad = p.grad.clone()
+        opt.prepare_step()
+        with FailNthAllocation() as counter:
+            opt.commit_step()
+        assert counter.count == 0
+        ref.step()
+    assert opt.state[p]["step"].item() == 2.0 and opt.state[p]["step"].dtype == torch.float64
+    assert torch.equal(p, twin)

@@ -110,4 +110,6 @@ class LadderTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
         """``Trainer.training_step`` through :meth:`optladder.Ladder.run`."""
-        return self.ladder.run(super().training_step, model, inputs, num_items_in_batch)
+        loss = self.ladder.run(super().training_step, model, inputs, num_items_in_batch)
+        assert loss is not None  # None only after an optimizer step; training_step has none
+        return loss

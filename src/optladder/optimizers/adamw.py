@@ -32,6 +32,7 @@ from optladder.optimizers.rounding import (
     round_param,
     step_key,
 )
+from optladder.optimizers.steps import BF16_MAX_STEP, MAX_STEP, STEP_DTYPE
 from optladder.rungs import FLOAT32_MATH_DTYPES, LADDER_DTYPES
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
@@ -151,8 +152,8 @@ class LadderAdamW(torch.optim.Optimizer):
     and the second moment stops decaying. The random bits are documented in
     :mod:`optladder.optimizers.rounding`.
 
-    State per param (as torch names it): ``step`` (0-d float32 tensor on the CPU, the
-    number of steps this param took), ``exp_avg`` and ``exp_avg_sq`` (``moment_dtype``,
+    State per param (as torch names it): ``step`` (0-d float64 tensor on the CPU, exact to
+    2**53, the number of steps this param took), ``exp_avg`` and ``exp_avg_sq`` (``moment_dtype``,
     the param's shape, contiguous). A param whose grad is None is not stepped.
 
     Args:
@@ -231,6 +232,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self._plan: Any = None
         self._scratch: dict[torch.device, Any] = {}
         self._cpu_tables: dict[int, Any] = {}  # group position -> cpu.KernelTable
+        self._lr_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}  # Triton's lr
         super().__init__(params, defaults)
 
     _step_supports_amp_scaling = True
@@ -275,7 +277,7 @@ class LadderAdamW(torch.optim.Optimizer):
         float32 moments of a bfloat16 param to bfloat16. The moments are therefore set
         aside, the rest is loaded by torch (which validates the groups first and changes
         nothing when they do not match), and the moments are put back in
-        ``moment_dtype`` on the param's device. ``step`` becomes a 0-d float32 CPU tensor.
+        ``moment_dtype`` on the param's device. ``step`` becomes a 0-d float64 CPU tensor.
         """
         moment_keys = ("exp_avg", "exp_avg_sq")
         saved_state = state_dict["state"]
@@ -300,12 +302,12 @@ class LadderAdamW(torch.optim.Optimizer):
                     value = saved_state[saved_id][name]
                     st[name] = value.to(device=p.device, dtype=self.moment_dtype).contiguous()
             if isinstance(st.get("step"), torch.Tensor):
-                st["step"] = st["step"].detach().to("cpu", torch.float32)
+                st["step"] = st["step"].detach().to("cpu", STEP_DTYPE)
 
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
         if len(state) == 0:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.tensor(0.0, dtype=STEP_DTYPE)
             state["exp_avg"] = torch.zeros(p.shape, dtype=self.moment_dtype, device=p.device)
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=self.moment_dtype, device=p.device)
         return cast(dict[str, Any], state)
@@ -354,6 +356,9 @@ class LadderAdamW(torch.optim.Optimizer):
                 check_rounding(group["rounding"])
                 check_param_rounding(group.get("param_rounding", "stochastic"))
                 check_seed(group["seed"])
+                for flag in ("decoupled_weight_decay", "maximize"):
+                    if not isinstance(group.get(flag, False), bool):
+                        raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
             except ValueError as exc:
                 raise ValueError(f"param group {gi}: {exc}") from None
             routes: dict[str, list[tuple[torch.Tensor, int]]] = {
@@ -383,14 +388,20 @@ class LadderAdamW(torch.optim.Optimizer):
                         if len(self.state[p]) == 0:
                             created.append(p)
                             self._init_state(p)
+                        elif self.state[p]["step"].dtype != STEP_DTYPE:  # state set by hand
+                            self.state[p]["step"] = self.state[p]["step"].to(STEP_DTYPE)
                 for p, _ in routes["triton"]:
                     st = self.state[p]
                     if st["step"].device != p.device:
                         st["step"] = st["step"].to(p.device)
+            for group, routes in plan:
+                if routes["triton"]:
+                    self._prepare_triton(group, routes["triton"])
                 if routes["cpu"] and not self._load_cpu_kernel(routes["cpu"], reasons):
                     routes["eager"] += routes["cpu"]
                     routes["cpu"] = []
             self._prepare_cpu_tables(plan)
+            self._check_steps(plan)
             need: dict[torch.device, int] = {}
             for _, routes in plan:
                 for p, _ in routes["eager"]:
@@ -413,6 +424,31 @@ class LadderAdamW(torch.optim.Optimizer):
         self._plan = None
         self._scratch.clear()
         self._cpu_tables.clear()
+        self._lr_tensors.clear()
+
+    def _check_steps(
+        self, plan: list[tuple[dict[str, Any], dict[str, list[tuple[torch.Tensor, int]]]]]
+    ) -> None:
+        """Refuse a step count this rung cannot step from, before anything is written
+        (host steps only: the Triton path keeps ``step`` on the device, where reading it
+        would synchronize; a checkpoint's steps are checked at load). The C kernel's
+        params are read in one call per group through its table.
+
+        Raises:
+            ValueError: naming the param, its step and the limit
+                (:data:`optladder.optimizers.steps.BF16_MAX_STEP` on the bf16 rung, whose
+                random bits' key takes 32-bit steps; :data:`~.steps.MAX_STEP` else).
+        """
+        limit = BF16_MAX_STEP if self.moment_dtype == torch.bfloat16 else MAX_STEP
+        for gi, (_, routes) in enumerate(plan):
+            steps = self._cpu_tables[gi].read_steps() if routes["cpu"] else []
+            steps += [float(self.state[p]["step"].item()) for p, _ in routes["eager"]]
+            for (_, i), step in zip(routes["cpu"] + routes["eager"], steps):
+                if not 0 <= step <= limit:
+                    raise ValueError(
+                        f"param {i} has step {step:.0f}; this rung steps from counts in "
+                        f"[0, {limit:,}]"
+                    )
 
     def _prepare_cpu_tables(
         self, plan: list[tuple[dict[str, Any], dict[str, list[tuple[torch.Tensor, int]]]]]
@@ -573,6 +609,41 @@ class LadderAdamW(torch.optim.Optimizer):
         )
         table.bump_steps()
 
+    @staticmethod
+    def _triton_batches(
+        items: list[tuple[torch.Tensor, int]],
+    ) -> dict[tuple[torch.device, torch.dtype, torch.dtype], list[tuple[torch.Tensor, int]]]:
+        """The params of one Triton launch each: per (device, param dtype, grad dtype)."""
+        batches: dict[
+            tuple[torch.device, torch.dtype, torch.dtype], list[tuple[torch.Tensor, int]]
+        ] = {}
+        for p, i in items:
+            grad = p.grad
+            assert grad is not None
+            batches.setdefault((p.device, p.dtype, grad.dtype), []).append((p, i))
+        return batches
+
+    def _prepare_triton(self, group: dict[str, Any], items: list[tuple[torch.Tensor, int]]) -> None:
+        """Build the Triton launches' device tables for one group's params and a tensor
+        lr's float32 copy on each device, so that the commit's launches allocate nothing."""
+        from optladder.optimizers.kernels import triton_adamw
+
+        lr = group["lr"]
+        for (device, _, _), batch in self._triton_batches(items).items():
+            if isinstance(lr, torch.Tensor):
+                self._lr_tensors[(id(group), device)] = (
+                    lr.detach().to(device=device, dtype=torch.float32).reshape(())
+                )
+            states = [self.state[p] for p, _ in batch]
+            triton_adamw.prepare_tables(
+                [p.detach() for p, _ in batch],
+                [cast(torch.Tensor, p.grad).detach() for p, _ in batch],
+                [st["exp_avg"] for st in states],
+                [st["exp_avg_sq"] for st in states],
+                [st["step"] for st in states],
+                [i for _, i in batch],
+            )
+
     def _step_triton(
         self,
         group: dict[str, Any],
@@ -584,23 +655,13 @@ class LadderAdamW(torch.optim.Optimizer):
         grad dtype)."""
         from optladder.optimizers.kernels import ops
 
-        batches: dict[
-            tuple[torch.device, torch.dtype, torch.dtype], list[tuple[torch.Tensor, int]]
-        ] = {}
-        for p, i in items:
-            grad = p.grad
-            assert grad is not None
-            batches.setdefault((p.device, p.dtype, grad.dtype), []).append((p, i))
         beta1, beta2 = group["betas"]
         lr = group["lr"]
-        for (device, _, _), batch in batches.items():
-            states = [self._init_state(p) for p, _ in batch]
-            for st in states:
-                if st["step"].device != device:
-                    st["step"] = st["step"].to(device)
-            lr_tensor = None
-            if isinstance(lr, torch.Tensor):
-                lr_tensor = lr.detach().to(device=device, dtype=torch.float32).reshape(())
+        for (device, _, _), batch in self._triton_batches(items).items():
+            states = [self.state[p] for p, _ in batch]
+            lr_tensor = (
+                self._lr_tensors[(id(group), device)] if isinstance(lr, torch.Tensor) else None
+            )
             torch.ops.optladder.adamw_bf16_(
                 [p.detach() for p, _ in batch],
                 [cast(torch.Tensor, p.grad).detach() for p, _ in batch],

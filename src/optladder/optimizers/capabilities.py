@@ -8,16 +8,24 @@ from collections.abc import Iterable
 
 import torch
 
+from optladder.oom import is_oom
 from optladder.optimizers import spec
 from optladder.rungs import Capabilities, Rung
+
+_PROBE_ATTEMPTS = 2
 
 
 def fused_adamw_runs(device: torch.device) -> tuple[bool, str]:
     """Whether ``torch.optim.AdamW(fused=True)`` steps on ``device``, and how that is known.
 
     On a device present in this process, one step on a one-element param is run (the
-    probe, not an assumption). For a device that is not present (planning for a GPU on a
-    CPU machine) torch's list of fused device types answers.
+    probe, not an assumption). An out-of-memory error says nothing about the kernel: the
+    probe is tried again, and a second one is raised. For a device that is not present
+    (planning for a GPU on a CPU machine) torch's list of fused device types answers.
+
+    Raises:
+        torch.OutOfMemoryError: (or the allocator's error) when the probe ran out of
+            memory twice.
     """
     present = device.type == "cpu" or (
         device.type == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() > 0
@@ -25,13 +33,20 @@ def fused_adamw_runs(device: torch.device) -> tuple[bool, str]:
     if not present:
         listed = device.type in spec.torch_fused_device_types()
         return listed, "torch's list of fused device types (device not present)"
-    try:
-        p = torch.zeros(1, device=device, requires_grad=True)
-        p.grad = torch.ones_like(p)
-        torch.optim.AdamW([p], lr=1e-3, fused=True).step()
-    except (RuntimeError, NotImplementedError, ValueError) as exc:
-        return False, f"a fused AdamW step failed: {exc}"
-    return True, "a fused AdamW step ran"
+    for attempt in range(_PROBE_ATTEMPTS):
+        try:
+            p = torch.zeros(1, device=device, requires_grad=True)
+            p.grad = torch.ones_like(p)
+            torch.optim.AdamW([p], lr=1e-3, fused=True).step()
+        except (RuntimeError, NotImplementedError, ValueError) as exc:
+            if not is_oom(exc):
+                return False, f"a fused AdamW step failed: {exc}"
+            if attempt + 1 == _PROBE_ATTEMPTS:  # out of memory says nothing of the kernel
+                raise
+            del exc
+            continue
+        return True, "a fused AdamW step ran"
+    raise AssertionError("unreachable")
 
 
 def bitsandbytes_installed() -> tuple[bool, str]:

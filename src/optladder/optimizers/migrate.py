@@ -3,8 +3,8 @@
 Two state layouts exist:
 
 - the *Adam layout* of ``torch.optim.AdamW`` and :class:`LadderAdamW`: ``step`` (0-d
-  float32 tensor), ``exp_avg`` and ``exp_avg_sq`` (the param's shape, float32 on the fp32
-  rung, bfloat16 on the bf16 rung);
+  float64 tensor, see :mod:`optladder.optimizers.steps`), ``exp_avg`` and ``exp_avg_sq``
+  (the param's shape, float32 on the fp32 rung, bfloat16 on the bf16 rung);
 - the *bitsandbytes layout* of ``AdamW8bit``: ``step`` (int), ``state1``/``state2``
   (uint8 codes of the param's shape, or float32 moments below ``min_8bit_size``),
   ``absmax1``/``absmax2`` (one float32 per 256-element block) and ``qmap1``/``qmap2``
@@ -33,6 +33,7 @@ import torch
 
 from optladder.bnb_overrides import quantized_8bit
 from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.steps import BF16_MAX_STEP, BNB_CUDA_MAX_STEP, MAX_STEP, STEP_DTYPE
 from optladder.rungs import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE
 from optladder.sharding import is_dtensor, local_numel, local_tensor, shard_like
 
@@ -245,7 +246,7 @@ def convert_param_state(
         ):
             exp_avg_sq = exp_avg_sq.clone()
         return {
-            "step": torch.tensor(float(step), dtype=torch.float32, device=step_device),
+            "step": torch.tensor(float(step), dtype=STEP_DTYPE, device=step_device),
             "exp_avg": exp_avg,
             "exp_avg_sq": exp_avg_sq,
         }
@@ -308,6 +309,38 @@ def _bnb_state(
     return result
 
 
+def step_limit(engine: torch.optim.Optimizer, p: torch.Tensor) -> tuple[int, str]:
+    """The largest step count ``engine`` takes for ``p`` before its next step, and why.
+
+    Returns:
+        ``(limit, reason)``: the limits of :mod:`optladder.optimizers.steps`.
+    """
+    if isinstance(engine, LadderAdamW) and engine.moment_dtype == torch.bfloat16:
+        return BF16_MAX_STEP, "the bf16 rung keys its random bits by a step below 2**32"
+    if is_bnb_engine(engine) and p.device.type == "cuda":
+        return BNB_CUDA_MAX_STEP, "bitsandbytes' CUDA 8-bit kernel takes the step as an int32"
+    return MAX_STEP, "step counts are exact up to 2**53 - 1"
+
+
+def check_step_range(step: int, engine: torch.optim.Optimizer, p: torch.Tensor, where: str) -> None:
+    """Refuse a step count ``engine`` cannot take another step from.
+
+    Args:
+        step: the steps the param has taken.
+        engine: the engine that would step it.
+        p: the param.
+        where: names the param in messages, e.g. ``"param 3"``.
+
+    Raises:
+        ValueError: naming the param, its step, the limit and why.
+    """
+    limit, why = step_limit(engine, p)
+    if not 0 <= step <= limit:
+        raise ValueError(
+            f"{where} has step {step}; this rung takes step counts in [0, {limit:,}] ({why})"
+        )
+
+
 def same_code_book(saved: torch.Tensor, engine_book: torch.Tensor) -> bool:
     """Whether a checkpoint's code book (``qmap1``/``qmap2``: 256 float32 values that
     uint8 codes index) is the engine's, value for value, so its codes can be kept."""
@@ -319,6 +352,91 @@ def same_code_book(saved: torch.Tensor, engine_book: torch.Tensor) -> bool:
 
 def _group_of(engine: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
     return {id(p): g for g in engine.param_groups for p in g["params"]}
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_HALF = 0x8000  # half of bfloat16's last place, in float32 bits
+
+
+def _splits_exactly(state: Mapping[str, Any], p: torch.Tensor, spec: StateTarget) -> bool:
+    """Whether a move of this state narrows float32 moments to bfloat16 (Adam layout to
+    Adam layout on a plain tensor), which :func:`_split_moment` does exactly."""
+    if spec.layout != "adam" or spec.moment_dtype != torch.bfloat16 or is_dtensor(p):
+        return False
+    moments = [state.get(name) for name in _MOMENTS]
+    return "state1" not in state and all(
+        isinstance(m, torch.Tensor)
+        and m.dtype == torch.float32
+        and m.is_contiguous()
+        and m.device == p.device
+        and m.numel() == p.numel()
+        for m in moments
+    )
+
+
+def _split_moment(m: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split float32 ``m`` into its bfloat16 value and the 16 bits that value drops.
+
+    With ``w = bits(m) + 0x8000`` (modulo 2**32), the bfloat16 value is ``w``'s high half
+    (round to nearest, ties away from zero) and the low half is kept aside, so
+    :func:`_join_moment` gives back ``m`` bit for bit. The addition is done in ``m``'s own
+    storage and undone before returning, so this allocates exactly the two halves:
+    ``m``'s bytes, the bfloat16 value being half of them.
+
+    Returns:
+        ``(value, low)``: a contiguous bfloat16 tensor of ``shape`` and a contiguous int16
+        tensor of ``m``'s element count.
+    """
+    words = m.view(torch.int32)
+    words.add_(_HALF)
+    try:
+        halves = words.reshape(-1).view(torch.int16)  # little-endian: (low, high) pairs
+        # clone, not contiguous(): a one-element slice is "contiguous" and would stay a view
+        value = halves[1::2].clone(memory_format=torch.contiguous_format)
+        value = value.view(torch.bfloat16).reshape(shape)
+        low = halves[0::2].clone(memory_format=torch.contiguous_format)
+    finally:
+        words.sub_(_HALF)  # m as it was, for anyone else holding it
+    return value, low
+
+
+def _join_moment(value: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The float32 moment :func:`_split_moment` split into ``value`` and ``low``."""
+    words = torch.empty(value.shape, dtype=torch.int32, device=value.device)
+    halves = words.view(-1).view(torch.int16)
+    halves[1::2].copy_(value.reshape(-1).view(torch.int16))
+    halves[0::2].copy_(low)
+    return words.sub_(_HALF).view(torch.float32)
+
+
+def _split_state(
+    state: dict[str, Any], p: torch.Tensor, spec: StateTarget
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Move one param's float32 Adam state to bfloat16 moments exactly (see
+    :func:`_split_moment`), freeing each float32 moment once its halves exist.
+
+    Returns:
+        The new state and, per moment, the dropped low bits (for :func:`_unsplit_state`).
+    """
+    step_device = p.device if spec.step_on_param_device else torch.device("cpu")
+    new: dict[str, Any] = {
+        "step": torch.tensor(float(read_step(state)), dtype=STEP_DTYPE, device=step_device)
+    }
+    lows: dict[str, torch.Tensor] = {}
+    try:
+        for name in _MOMENTS:
+            new[name], lows[name] = _split_moment(state[name], p.shape)
+            state[name] = new[name]  # the float32 moment is freed here
+    except BaseException:
+        _unsplit_state(state, lows)
+        raise
+    return new, lows
+
+
+def _unsplit_state(state: dict[str, Any], lows: dict[str, torch.Tensor]) -> None:
+    """Put the float32 moments :func:`_split_state` split back into ``state``."""
+    for name, low in lows.items():
+        state[name] = _join_moment(state[name], low)
 
 
 def migrate_engine(
@@ -337,10 +455,15 @@ def migrate_engine(
     ones freed. ``source`` ends with no state.
 
     If a conversion fails (an OOM), the error is re-raised after the source gets every
-    param's state back: with ``keep_source`` the old state itself (exact); otherwise the
-    params converted so far are converted back, which is exact only when the target's
-    format holds the source's values exactly (a move to a wider format), and rounds them
-    to the target's format otherwise (fp32 moments re-rounded through bf16 or 8 bits).
+    param's state back:
+
+    - with ``keep_source``, the old state itself (exact);
+    - float32 moments narrowed to bfloat16 (fp32 -> bf16): exact too, within the bound
+      above. The bfloat16 value plus the 16 bits it drops take the float32 moment's bytes
+      (:func:`_split_moment`); the dropped bits are kept until the move is done.
+    - otherwise (a move to the 8-bit rung, or a DTensor or non-contiguous moment), the
+      params converted so far are converted back, which rounds them to the target's
+      format; the error raised is then :class:`MigrationRoundedError`, naming them.
 
     Args:
         source: the engine holding the state.
@@ -352,6 +475,11 @@ def migrate_engine(
             failure restores it exactly; the extra memory then peaks at the old state
             plus the new. For moves to a wider format (the new state is the larger one,
             so the bound above does not hold anyway).
+
+    Raises:
+        MigrationRoundedError: a conversion failed and params were rounded on the way back
+            (the original error chained).
+        Whatever a conversion raised, otherwise (the state exactly as before).
     """
     sizes = global_numel or {}
     target_groups = _group_of(target)
@@ -360,24 +488,61 @@ def migrate_engine(
     todo.sort(key=local_numel, reverse=True)  # the bytes this rank converts
     done: list[torch.Tensor] = []
     kept: dict[torch.Tensor, Any] = {}
+    lows: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     try:
         for p in todo:
             spec = state_target(target, target_groups[id(p)], p, sizes.get(id(p)))
-            target.state[p] = convert_param_state(source.state[p], p, spec)
+            old = source.state[p]
+            if not keep_source and _splits_exactly(old, p, spec):
+                target.state[p], lows[p] = _split_state(old, p, spec)
+            else:
+                target.state[p] = convert_param_state(old, p, spec)
             old = source.state.pop(p)
             if keep_source:
                 kept[p] = old
             del old
             done.append(p)
-    except BaseException:
+    except BaseException as exc:
+        rounded: list[int] = []
+        order = {
+            id(q): i for i, q in enumerate(q for g in source.param_groups for q in g["params"])
+        }
         for p in done:
             if p in kept:
                 target.state.pop(p)
                 source.state[p] = kept.pop(p)
+            elif p in lows:
+                state = dict(target.state.pop(p))
+                _unsplit_state(state, lows.pop(p))
+                spec = state_target(source, source_groups[id(p)], p, sizes.get(id(p)))
+                source.state[p] = convert_param_state(state, p, spec)
             else:
                 spec = state_target(source, source_groups[id(p)], p, sizes.get(id(p)))
                 source.state[p] = convert_param_state(target.state.pop(p), p, spec)
+                rounded.append(order[id(p)])
+        if rounded:
+            raise MigrationRoundedError(
+                f"the move ran out of memory or failed ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}) after "
+                f"converting params {sorted(rounded)} (index over all groups); they were "
+                "converted back and keep the narrower format's rounding",
+                sorted(rounded),
+            ) from exc
         raise
+
+
+class MigrationRoundedError(torch.OutOfMemoryError):
+    """A migration failed after converting some params to a narrower format that cannot
+    hold their values exactly (the 8-bit rung); they were converted back with that
+    rounding. Every param has its state on the source engine.
+
+    Attributes:
+        rounded: indices (over all the source engine's groups) of the rounded params.
+    """
+
+    def __init__(self, message: str, rounded: list[int]) -> None:
+        super().__init__(message)
+        self.rounded = rounded
 
 
 FOREIGN_GROUP_KEYS: dict[str, str] = {

@@ -19,23 +19,26 @@ each engine allocates nothing that the dispatcher sees:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
-from optladder.optimizers.migrate import is_bnb_engine
+from optladder.optimizers.migrate import check_step_range, is_bnb_engine, read_step
+from optladder.optimizers.steps import STEP_DTYPE
 
 
 def _torch_adam_init(group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
     """State exactly as ``torch.optim.Adam(W)._init_group`` creates it."""
-    from torch.optim.optimizer import _get_scalar_dtype
-
+    # float64 (not torch's float32) so the count stays exact past 2**24; see steps.py
     if group["capturable"] or group["fused"]:
-        step = torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=p.device)
+        step = torch.zeros((), dtype=STEP_DTYPE, device=p.device)
     else:
-        step = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+        step = torch.tensor(0.0, dtype=STEP_DTYPE, device="cpu")
     state = {
         "step": step,
         "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
@@ -51,7 +54,10 @@ def check_step_inputs(
 ) -> None:
     """Refuse, before anything is allocated or written, what would fail half-way:
     out-of-range group hyperparameters, sparse grads, grads of another shape, dtype or
-    device, and (for torch's fused AdamW) grads laid out unlike their param, which its
+    device, bitsandbytes step counts its kernel cannot take (see
+    :func:`optladder.optimizers.migrate.step_limit`; :class:`LadderAdamW` checks its own,
+    torch's float64 steps cannot leave their range by stepping from a checkpoint that
+    loaded), and (for torch's fused AdamW) grads laid out unlike their param, which its
     CPU kernel silently mis-updates.
 
     Args:
@@ -63,7 +69,8 @@ def check_step_inputs(
     Raises:
         ValueError: naming the group or param, what was found and what is allowed.
     """
-    fused = not isinstance(engine, LadderAdamW) and not is_bnb_engine(engine)
+    bnb = is_bnb_engine(engine)
+    fused = not isinstance(engine, LadderAdamW) and not bnb
     names = group_names or {}
     for gi, group in enumerate(engine.param_groups):
         name = names.get(id(group), f"group {gi}")
@@ -83,6 +90,9 @@ def check_step_inputs(
                     f"{where} has a {g.dtype} grad of shape {tuple(g.shape)} on {g.device}; "
                     f"the param is {p.dtype} of shape {tuple(p.shape)} on {p.device}"
                 )
+            st = engine.state.get(p) if bnb else None
+            if st and "step" in st:  # a Python int (LadderAdamW checks its own steps)
+                check_step_range(read_step(st), engine, p, where)
             if fused and group.get("fused") and g.stride() != p.stride():
                 raise ValueError(
                     f"{where} has a grad with strides {g.stride()} but the param has "
@@ -161,3 +171,27 @@ def commit_step(engine: torch.optim.Optimizer) -> None:
         if getattr(step, "hooked", False):  # torch's profile_hook_step: unwrap it once
             step = step.__wrapped__
         step(engine)
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Hold back Ctrl-C (SIGINT) until the block is done, then raise KeyboardInterrupt.
+
+    A commit interrupted half-way would leave some params stepped and others not. This
+    applies in the main thread while Python's default SIGINT handler is installed; a
+    handler of the user's own is left alone (it runs as usual).
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt

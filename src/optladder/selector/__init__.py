@@ -1,11 +1,11 @@
 """Wires policies and optimizers together: ``choose_optimizer``, the optladder optimizer,
 and the OOM ladder."""
 
+from optladder.oom import describe_error, is_oom
 from optladder.selector.adamw import AdamW, choose_optimizer
 from optladder.selector.adopt import adopt
 from optladder.selector.choose import InsufficientMemoryError, OptladderWarning
 from optladder.selector.ladder import Ladder
-from optladder.selector.oom import describe_error, is_oom
 from optladder.selector.optimizer import (
     ORIGIN_KEY,
     REASON_KEY,
@@ -13,6 +13,7 @@ from optladder.selector.optimizer import (
     Escalation,
     LadderOptimizer,
     OptimizerOutOfMemoryError,
+    PartialStepError,
 )
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "LadderOptimizer",
     "OptimizerOutOfMemoryError",
     "OptladderWarning",
+    "PartialStepError",
     "adopt",
     "choose_optimizer",
     "describe_error",

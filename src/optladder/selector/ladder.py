@@ -4,12 +4,22 @@ of memory.
 An OOM inside the optimizer step is handled by :class:`LadderOptimizer` itself (the step
 is retried, grads kept). An OOM in forward or backward escapes the train step: the
 :class:`Ladder` then zeroes the grads, restores torch's RNG state (so dropout draws
-repeat), empties the allocator's cache, escalates the optimizer one rung (its state
-shrinks, leaving room for activations) and reruns the step.
+repeat), resets a ``torch.amp.GradScaler``'s record of the optimizer, empties the
+allocator's cache, escalates the optimizer one rung (its state shrinks, leaving room for
+activations) and reruns the step. The rules:
 
-The wrapped function must cover the whole gradient-accumulation window (every forward
-and backward that adds into the grads, then ``optimizer.step()``): a rerun starts from
-zeroed grads.
+- A train step is rerun only if no optimizer step was committed in it
+  (``LadderOptimizer.committed_steps`` is compared before and after). An OOM after the
+  commit (an EMA update, a metric) is not rerun: the optimizer escalates for the next
+  step, the committed update stands once, and :meth:`Ladder.run` returns None.
+- It escalates only where that can help: when torch's message says how much the failed
+  allocation asked for, and moving the optimizer as far down as it may go would free
+  less, it raises :class:`OptimizerOutOfMemoryError` naming both and leaves the rung.
+- Grads accumulated before the call are not zeroed silently: when the previous call
+  committed no optimizer step and left grads, none was committed since, and this call
+  added into those grads (no ``opt.zero_grad()`` in it), the OOM is re-raised as
+  :class:`OptimizerOutOfMemoryError` saying so, and nothing moves. Guard the whole
+  accumulation window instead.
 
 Under DDP or FSDP an OOM in forward or backward on one rank cannot be recovered in the
 process: the other ranks wait in a collective that never completes. There the recovery
@@ -20,15 +30,25 @@ optimizer moves to the rung the checkpoint had escalated to.
 from __future__ import annotations
 
 import functools
+import logging
+import weakref
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import torch
 
-from optladder.policies.decision import escalation_target
+from optladder.oom import describe_error, is_oom, requested_bytes
+from optladder.policies.decision import Decision, escalation_target
+from optladder.rungs import Rung
 from optladder.selector.checks import check_max_retries
-from optladder.selector.oom import describe_error, is_oom
-from optladder.selector.optimizer import LadderOptimizer, OptimizerOutOfMemoryError
+from optladder.selector.optimizer import (
+    LadderOptimizer,
+    OptimizerOutOfMemoryError,
+    PartialStepError,
+)
+from optladder.units import format_bytes
+
+logger = logging.getLogger("optladder")
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -46,13 +66,31 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> Non
         torch.cuda.set_rng_state_all(cuda)
 
 
+def _cheapest_reachable(decision: Decision) -> tuple[Rung, int]:
+    """The rung escalation may reach from ``decision.rung`` with the smallest state, and
+    the state bytes moving there frees (0 when none is smaller)."""
+    best: Rung = decision.rung
+    rung: Rung = decision.rung
+    while True:
+        target, _ = escalation_target(decision.model_copy(update={"rung": rung}))
+        if target is None:
+            return best, decision.state_bytes[decision.rung] - decision.state_bytes[best]
+        rung = target
+        if decision.state_bytes[rung] < decision.state_bytes[best]:
+            best = rung
+
+
 class Ladder:
     """Runs train steps so that an out-of-memory error moves the optimizer one rung
-    down and reruns the step, instead of ending the run.
+    down and reruns the step, instead of ending the run (the rules are in this module's
+    docstring and in README's "The OOM ladder").
 
     Args:
         optimizer: the optladder optimizer from :func:`optladder.choose_optimizer`.
         max_retries: reruns allowed per call, ``>= 0`` (each moves one rung).
+        scaler: the ``torch.amp.GradScaler`` the train step uses, if any: its record of
+            this optimizer (``unscale_`` already called) is reset before a rerun, so the
+            rerun's ``scaler.unscale_(opt)`` works.
 
     Example::
 
@@ -70,59 +108,147 @@ class Ladder:
             train_step(batch)        # or: ladder.run(train_step_fn, batch)
     """
 
-    def __init__(self, optimizer: LadderOptimizer, *, max_retries: int = 2) -> None:
+    def __init__(
+        self,
+        optimizer: LadderOptimizer,
+        *,
+        max_retries: int = 2,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
         if not isinstance(optimizer, LadderOptimizer):
             raise TypeError(
                 f"optimizer must be an optladder optimizer (from choose_optimizer), got "
                 f"{type(optimizer).__name__}"
             )
         check_max_retries(max_retries)
+        if scaler is not None and not hasattr(scaler, "_per_optimizer_states"):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         self.optimizer = optimizer
         self.max_retries = max_retries
+        self.scaler = scaler
+        # committed_steps when the last call returned having committed no step (its grads
+        # may be a micro-batch's, to be added to); None after a call that committed one
+        self._accumulating_at: int | None = None
 
-    def run(self, train_step: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    def run(self, train_step: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T | None:
         """Call ``train_step(*args, **kwargs)``; on an OOM in it, escalate and rerun.
 
         Returns:
-            What ``train_step`` returned.
+            What ``train_step`` returned; None when it ran out of memory after its
+            optimizer step committed (the step is not rerun; the optimizer escalated
+            for the next one).
 
         Raises:
             OptimizerOutOfMemoryError: out of memory with no rung left (the original
-                error chained), or ``max_retries`` reruns used up.
+                error chained), ``max_retries`` reruns used up, an escalation that cannot
+                free what the failed allocation asked for, or grads accumulated before
+                the call that a rerun would lose.
+            PartialStepError: the optimizer's commit failed part-way (never rerun).
             Anything else ``train_step`` raises, unchanged.
         """
+        opt = self.optimizer
         retries = 0
         while True:
             rng = _rng_state()
+            committed, zeroed = opt.committed_steps, opt.zero_grad_calls
+            entry = [
+                (p, weakref.ref(p.grad))
+                for g in opt.param_groups
+                for p in g["params"]
+                if p.grad is not None
+            ]
             message = None
             try:
-                return train_step(*args, **kwargs)
-            except OptimizerOutOfMemoryError:
-                raise  # the optimizer already climbed as far as it could
+                result = train_step(*args, **kwargs)
+                self._accumulating_at = (
+                    opt.committed_steps if opt.committed_steps == committed else None
+                )
+                return result
+            except (OptimizerOutOfMemoryError, PartialStepError):
+                raise  # the optimizer already climbed as far as it could / no rerun
             except BaseException as exc:
                 if not is_oom(exc):
                     raise
-                target, why = escalation_target(self.optimizer.decision)
-                if retries >= self.max_retries or target is None:
-                    if target is not None:
-                        why = f"{retries} reruns already (max_retries={self.max_retries})"
-                    raise self.optimizer.out_of_memory_error(
-                        f"out of memory in the train step ({describe_error(exc)}); {why}"
-                    ) from exc
                 message = describe_error(exc)
+                if opt.committed_steps != committed:
+                    self._accumulating_at = None
+                    self._escalate_after_commit(exc, message)
+                    return None
+                if opt.zero_grad_calls == zeroed and self._accumulating_at == committed:
+                    kept = sum(1 for p, ref in entry if ref() is not None and ref() is p.grad)
+                    if kept:
+                        raise opt.out_of_memory_error(
+                            f"out of memory in the train step ({message}); {kept} params "
+                            "had grads from before this call that it added into (gradient "
+                            "accumulation), so a rerun would lose them or count this "
+                            "micro-batch twice: nothing was rerun and the rung stays. Guard "
+                            "the whole accumulation window (zero_grad, every micro-batch's "
+                            "forward and backward, opt.step) in one call"
+                        ) from exc
+                self._check_can_help(exc, message, retries)
                 exc.__traceback__ = None
             # Outside the except block: the failed attempt's frames and tensors are gone.
+            del entry
             retries += 1
-            self.optimizer.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=True)
+            self._reset_scaler()
             _set_rng_state(rng)
-            self.optimizer.escalate(f"out of memory in forward/backward ({message})")
+            opt.escalate(f"out of memory in forward/backward ({message})")
 
-    def guard(self, train_step: Callable[P, T]) -> Callable[P, T]:
+    def _check_can_help(self, exc: BaseException, message: str, retries: int) -> None:
+        """Raise unless escalating one rung and rerunning may get past ``exc``."""
+        opt = self.optimizer
+        target, why = escalation_target(opt.decision)
+        if retries >= self.max_retries or target is None:
+            if target is not None:
+                why = f"{retries} reruns already (max_retries={self.max_retries})"
+            raise opt.out_of_memory_error(
+                f"out of memory in the train step ({message}); {why}"
+            ) from exc
+        asked = requested_bytes(exc)
+        cheapest, freed = _cheapest_reachable(opt.decision)
+        if asked is not None and asked > freed:
+            state = opt.decision.state_bytes[opt.rung]
+            raise opt.out_of_memory_error(
+                f"out of memory in the train step ({message}): the failed allocation asked "
+                f"for {asked:,} bytes ({format_bytes(asked)}), but moving the optimizer "
+                f"from {opt.rung} down to {cheapest} would free only {freed:,} bytes "
+                f"({format_bytes(freed)}) of its {state:,}-byte ({format_bytes(state)}) "
+                "state, so the rung stays. Make room elsewhere: a smaller batch, activation "
+                "checkpointing, shorter sequences, or autocast"
+            ) from exc
+
+    def _escalate_after_commit(self, exc: BaseException, message: str) -> None:
+        """An OOM after the train step's optimizer step committed: no rerun (it would step
+        twice); escalate for the next step where that can help, else raise."""
+        opt = self.optimizer
+        note = "after the optimizer step committed (the step stands once and is not rerun)"
+        try:
+            self._check_can_help(exc, f"{message}, {note}", 0)
+        except OptimizerOutOfMemoryError as err:
+            raise err from exc
+        exc.__traceback__ = None
+        self._reset_scaler()
+        event = opt.escalate(f"out of memory {note} ({message})")
+        logger.warning(
+            "optladder: the train step ran out of memory after its optimizer step; not "
+            "rerun; %s -> %s for the next step; Ladder.run returns None",
+            event.from_rung,
+            event.to_rung,
+        )
+
+    def _reset_scaler(self) -> None:
+        """Forget the GradScaler's per-step record of this optimizer (``unscale_`` done,
+        inf checks), as its ``update()`` does, so the rerun can unscale again."""
+        if self.scaler is not None:
+            self.scaler._per_optimizer_states.pop(id(self.optimizer), None)
+
+    def guard(self, train_step: Callable[P, T]) -> Callable[P, T | None]:
         """Decorator form of :meth:`run`; keeps the function's name, docstring and
         signature (``functools.wraps``)."""
 
         @functools.wraps(train_step)
-        def guarded(*args: P.args, **kwargs: P.kwargs) -> T:
+        def guarded(*args: P.args, **kwargs: P.kwargs) -> T | None:
             return self.run(train_step, *args, **kwargs)
 
         return guarded

@@ -11,12 +11,15 @@ commits, so ranks never differ in rung or step count.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from optladder.errors import OptladderWarning, user_stacklevel
+from optladder.oom import describe_error, is_oom
 from optladder.optimizers.adamw import unscale_grads_
 from optladder.optimizers.build import ENGINE_KEYS, dtype_names
 from optladder.optimizers.capabilities import probe_capabilities
@@ -24,12 +27,19 @@ from optladder.optimizers.checkpoint import from_checkpoint_form, to_checkpoint_
 from optladder.optimizers.migrate import (
     BNB_WRAPPED_KEY,
     check_param_state,
+    check_step_range,
     convert_param_state,
     migrate_engine,
     read_step,
     state_target,
+    unwrap_bnb_state,
 )
-from optladder.optimizers.transaction import commit_step, prepare_step, rollback_step
+from optladder.optimizers.transaction import (
+    commit_step,
+    deferred_interrupts,
+    prepare_step,
+    rollback_step,
+)
 from optladder.policies.decision import Decision, allowed_rungs, escalation_target
 from optladder.policies.footprint import measure_footprint
 from optladder.rungs import (
@@ -51,7 +61,6 @@ from optladder.selector.checks import (
     decoupled_mode,
     refuse_meta_params,
 )
-from optladder.selector.oom import describe_error, is_oom
 from optladder.units import format_bytes
 
 logger = logging.getLogger("optladder")
@@ -64,6 +73,7 @@ __all__ = [
     "Escalation",
     "LadderOptimizer",
     "OptimizerOutOfMemoryError",
+    "PartialStepError",
 ]
 
 _PIN_REASON = "pinned by its param group"
@@ -89,6 +99,27 @@ class OptimizerOutOfMemoryError(torch.OutOfMemoryError):
         self.rung = rung
         self.needed_bytes = needed_bytes
         self.free_bytes = free_bytes
+
+
+class PartialStepError(RuntimeError):
+    """A step's commit failed after it had written some params (it should not: the
+    commit allocates nothing and every check runs before it). The step is not retried:
+    that would step the written params twice. The original error is chained.
+
+    Attributes:
+        stepped: group numbers (places in ``param_groups``) whose params were stepped.
+        partly: group numbers of the engine that failed: some of their params may have
+            been stepped.
+        not_stepped: group numbers not touched.
+    """
+
+    def __init__(
+        self, message: str, stepped: list[int], partly: list[int], not_stepped: list[int]
+    ) -> None:
+        super().__init__(message)
+        self.stepped = stepped
+        self.partly = partly
+        self.not_stepped = not_stepped
 
 
 @dataclass(frozen=True)
@@ -229,6 +260,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         self.escalations: list[Escalation] = []
         self.last_step_skipped = False
         self._steps = 0
+        self._commits = 0
+        self._zero_grad_calls = 0
+        self.partial_step: PartialStepError | None = None
         self._warned: set[tuple[Rung, str]] = set()
         order = list(engine.param_groups if param_groups is None else param_groups)
         held = {id(g) for g in engine.param_groups}
@@ -392,8 +426,22 @@ class LadderOptimizer(torch.optim.Optimizer):
             update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
         )
 
+    @property
+    def committed_steps(self) -> int:
+        """How many steps began writing params (their commit started), failed commits
+        included: :class:`optladder.Ladder` compares it before and after a train step
+        and never reruns a train step in which it changed."""
+        return self._commits
+
+    @property
+    def zero_grad_calls(self) -> int:
+        """How many times :meth:`zero_grad` ran (Ladder tells a train step that starts
+        from fresh grads from one that accumulates into earlier ones)."""
+        return self._zero_grad_calls
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of all params (to None by default, as torch does)."""
+        self._zero_grad_calls += 1
         for engine in self._engines():
             engine.zero_grad(set_to_none=set_to_none)
 
@@ -451,12 +499,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 raise
             error = exc
         if not _agree_any(error is not None, self.device):
-            if grad_scale is not None:
-                grads = [p.grad for g in self.param_groups for p in g["params"]]
-                unscale_grads_([g for g in grads if g is not None], grad_scale)
-            for engine in engines:  # commits allocate nothing: all of them run
-                commit_step(engine)
-            self._steps += 1
+            self._commit(engines, grad_scale)
             self._warn_unfused()
             return None
         for engine, created in prepared:  # this rank prepared, another ran out of memory
@@ -477,6 +520,53 @@ class LadderOptimizer(torch.optim.Optimizer):
             error.__traceback__ = None
         del error
         return message
+
+    def _commit(
+        self, engines: list[torch.optim.Optimizer], grad_scale: torch.Tensor | None
+    ) -> None:
+        """Run every engine's commit (they allocate nothing), with Ctrl-C held back until
+        all are done. Should one fail anyway, record which groups were written
+        (``partial_step``) and raise :class:`PartialStepError` (a KeyboardInterrupt or
+        other ``BaseException`` is re-raised as it is, after the record)."""
+        self._commits += 1  # before the first write: Ladder must never rerun this step
+        done: list[torch.optim.Optimizer] = []
+        try:
+            with deferred_interrupts():
+                if grad_scale is not None:
+                    grads = [p.grad for g in self.param_groups for p in g["params"]]
+                    unscale_grads_([g for g in grads if g is not None], grad_scale)
+                for engine in engines:
+                    commit_step(engine)
+                    done.append(engine)
+        except BaseException as exc:
+            if len(done) == len(engines):  # Ctrl-C held back until the step was whole
+                self._steps += 1
+                self.partial_step = None
+                raise
+            failing = engines[len(done)]
+            place = {id(g): gi for gi, g in enumerate(self.param_groups)}
+
+            def places(es: list[torch.optim.Optimizer]) -> list[int]:
+                return sorted(place[id(g)] for e in es for g in e.param_groups)
+
+            stepped, partly = places(done), places([failing])
+            rest = places(engines[len(done) + 1 :])
+            error = PartialStepError(
+                f"the optimizer step failed in its commit ({describe_error(exc)}) after it "
+                f"had written params: param groups {stepped} were stepped, {partly} may be "
+                f"partly stepped, {rest} were not. The step is not retried (that would step "
+                "the written params twice); resume from a checkpoint to continue exactly.",
+                stepped,
+                partly,
+                rest,
+            )
+            self.partial_step = error
+            logger.error("optladder: %s", error)
+            if isinstance(exc, Exception):
+                raise error from exc
+            raise
+        self._steps += 1
+        self.partial_step = None
 
     def out_of_memory_error(self, message: str) -> OptimizerOutOfMemoryError:
         """The error to raise when out of memory with nowhere to go: ``message`` plus the
@@ -514,13 +604,30 @@ class LadderOptimizer(torch.optim.Optimizer):
         """Move the state to the next cheaper rung (one rung), in place.
 
         Raises:
-            OptimizerOutOfMemoryError: if there is no rung to move to.
+            OptimizerOutOfMemoryError: if there is no rung to move to, or the move itself
+                ran out of memory (the message says so; the rung stays, and the state is
+                as before, or names the params an 8-bit move rounded).
         """
         target, why_not = escalation_target(self._decision)
         if target is None or self._rebuild is None:
             raise self.out_of_memory_error(f"{reason}; {why_not or 'no rebuild function'}")
         event = Escalation(self.rung, target, reason, self._steps)
-        self.migrate_to(target, reason, origin="escalated")
+        try:
+            self.migrate_to(target, reason, origin="escalated")
+        except BaseException as exc:
+            if not is_oom(exc):
+                raise
+            rounded = getattr(exc, "rounded", None)
+            state = (
+                f"params {rounded} (index over the moved groups) were converted back with the "
+                f"{target} format's rounding"
+                if rounded
+                else "every param's state is exactly as before"
+            )
+            raise self.out_of_memory_error(
+                f"{reason}; escalating {self.rung} -> {target} ran out of memory too "
+                f"({describe_error(exc)}): the optimizer stays on {self.rung} and {state}"
+            ) from exc
         self.escalations.append(event)
         logger.warning(
             "optladder: %s; escalated %s -> %s after %d steps",
@@ -778,9 +885,13 @@ class LadderOptimizer(torch.optim.Optimizer):
             owner = {id(g): e for e in self._engines(engine) for g in e.param_groups}
             new_state: dict[torch.Tensor, dict[str, Any]] = {}
             group_of_param = [g for g in live_groups for _ in g["params"]]
-            for (key, p), group in zip(pairs, group_of_param):
+            for pi, ((key, p), group) in enumerate(zip(pairs, group_of_param)):
                 saved_param_state = loaded.get(key)
                 if saved_param_state:
+                    flat = unwrap_bnb_state(saved_param_state)
+                    if "step" in flat:
+                        where = f"param {pi} of the state_dict"
+                        check_step_range(read_step(flat), owner[id(group)], p, where)
                     target = state_target(owner[id(group)], group, p)
                     new_state[p] = convert_param_state(saved_param_state, p, target, copy=True)
         except BaseException:
@@ -794,8 +905,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         self.state.clear()
         self.state.update(new_state)
         if move_to is not None:
-            reason = f"the checkpoint had escalated to {move_to}"
-            self._switch(engine, move_to, reason, "checkpoint")
+            self._switch(engine, move_to, self._checkpoint_reason(move_to), "checkpoint")
 
     def _checkpoint_rung(self, groups: list[dict[str, Any]]) -> Rung | None:
         """The rung to move to before loading a checkpoint with these param groups: the
@@ -852,9 +962,31 @@ class LadderOptimizer(torch.optim.Optimizer):
         check_checkpoint_groups(list(param_groups), decoupled_mode(self.engine), need_params=False)
         target = self._checkpoint_rung(list(param_groups))
         if target is not None:
-            reason = f"the checkpoint had escalated to {target}"
-            self.migrate_to(target, reason, origin="checkpoint")
+            self.migrate_to(target, self._checkpoint_reason(target), origin="checkpoint")
         return target
+
+    def _checkpoint_reason(self, rung: Rung) -> str:
+        """Why the optimizer moves to a checkpoint's ``rung``, for the decision's reasons;
+        warns (``UserWarning`` and a log line) when the local policy would not pick that
+        rung: it is wider than the current one or over the memory gate here."""
+        reason = f"the checkpoint had escalated to {rung}"
+        d = self._decision
+        state, gate = d.state_bytes[rung], d.budget_bytes
+        if RUNGS.index(rung) < RUNGS.index(d.rung) or state > gate:
+            reason += (
+                f" (the local policy chose {d.rung}: {rung} state {state:,} bytes "
+                f"({format_bytes(state)}) against a gate of {gate:,} bytes "
+                f"({format_bytes(gate)}){', over it' if state > gate else ''}; moved as the "
+                "checkpoint asks. To keep the local rung, build the optimizer with rung= "
+                "or load into a pinned one)"
+            )
+            warnings.warn(
+                f"optladder: loading moves the optimizer to {rung}: {reason}",
+                OptladderWarning,
+                stacklevel=user_stacklevel(),
+            )
+            logger.warning("optladder: %s", reason)
+        return reason
 
     def __getstate__(self) -> dict[str, Any]:
         """Refused: the optimizer holds its engines and a build function, which a copy

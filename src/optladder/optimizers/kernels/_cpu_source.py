@@ -34,7 +34,7 @@ typedef struct {
     const void *grad;      /* OL_* grad_dtype */
     void *exp_avg;         /* float32, or bfloat16 bit patterns */
     void *exp_avg_sq;
-    float *step;           /* the param's 0-d float32 step count (ol_read/bump_steps) */
+    double *step;          /* the param's 0-d float64 step count (ol_read/bump_steps) */
     int64_t numel;
     int64_t param_index;   /* position over all param groups (the random bits' counter) */
     int32_t grad_dtype;
@@ -304,13 +304,13 @@ int ol_adamw_step(const ol_param_t *params, int64_t n_params, const int64_t *off
 
 /* The step counts of the table, read into out[n] and bumped together (one call each per
    step instead of one torch call per param). */
-void ol_read_steps(const ol_param_t *params, int64_t n, float *out) {
+void ol_read_steps(const ol_param_t *params, int64_t n, double *out) {
     for (int64_t k = 0; k < n; k++) out[k] = *params[k].step;
 }
 
 void ol_bump_steps(const ol_param_t *params, int64_t n) {
-    for (int64_t k = 0; k < n; k++) *params[k].step += 1.0f;
+    for (int64_t k = 0; k < n; k++) *params[k].step += 1.0;
 }
 
-int ol_abi_version(void) { return 3; }
+int ol_abi_version(void) { return 4; }
 """

@@ -280,7 +280,7 @@ def _declare(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     return lib
 
 
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 """``ol_abi_version()`` of the source: the layout of ``ol_param_t``/``ol_hyper_t``."""
 
 
@@ -297,7 +297,7 @@ def _declare_signature(lib: ctypes.CDLL) -> None:
     lib.ol_read_steps.argtypes = (
         ctypes.POINTER(_Param),
         ctypes.c_int64,
-        ctypes.POINTER(ctypes.c_float),
+        ctypes.POINTER(ctypes.c_double),
     )
     lib.ol_read_steps.restype = None
     lib.ol_bump_steps.argtypes = (ctypes.POINTER(_Param), ctypes.c_int64)
@@ -378,7 +378,7 @@ class KernelTable:
             :func:`param_unsupported_reason`).
         exp_avgs, exp_avg_sqs: their moments, all float32 or all bfloat16, contiguous,
             the params' shapes.
-        steps: their step counts, 0-d float32 CPU tensors.
+        steps: their step counts, 0-d float64 CPU tensors (exact to 2**53).
         param_indices: each param's index over all param groups (for the random bits).
 
     Raises:
@@ -400,15 +400,15 @@ class KernelTable:
         self.moment_dtype = moment_dtype
         self.rows = (_Param * max(n, 1))()
         self.offsets = (ctypes.c_int64 * (n + 1))()
-        self.step_values = (ctypes.c_float * max(n, 1))()
+        self.step_values = (ctypes.c_double * max(n, 1))()
         self.signature = table_signature(params, exp_avgs, exp_avg_sqs, steps, param_indices)
         total = 0
         for k, (p, m, v, s, i) in enumerate(
             zip(params, exp_avgs, exp_avg_sqs, steps, param_indices, strict=True)
         ):
-            if s.dtype != torch.float32 or s.device.type != "cpu" or s.numel() != 1:
+            if s.dtype != torch.float64 or s.device.type != "cpu" or s.numel() != 1:
                 raise ValueError(
-                    f"steps[{k}] must be a one-element float32 CPU tensor, got {s.dtype} "
+                    f"steps[{k}] must be a one-element float64 CPU tensor, got {s.dtype} "
                     f"{tuple(s.shape)} on {s.device}"
                 )
             if p.dtype not in DTYPE_CODES or p.device.type != "cpu" or not p.is_contiguous():

@@ -78,7 +78,7 @@ def adamw_bf16_(
         exp_avgs: first moments, all bfloat16 or all float32, contiguous, the params'
             shapes.
         exp_avg_sqs: second moments, likewise.
-        steps: 0-d float32 step counts on the params' device, one per param.
+        steps: 0-d float64 step counts on the params' device, one per param.
         param_indices: each param's index over all param groups (for the random bits).
         lr: learning rate when ``lr_tensor`` is None.
         lr_tensor: 0-d float32 tensor learning rate on the device, or None.

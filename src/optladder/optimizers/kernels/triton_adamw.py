@@ -283,7 +283,7 @@ def _adamw_bf16_kernel(
     if HAS_INF:
         go = tl.load(found_inf_ptr) == 0.0
     if go:
-        step = tl.load(s_int.to(tl.pointer_type(tl.float32)))  # already incremented
+        step = tl.load(s_int.to(tl.pointer_type(tl.float64)))  # already incremented
         n = step.to(tl.int64)
         if LR_TENSOR:
             lr = tl.load(lr_ptr).to(tl.float64)
@@ -336,6 +336,19 @@ def _bits64(x: float) -> int:
 
 def _f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
+
+
+def prepare_tables(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    steps: Sequence[torch.Tensor],
+    param_indices: Sequence[int],
+) -> None:
+    """Build (or find cached) the device tables of one launch over these tensors, so that
+    the launch itself allocates nothing (an optimizer's prepare phase calls this)."""
+    _tables_for(params, grads, exp_avgs, exp_avg_sqs, steps, param_indices)
 
 
 def _tables_for(

@@ -1,0 +1,667 @@
+"""Every step exactly once: all-or-nothing steps under any failure, and a ladder that
+never reruns a committed step (issue 11; the cases rel-01..22 and bug-10 as tests)."""
+
+from __future__ import annotations
+
+import copy
+import signal
+import warnings
+
+import pytest
+import torch
+
+from memtools import FailNthAllocation, _fresh_results
+from optladder import Ladder, OptimizerOutOfMemoryError, choose_optimizer
+from optladder.oom import requested_bytes
+from optladder.optimizers.capabilities import fused_adamw_runs
+from optladder.optimizers.kernels import cpu
+from optladder.optimizers.migrate import _join_moment, _split_moment
+from optladder.selector.optimizer import PartialStepError
+from snapshots import assert_same, snapshot
+
+RUNGS = ("fp32", "bf16", "8bit")
+
+
+class _Net(torch.nn.Module):
+    """An embedding (8,192 elements: quantized on the 8-bit rung) and a small body."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(128, 64)
+        self.body = torch.nn.Linear(64, 8)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.body(self.emb(idx)).square().mean()
+
+
+def _batch(i: int) -> torch.Tensor:
+    return torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(100 + i))
+
+
+def _groups(net: _Net, pin: str | None) -> list[dict]:  # type: ignore[type-arg]
+    emb: dict = {"params": [net.emb.weight]}  # type: ignore[type-arg]
+    if pin is not None:
+        emb["rung"] = pin
+    return [emb, {"params": list(net.body.parameters()), "lr": 5e-3}]
+
+
+def _build(rung: str, pin: str | None):  # type: ignore[no-untyped-def]
+    net = _Net()
+    opt = choose_optimizer(
+        _groups(net, pin), lr=1e-2, free_memory="64GiB", environ={"OPTLADDER_RUNG": rung}
+    )
+    # OPTLADDER_RUNG pins the rung; let the test's optimizer escalate like a policy one
+    opt._decision = opt.decision.model_copy(
+        update={"overrides": opt.decision.overrides.model_copy(update={"pinned": None})}
+    )
+    return net, opt
+
+
+def _step_fn(net: _Net, opt):  # type: ignore[no-untyped-def]
+    def train_step(idx: torch.Tensor) -> float:
+        opt.zero_grad()
+        loss = net(idx)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    return train_step
+
+
+def _no_reasons(snap):  # type: ignore[no-untyped-def]
+    """A snapshot without the groups' ``rung_reason`` (its words quote the OOM)."""
+    for group in snap[1]["param_groups"]:
+        group.pop("rung_reason", None)
+    return snap
+
+
+# ------------------------------------------------------------ fault injection, whole steps
+@pytest.mark.parametrize("pin", [None, "fp32", "8bit"])
+@pytest.mark.parametrize("rung", RUNGS)
+def test_a_failed_allocation_anywhere_in_a_guarded_step_neither_loses_nor_doubles_it(
+    rung: str, pin: str | None
+) -> None:
+    """Fail the k-th allocation of a Ladder-guarded train step (forward, backward,
+    prepare, escalation; the commit has none) for sampled k, then run one more step. Each
+    run equals, bit for bit, a run that never failed and moved rungs at the same points
+    (the escalations the failing run recorded), and takes exactly one step per batch."""
+    if pin == rung:
+        pytest.skip("a pin equal to the decided rung is the unpinned case")
+    net, opt = _build(rung, pin)
+    _step_fn(net, opt)(_batch(0))
+    batch, step = _batch(1), _step_fn(net, opt)
+    with FailNthAllocation() as counter:
+        Ladder(opt).run(step, batch)
+    total = counter.count
+    assert total >= 10
+    for k in sorted({1, total // 2, total}):
+        net, opt = _build(rung, pin)
+        _step_fn(net, opt)(_batch(0))
+        before = snapshot(opt)
+        raised = None
+        ladder, step = Ladder(opt), _step_fn(net, opt)
+        try:
+            with FailNthAllocation(k):
+                ladder.run(step, batch)
+        except OptimizerOutOfMemoryError as exc:  # the move itself failed: nothing changed
+            raised = exc
+            assert_same(snapshot(opt), before)
+        _step_fn(net, opt)(_batch(2))
+        # the reference: no fault, the same moves at the same step counts
+        ref_net, ref = _build(rung, pin)
+        moves = {e.step for e in opt.escalations}
+        for i in range(3):
+            if raised is not None and i == 1:
+                continue  # the failed call committed nothing
+            if i in moves:
+                ref.escalate("as the failing run did")
+            _step_fn(ref_net, ref)(_batch(i))
+        assert opt.rung == ref.rung, k
+        assert_same(_no_reasons(snapshot(opt)), _no_reasons(snapshot(ref)))
+        steps = 2 if raised is not None else 3
+        for p in net.parameters():
+            assert int(float(opt.state[p]["step"])) == steps, k
+
+
+@pytest.mark.parametrize(("src", "dst"), [("fp32", "bf16"), ("bf16", "8bit"), ("8bit", "fp32")])
+def test_a_load_that_fails_at_any_allocation_changes_nothing(src: str, dst: str) -> None:
+    """Fail the k-th allocation of load_state_dict (sampled k; a pinned group beside): the
+    optimizer is as before, and loading again then stepping equals a clean load."""
+
+    def trained(rung: str):  # type: ignore[no-untyped-def]
+        net, opt = _build(rung, "fp32")
+        for i in range(2):
+            _step_fn(net, opt)(_batch(i))
+        return net, opt
+
+    _, source = trained(src)
+    saved = copy.deepcopy(source.state_dict())
+    net, opt = trained(dst)
+    sd = copy.deepcopy(saved)
+    with FailNthAllocation() as counter:
+        opt.load_state_dict(sd)
+    _step_fn(net, opt)(_batch(5))
+    expected = _no_reasons(snapshot(opt))
+    for k in sorted({1, counter.count // 2, counter.count}):
+        net, opt = trained(dst)
+        before = snapshot(opt)
+        sd = copy.deepcopy(saved)
+        with pytest.raises(torch.OutOfMemoryError), FailNthAllocation(k):
+            opt.load_state_dict(sd)
+        assert opt.rung == dst
+        assert_same(snapshot(opt), before)
+        opt.load_state_dict(copy.deepcopy(saved))
+        _step_fn(net, opt)(_batch(5))
+        assert_same(_no_reasons(snapshot(opt)), expected)
+
+
+# ------------------------------------------------------------ a committed step is never rerun
+def test_an_oom_after_the_optimizer_step_is_not_rerun() -> None:
+    """rel-01: an OOM after opt.step() (an EMA update, a metric): no rerun; the optimizer
+    escalates for the next step and the committed step stands once."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 8)
+    ref_model = copy.deepcopy(model)
+    opt = choose_optimizer(model, lr=1e-2, free_memory="8GiB")
+    x = torch.randn(16, 32)
+    calls = []
+
+    @Ladder(opt).guard
+    def train_step() -> float:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (after opt.step)")
+        return 1.0
+
+    assert train_step() is None
+    assert len(calls) == 1 and opt.committed_steps == 1
+    assert opt.rung == "bf16" and "after the optimizer step committed" in opt.escalations[0].reason
+    # the one step equals torch's AdamW (independent reference), moments moved to bf16 after
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    ref_model(x).pow(2).mean().backward()
+    ref.step()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+        assert int(opt.state[p]["step"]) == 1
+
+
+def _fused_fails_on_second_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = torch._fused_adamw_
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (in the fused kernel)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", failing)
+
+
+def test_a_commit_that_fails_part_way_is_reported_and_never_rerun(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bug-10: torch's fused kernel fails on the second group after the first was written:
+    PartialStepError names the groups, Ladder does not rerun, step counts are not doubled."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+    opt = choose_optimizer(
+        [{"params": a.parameters()}, {"params": b.parameters(), "lr": 5e-3}],
+        lr=1e-2,
+        free_memory="64GiB",
+    )
+    _fused_fails_on_second_call(monkeypatch)
+    x = torch.randn(4, 8)
+
+    def train_step() -> None:
+        opt.zero_grad()
+        b(a(x)).sum().backward()
+        opt.step()
+
+    with pytest.raises(PartialStepError) as info:
+        Ladder(opt).run(train_step)
+    assert info.value.partly == [0, 1] and info.value.stepped == [] == info.value.not_stepped
+    assert "not retried" in str(info.value) and opt.partial_step is info.value
+    assert opt.committed_steps == 1 and opt.rung == "fp32" and not opt.escalations
+    assert int(opt.state[a.weight]["step"]) == 1  # written once, not twice
+
+
+def test_the_bf16_cpu_kernel_commit_allocates_nothing_for_any_group(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """rel-02: the C kernel's tables (rows and the offsets prefix sums) are built in
+    prepare and kept, so the commit's kernel calls (one per group) allocate no tensor and
+    cannot fail on input prepare accepted. The result equals one optimizer per group
+    (round to nearest: no param-index keys)."""
+    from optladder.optimizers import LadderAdamW
+
+    torch.manual_seed(0)
+    nets = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)]
+    twin = copy.deepcopy(nets)
+    real = cpu.adamw_step
+    calls = []
+
+    def counting(table, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(table.n_params)
+        with FailNthAllocation() as counter:  # counts torch allocations
+            out = real(table, **kwargs)
+        assert counter.count == 0
+        return out
+
+    monkeypatch.setattr(cpu, "adamw_step", counting)
+    hyper = {"lr": 3e-3, "betas": (0.8, 0.99), "weight_decay": 0.1}
+    opt = LadderAdamW(
+        [{"params": nets[0].parameters()}, {"params": nets[1].parameters(), **hyper}],
+        lr=1e-2,
+        rounding="nearest",
+    )
+    refs = [
+        LadderAdamW(twin[0].parameters(), lr=1e-2, rounding="nearest"),
+        LadderAdamW(twin[1].parameters(), rounding="nearest", **hyper),  # type: ignore[arg-type]
+    ]
+    x = torch.randn(16, 64)
+    for _ in range(3):
+        opt.zero_grad()
+        nets[1](nets[0](x)).pow(2).mean().backward()
+        opt.step()
+    assert calls == [2, 2] * 3  # one call per group, each with its 2 params
+    for _ in range(3):
+        for r in refs:
+            r.zero_grad()
+        twin[1](twin[0](x)).pow(2).mean().backward()
+        for r in refs:
+            r.step()
+    assert calls == [2, 2] * 6
+    pairs = zip(
+        [*nets[0].parameters(), *nets[1].parameters()],
+        [*twin[0].parameters(), *twin[1].parameters()],
+    )
+    for i, (p, q) in enumerate(pairs):
+        ref = refs[i // 2]
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+        assert opt.state[p]["step"].dtype == torch.float64
+
+
+# ------------------------------------------------------------ checks before the first write
+@pytest.mark.parametrize(
+    ("rung", "key", "value", "match"),
+    [
+        ("bf16", "seed", -1, "seed"),
+        ("bf16", "decoupled_weight_decay", None, "decoupled_weight_decay"),
+        ("bf16", "rounding", "nearst", "rounding"),
+        ("fp32", "amsgrad", True, "amsgrad"),
+        ("8bit", "maximize", True, "maximize"),
+    ],
+)
+def test_a_bad_option_in_a_later_group_is_refused_before_any_write(
+    rung: str, key: str, value: object, match: str
+) -> None:
+    """rel-15: options are checked for every group before anything is written."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 4)
+    opt = choose_optimizer(
+        [{"params": a.parameters()}, {"params": b.parameters()}], rung=rung, lr=1e-2
+    )
+    for p in [*a.parameters(), *b.parameters()]:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[1][key] = value
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=f"param group 1.*{match}"):
+        opt.step()
+    assert_same(snapshot(opt), before)
+    assert opt.committed_steps == 1
+
+
+# ------------------------------------------------------------ exact counters
+@pytest.mark.parametrize("rung", RUNGS)
+def test_step_counts_stay_exact_past_2_24(rung: str) -> None:
+    """rel-19: float32 stops counting at 2**24; every rung counts on."""
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = choose_optimizer([p], rung=rung, lr=1e-3)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    st = opt.state[p]
+    if rung == "8bit":
+        st["step"] = 2**24 - 2
+    else:
+        st["step"].fill_(2**24 - 2)
+    counts = []
+    for _ in range(4):
+        p.grad = torch.randn_like(p)
+        opt.step()
+        counts.append(int(float(st["step"])))
+    assert counts == [2**24 - 1, 2**24, 2**24 + 1, 2**24 + 2]
+
+
+def test_bf16_steps_past_2_24_use_new_random_bits() -> None:
+    """The C kernel and the eager oracle agree at step 2**24 + 1 and 2**24 + 2, and the two
+    steps round with different bits (the key moves with the step)."""
+    from optladder.optimizers import LadderAdamW
+
+    torch.manual_seed(0)
+    base = torch.randn(4096)
+    out = {}
+    for backend in ("auto", "eager"):
+        p = torch.nn.Parameter(base.clone())
+        opt = LadderAdamW([p], lr=1e-3, backend=backend)  # type: ignore[arg-type]
+        p.grad = torch.ones_like(p)
+        opt.step()
+        opt.state[p]["step"].fill_(2**24)
+        p.grad = torch.full_like(p, 0.5)
+        opt.step()
+        out[backend] = (p.detach().clone(), opt.state[p]["exp_avg"].clone())
+        assert opt.state[p]["step"].item() == 2**24 + 1
+    assert torch.equal(out["auto"][0], out["eager"][0])
+    assert torch.equal(out["auto"][1], out["eager"][1])
+
+
+@pytest.mark.parametrize(
+    ("rung", "step", "ok"),
+    [
+        ("bf16", 5e9, False),
+        ("bf16", 2**32 - 2, True),
+        ("fp32", 5e9, True),
+        ("fp32", 2.0**53, False),
+    ],
+)
+def test_checkpoint_steps_outside_a_rungs_range_are_refused_at_load(
+    rung: str, step: float, ok: bool
+) -> None:
+    """rel-06: the bf16 rung's random bits take steps below 2**32, float64 counts to 2**53;
+    a checkpoint outside is refused at load and nothing changes, one inside continues."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+    opt = choose_optimizer([{"params": a.parameters()}, {"params": b.parameters()}], rung=rung)
+    for p in [*a.parameters(), *b.parameters()]:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    for i in (2, 3):
+        sd["state"][i]["step"] = torch.tensor(step, dtype=torch.float64)
+    before = snapshot(opt)
+    if not ok:
+        with pytest.raises(ValueError, match="param 2 of the state_dict has step"):
+            opt.load_state_dict(sd)
+        assert_same(snapshot(opt), before)
+        return
+    opt.load_state_dict(sd)
+    opt.step()
+    assert opt.state[b.weight]["step"].item() == step + 1
+    assert opt.state[a.weight]["step"].item() == 2
+
+
+# ------------------------------------------------------------ probe, migration, load
+def test_a_probe_that_runs_out_of_memory_is_retried_then_raises() -> None:
+    """rel-12: an OOM says nothing about the kernel: retried once, never read as 'no
+    fused kernel'; two in a row are raised."""
+    with FailNthAllocation(1):
+        assert fused_adamw_runs(torch.device("cpu")) == (True, "a fused AdamW step ran")
+
+    class AlwaysFail(FailNthAllocation):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            raise torch.OutOfMemoryError("CUDA out of memory (probe)")
+
+    with pytest.raises(torch.OutOfMemoryError), AlwaysFail():
+        fused_adamw_runs(torch.device("cpu"))
+    model = torch.nn.Linear(16, 16)
+    with FailNthAllocation(1):  # the probe's first allocation
+        opt = choose_optimizer(model, free_memory="8GiB")
+    assert opt.decision.fused and opt.engine.param_groups[0]["fused"]
+
+
+def test_an_escalation_that_runs_out_of_memory_says_so() -> None:
+    """rel-13: a move that fails inside Ladder surfaces as OptimizerOutOfMemoryError naming
+    the move, the rung stays and the state is exactly as before."""
+    model = torch.nn.Linear(64, 64)
+    opt = choose_optimizer(model, lr=1e-3, free_memory="8GiB")
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    before = snapshot(opt)
+
+    class FailAll(FailNthAllocation):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if _fresh_results(func):
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 64)
+
+    def train_step() -> None:
+        opt.zero_grad()
+        model(x).sum().backward()
+
+    # memory is exhausted: forward fails, and so does the move
+    with (
+        pytest.raises(OptimizerOutOfMemoryError, match="escalating fp32 -> bf16 ran out"),
+        FailAll(),
+    ):
+        Ladder(opt).run(train_step)
+    assert opt.rung == "fp32"
+    assert_same(snapshot(opt), before)
+
+
+def _trained_params(sizes: tuple[int, ...], env: dict[str, str]):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(k)) for k in sizes]
+    opt = choose_optimizer(ps, lr=1e-2, free_memory="8GiB", environ=env)
+    for _ in range(3):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return ps, opt
+
+
+def test_a_failed_fp32_to_bf16_escalation_changes_nothing_at_any_allocation() -> None:
+    """rel-07: fp32 -> bf16 keeps each moment's dropped 16 bits until the move is done, so
+    a failure at any allocation gives every param its float32 moments back bit for bit."""
+    sizes = (3000, 2000, 1000)
+    _, opt = _trained_params(sizes, {})
+    with FailNthAllocation() as counter:
+        opt.escalate("count")
+    for k in range(1, counter.count + 1):
+        _, opt = _trained_params(sizes, {})
+        before = snapshot(opt)
+        with (
+            pytest.raises(OptimizerOutOfMemoryError, match="exactly as before"),
+            FailNthAllocation(k),
+        ):
+            opt.escalate("injected")
+        assert opt.rung == "fp32"
+        assert_same(snapshot(opt), before)
+
+
+def test_a_failed_move_to_8bit_names_the_rounded_params() -> None:
+    """8-bit codes cannot hold bf16 moments exactly within the one-param bound: the error
+    names the params converted back with that rounding."""
+    _, opt = _trained_params((300_000, 200_000, 100_000), {"OPTLADDER_BF16_ADAM": "1"})
+    with FailNthAllocation() as counter:
+        opt.escalate("count")
+    _, opt = _trained_params((300_000, 200_000, 100_000), {"OPTLADDER_BF16_ADAM": "1"})
+    with (
+        pytest.raises(OptimizerOutOfMemoryError, match=r"params \[0, 1\]"),
+        FailNthAllocation(counter.count),
+    ):
+        opt.escalate("injected")
+    assert opt.rung == "bf16"
+
+
+@pytest.mark.parametrize("n", [1, 1000, 65536, 1_000_003])
+def test_splitting_a_float32_moment_is_exact_and_rounds_to_nearest(n: int) -> None:
+    """The bfloat16 half is float32's value rounded to nearest (ties away from zero);
+    joined with the low half it is the float32 value, every bit (NaN and inf too)."""
+    gen = torch.Generator().manual_seed(n)
+    bits = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
+    m = bits.view(torch.float32)
+    original = m.clone()
+    value, low = _split_moment(m, torch.Size([n]))
+    assert torch.equal(m.view(torch.int32), original.view(torch.int32))  # source untouched
+    assert torch.equal(_join_moment(value, low).view(torch.int32), original.view(torch.int32))
+    finite = torch.isfinite(original) & torch.isfinite(value.float())
+    ties = (original.view(torch.int32) & 0xFFFF) == 0x8000
+    keep = finite & ~ties
+    assert torch.equal(value[keep], original[keep].to(torch.bfloat16))
+
+
+def test_a_load_that_moves_past_the_local_policy_warns_and_says_why() -> None:
+    """rel-22: a checkpoint that escalated to bf16, loaded where the policy chose 8bit."""
+    m = torch.nn.Linear(256, 256)
+    src = choose_optimizer(m, lr=1e-3, free_memory="8GiB")
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    src.step()
+    src.escalate("OOM")
+    src.step()
+    dst = choose_optimizer(copy.deepcopy(m), lr=1e-3, free_memory=560_000)
+    assert dst.rung == "8bit"
+    with pytest.warns(UserWarning, match="loading moves the optimizer to bf16"):
+        dst.load_state_dict(copy.deepcopy(src.state_dict()))
+    assert dst.rung == "bf16" and not dst.decision.fits
+    assert "the local policy chose 8bit" in dst.decision.reasons[-1]
+    # a checkpoint that moves down (within the gate) does not warn
+    quiet = choose_optimizer(copy.deepcopy(m), lr=1e-3, free_memory="8GiB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.load_state_dict(copy.deepcopy(src.state_dict()))
+    assert quiet.rung == "bf16"
+
+
+def test_ctrl_c_during_the_commit_waits_until_the_step_is_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """rel-20: SIGINT in the commit is held until every group is written, then raised:
+    params, moments and step counts all show the step."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+    ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
+    opts = [
+        choose_optimizer([{"params": x.parameters()}, {"params": y.parameters()}], rung="bf16")
+        for x, y in ((a, b), (ref_a, ref_b))
+    ]
+    for ps in ([*a.parameters(), *b.parameters()], [*ref_a.parameters(), *ref_b.parameters()]):
+        for i, p in enumerate(ps):
+            p.grad = torch.full_like(p, 0.1 * (i + 1))
+    opts[1].step()
+    real = cpu.adamw_step
+
+    def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        signal.raise_signal(signal.SIGINT)  # lands mid-commit, before each group's call
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "adamw_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        opts[0].step()
+    for p, q in zip([*a.parameters(), *b.parameters()], [*ref_a.parameters(), *ref_b.parameters()]):
+        assert torch.equal(p, q)
+        assert opts[0].state[p]["step"].item() == 1.0
+
+
+# ------------------------------------------------------------ escalation only where it helps
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity", 20 * 2**20),
+        ("CUDA out of memory. Tried to allocate 1.50 GiB (GPU 0; 79.1 GiB total)", 3 * 2**29),
+        (
+            "[enforce fail at alloc_cpu.cpp:118] DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 20971520 bytes. Error code 12 (Cannot allocate memory)",
+            20971520,
+        ),
+        ("CUDA out of memory (simulated)", None),
+    ],
+)
+def test_requested_bytes_reads_torchs_messages(message: str, expected: int | None) -> None:
+    assert requested_bytes(torch.OutOfMemoryError(message)) == expected
+
+
+def _small_run(message: str):  # type: ignore[no-untyped-def]
+    model = torch.nn.Linear(32, 32)  # 1,056 params: 8,448 bytes of fp32 state
+    opt = choose_optimizer(model, lr=1e-3, free_memory="8GiB")
+    calls = []
+
+    def train_step() -> None:
+        opt.zero_grad()
+        model(torch.randn(2, 32)).sum().backward()
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError(message)
+        opt.step()
+
+    return opt, train_step, calls
+
+
+def test_an_escalation_that_cannot_free_enough_raises_and_keeps_the_rung() -> None:
+    opt, train_step, calls = _small_run("CUDA out of memory. Tried to allocate 20.00 MiB.")
+    with pytest.raises(OptimizerOutOfMemoryError) as info:
+        Ladder(opt).run(train_step)
+    text = str(info.value)
+    assert "20,971,520 bytes" in text and "8,448-byte" in text  # the ask and the state
+    assert "smaller batch" in text and "activation checkpointing" in text
+    assert opt.rung == "fp32" and not opt.escalations and calls == [1]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA out of memory. Tried to allocate 4.00 KiB.",
+        "DefaultCPUAllocator: can't allocate memory: you tried to allocate 4096 bytes.",
+    ],
+)
+def test_an_escalation_that_can_free_enough_moves_and_reruns(message: str) -> None:
+    """fp32 -> bf16 frees 4 bytes a param: 4,224 bytes here, enough for 4,096."""
+    opt, train_step, calls = _small_run(message)
+    Ladder(opt).run(train_step)
+    assert opt.rung == "bf16" and calls == [1, 1] and opt.committed_steps == 1
+
+
+# ------------------------------------------------------------ accumulated grads, GradScaler
+def test_an_oom_in_a_micro_batch_does_not_drop_accumulated_grads() -> None:
+    """The guard wraps one micro-batch of an accumulation window: the OOM is re-raised
+    with the reason, grads are kept and nothing moves."""
+    model = torch.nn.Linear(16, 4)
+    opt = choose_optimizer(model, lr=1e-3, free_memory="8GiB")
+    x = torch.randn(8, 16)
+    ladder = Ladder(opt)
+    fail = {"now": False}
+
+    def micro_batch() -> None:
+        model(x).sum().backward()
+        if fail["now"]:
+            raise torch.OutOfMemoryError("CUDA out of memory (micro-batch)")
+
+    opt.zero_grad()
+    ladder.run(micro_batch)
+    first = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    fail["now"] = True
+    with pytest.raises(OptimizerOutOfMemoryError, match="gradient accumulation"):
+        ladder.run(micro_batch)
+    assert opt.rung == "fp32"
+    for p, g in zip(model.parameters(), first):
+        assert torch.equal(p.grad, 2 * g)  # type: ignore[arg-type]  # kept, not zeroed
+
+
+def test_a_grad_scaler_is_reset_for_the_rerun() -> None:
+    model = torch.nn.Linear(16, 4)
+    opt = choose_optimizer(model, lr=1e-3, free_memory="8GiB")
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    calls = []
+
+    def train_step() -> None:
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 16)).sum()).backward()
+        scaler.unscale_(opt)  # e.g. before clipping
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (after unscale_)")
+        scaler.step(opt)
+        scaler.update()
+
+    Ladder(opt, scaler=scaler).run(train_step)
+    assert calls == [1, 1] and opt.rung == "bf16"
+    assert int(opt.state[model.weight]["step"]) == 1
+    assert torch.equal(model.bias.grad, torch.full((4,), 2.0))  # unscaled once: 8 * 2 / 8
