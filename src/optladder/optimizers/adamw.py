@@ -623,6 +623,20 @@ class LadderAdamW(torch.optim.Optimizer):
             batches.setdefault((p.device, p.dtype, grad.dtype), []).append((p, i))
         return batches
 
+    def _launch_lists(self, batch: list[tuple[torch.Tensor, int]]) -> tuple[list[Any], ...]:
+        """The Triton launch's per-param lists for ``batch``: params, grads, ``exp_avg``,
+        ``exp_avg_sq``, ``step`` tensors and param indices (the same in prepare and in
+        the commit, so the prepared tables are the ones the launch finds)."""
+        states = [self.state[p] for p, _ in batch]
+        return (
+            [p.detach() for p, _ in batch],
+            [cast(torch.Tensor, p.grad).detach() for p, _ in batch],
+            [st["exp_avg"] for st in states],
+            [st["exp_avg_sq"] for st in states],
+            [st["step"] for st in states],
+            [i for _, i in batch],
+        )
+
     def _prepare_triton(self, group: dict[str, Any], items: list[tuple[torch.Tensor, int]]) -> None:
         """Build the Triton launches' device tables for one group's params and a tensor
         lr's float32 copy on each device, so that the commit's launches allocate nothing."""
@@ -634,15 +648,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 self._lr_tensors[(id(group), device)] = (
                     lr.detach().to(device=device, dtype=torch.float32).reshape(())
                 )
-            states = [self.state[p] for p, _ in batch]
-            triton_adamw.prepare_tables(
-                [p.detach() for p, _ in batch],
-                [cast(torch.Tensor, p.grad).detach() for p, _ in batch],
-                [st["exp_avg"] for st in states],
-                [st["exp_avg_sq"] for st in states],
-                [st["step"] for st in states],
-                [i for _, i in batch],
-            )
+            triton_adamw.prepare_tables(*self._launch_lists(batch))
 
     def _step_triton(
         self,
@@ -658,17 +664,11 @@ class LadderAdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         for (device, _, _), batch in self._triton_batches(items).items():
-            states = [self.state[p] for p, _ in batch]
             lr_tensor = (
                 self._lr_tensors[(id(group), device)] if isinstance(lr, torch.Tensor) else None
             )
             torch.ops.optladder.adamw_bf16_(
-                [p.detach() for p, _ in batch],
-                [cast(torch.Tensor, p.grad).detach() for p, _ in batch],
-                [st["exp_avg"] for st in states],
-                [st["exp_avg_sq"] for st in states],
-                [st["step"] for st in states],
-                [i for _, i in batch],
+                *self._launch_lists(batch),
                 0.0 if lr_tensor is not None else float(lr),
                 lr_tensor,
                 float(beta1),
