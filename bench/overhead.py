@@ -116,7 +116,6 @@ def main(argv: list[str] | None = None) -> None:
     # The 8bit rung warns once per build that it is not fused on the CPU: said once here.
     warnings.filterwarnings("ignore", category=optladder.OptladderWarning)
     logging.getLogger("optladder").setLevel(logging.ERROR)
-    print("(optladder 8bit-rung warnings about the unfused CPU path are silenced here)")
     names = list(impls)
     print(f"torch={torch.__version__} reps={args.reps} (median [min-max] ms; ratio torch/impl)")
     for threads in (int(t) for t in args.threads.split(",")):
