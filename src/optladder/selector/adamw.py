@@ -213,7 +213,6 @@ class AdamW(LadderOptimizer):
             max_retries=max_retries,
             on_escalate=on_escalate,
             decoupled_weight_decay=decoupled_weight_decay,
-            stacklevel=3,
         )
         if fused and not built.decision.fused:
             raise ValueError(

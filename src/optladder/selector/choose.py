@@ -10,7 +10,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from optladder.errors import OptladderWarning  # re-exported: defined below policies
+from optladder.errors import (  # OptladderWarning re-exported: defined below policies
+    OptladderWarning,
+    user_stacklevel,
+)
 from optladder.optimizers import build_engine, probe_capabilities, validate_hyperparams
 from optladder.optimizers.build import without_dtensor_unsupported
 from optladder.optimizers.rounding import (
@@ -125,7 +128,6 @@ def decide_and_build(
     max_retries: int = 2,
     on_escalate: Callable[[Escalation], None] | None = None,
     decoupled_weight_decay: bool = True,
-    stacklevel: int = 2,
 ) -> Built:
     """Choose a rung for the model's optimizer state and build its engine (the work of
     :class:`optladder.AdamW`'s constructor; see there for the user's view).
@@ -142,29 +144,10 @@ def decide_and_build(
     groups follow the decision (``rung=`` and the variables apply to them).
 
     Args:
-        model_or_params: a ``torch.nn.Module``, params, or param groups (per-group
-            hyperparameters and ``"rung"`` pins are kept).
-        lr: learning rate, ``>= 0``. betas: ``(beta1, beta2)`` in ``[0, 1)``.
-        eps: ``>= 0``. weight_decay: decoupled (AdamW) decay, ``>= 0``.
-        rung: pin a rung (``"fp32"``, ``"bf16"``, ``"8bit"``), past the memory gate.
-        free_memory: bytes this run may still use on the device (an int, or a string
-            such as ``"24GiB"``); probed when None.
-        device: the device whose memory gates the choice; default the params' device.
-        policy: the thresholds; default :class:`optladder.Policy()`.
-        seed: the bf16 rung's stochastic-rounding seed, ``0 <= seed < 2**64``; saved in
-            ``state_dict``.
-        rounding: the bf16 rung's rounding: ``"stochastic"`` (default) or ``"nearest"``.
-        param_rounding: how optladder's AdamW (the bf16 rung, and the fp32 rung of
-            bfloat16/float16 params) writes bfloat16/float16 params: ``"stochastic"``
-            (default) or ``"nearest"``; a group key, saved in ``state_dict``.
-        strict: when not even the cheapest allowed rung passes the gate, raise (True) or
-            build it with a warning (False).
-        environ: the environment to read the overrides from; None means ``os.environ``.
-        max_retries: escalations allowed within one ``step()``, ``>= 0``.
-        on_escalate: called with each :class:`Escalation` when the ladder moves down.
-        decoupled_weight_decay: True (default) for AdamW; False for Adam's coupled decay
-            (``grad += weight_decay * param``), kept on every rung.
-        stacklevel: of the warning given when ``strict=False`` builds past the gate.
+        model_or_params, lr, betas, eps, weight_decay, rung, free_memory, device, policy,
+            seed, rounding, param_rounding, strict, environ, max_retries, on_escalate,
+            decoupled_weight_decay: as documented on :class:`optladder.AdamW`, which
+            passes them here unchanged.
 
     Under ``torch.distributed`` every rank reaches the same decision: free memory is the
     minimum over ranks, each rung's state bytes the maximum over ranks, and rank 0's
@@ -232,7 +215,7 @@ def decide_and_build(
             f"optladder: {decision.rung} state ({needed}) exceeds the memory gate "
             f"({format_bytes(decision.budget_bytes)}); building it anyway",
             OptladderWarning,
-            stacklevel=stacklevel,
+            stacklevel=user_stacklevel(),
         )
     hyper: dict[str, Any] = {
         "lr": lr,

@@ -345,20 +345,11 @@ def prepare_tables(
     exp_avg_sqs: Sequence[torch.Tensor],
     steps: Sequence[torch.Tensor],
     param_indices: Sequence[int],
-) -> None:
-    """Build (or find cached) the device tables of one launch over these tensors, so that
-    the launch itself allocates nothing (an optimizer's prepare phase calls this)."""
-    _tables_for(params, grads, exp_avgs, exp_avg_sqs, steps, param_indices)
-
-
-def _tables_for(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    steps: Sequence[torch.Tensor],
-    param_indices: Sequence[int],
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The device tables of one launch over these tensors (int64 rows of pointers, numels
+    and param indices; int64 ``(row, start)`` chunk pairs; the chunk count), built once
+    and cached by the tensors' addresses, so that a launch after an optimizer's prepare
+    phase (which calls this) allocates nothing."""
     device = params[0].device
     rows = [
         (p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), s.data_ptr(), p.numel(), i, 0)
@@ -414,7 +405,9 @@ def launch(
     """
     if not params:
         return
-    meta, chunks, n_chunks = _tables_for(params, grads, exp_avgs, exp_avg_sqs, steps, param_indices)
+    meta, chunks, n_chunks = prepare_tables(
+        params, grads, exp_avgs, exp_avg_sqs, steps, param_indices
+    )
     if n_chunks == 0:  # only empty params: their step counts still advance
         return
     aligned = all(
