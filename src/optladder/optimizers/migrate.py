@@ -42,6 +42,39 @@ BNB_WRAPPED_KEY = "__bnb_optimizer_quant_state__"
 them from FSDP's gathering); :func:`unwrap_bnb_state` puts them back."""
 
 
+BNB_WRAPPED_KEYS = frozenset(
+    {
+        "qmap1",
+        "qmap2",
+        "max1",
+        "max2",
+        "new_max1",
+        "new_max2",
+        "state1",
+        "state2",
+        "gnorm_vec",
+        "absmax1",
+        "absmax2",
+        "unorm_vec",
+    }
+)
+"""The keys bitsandbytes' ``state_dict`` moves under :data:`BNB_WRAPPED_KEY` (its
+``Optimizer8bit.non_castable_tensor_keys``: tensors that ``load_state_dict`` must not
+cast to the param's dtype)."""
+
+
+def wrap_bnb_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """One param's state as bitsandbytes' ``state_dict`` lays it out (a new dict): the
+    keys of :data:`BNB_WRAPPED_KEYS` moved into a dict under :data:`BNB_WRAPPED_KEY`,
+    ``step`` left at the top. State without such keys (the Adam layout) and state already
+    wrapped are returned as they are (a new dict)."""
+    flat = unwrap_bnb_state(state)
+    inner = {k: flat.pop(k) for k in [k for k in flat if k in BNB_WRAPPED_KEYS]}
+    if inner:
+        flat[BNB_WRAPPED_KEY] = inner
+    return flat
+
+
 def unwrap_bnb_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """One param's state with bitsandbytes' wrapped tensors back at the top level."""
     if BNB_WRAPPED_KEY not in state:

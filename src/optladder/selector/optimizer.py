@@ -25,7 +25,6 @@ from optladder.optimizers.build import ENGINE_KEYS, dtype_names
 from optladder.optimizers.capabilities import probe_capabilities
 from optladder.optimizers.checkpoint import from_checkpoint_form, to_checkpoint_form, zero_state
 from optladder.optimizers.migrate import (
-    BNB_WRAPPED_KEY,
     check_param_state,
     check_step_range,
     convert_param_state,
@@ -33,6 +32,7 @@ from optladder.optimizers.migrate import (
     read_step,
     state_target,
     unwrap_bnb_state,
+    wrap_bnb_state,
 )
 from optladder.optimizers.transaction import (
     commit_step,
@@ -51,6 +51,7 @@ from optladder.rungs import (
     Rung,
     group_pin,
 )
+from optladder.sharding import is_dtensor
 from optladder.selector.checks import (
     check_checkpoint_groups,
     check_groups,
@@ -714,17 +715,24 @@ class LadderOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The engine's ``state_dict`` (torch's layout over all groups when some pin
-        their rung); each param group records its rung, how it was reached and why.
+        """The optimizer's state in one layout, whatever the rungs and pins: torch's
+        ``Optimizer.state_dict`` layout over every group (state keyed by the param's place
+        over all groups, groups in order with their ``"params"`` as those places), each
+        group recording its rung, how it was reached and why.
 
-        Each param's state is in its checkpoint form
-        (:mod:`optladder.optimizers.checkpoint`): the engine's layout for plain params;
-        for DTensor params (FSDP2), DTensors whose global shapes do not depend on the
-        world size (8-bit codes laid out like the param, block scales per row), so
-        ``torch.distributed.checkpoint`` saves every rank's shard and
-        ``get_optimizer_state_dict(..., full_state_dict=True)`` gathers whole moments.
-        Once any param has state, a trainable param without state (no grad yet) is
-        saved as a zero state with ``step`` 0, which loads as no state.
+        Each param's state is in its rung's format, as the reference optimizer of that
+        rung saves it, so a checkpoint continues in it (:meth:`load_state_dict` of
+        ``torch.optim.AdamW`` for fp32 groups, ``bitsandbytes.optim.AdamW8bit`` for 8bit
+        groups): the Adam layout (``step``, ``exp_avg``, ``exp_avg_sq``) on fp32 and bf16,
+        bitsandbytes' layout on 8bit, its tensors under ``"__bnb_optimizer_quant_state__"``
+        as bitsandbytes' own ``state_dict`` wraps them; a group that pins its rung is laid
+        out as the same state following the decision would be. For DTensor params (FSDP2),
+        the checkpoint form of :mod:`optladder.optimizers.checkpoint`: DTensors whose global
+        shapes do not depend on the world size (8-bit codes laid out like the param, block
+        scales per row), so ``torch.distributed.checkpoint`` saves every rank's shard and
+        ``get_optimizer_state_dict(..., full_state_dict=True)`` gathers whole moments. Once
+        any param has state, a trainable param without state (no grad yet) is saved as a
+        zero state with ``step`` 0, which loads as no state.
 
         Hooks registered with ``register_state_dict_pre_hook``/``_post_hook`` run as
         torch runs them.
@@ -734,22 +742,18 @@ class LadderOptimizer(torch.optim.Optimizer):
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        state_dict: dict[str, Any]
-        if self._pinned:  # torch's layout over every group
-            params = [p for g in self.param_groups for p in g["params"]]
-            index = {id(p): i for i, p in enumerate(params)}
-            state_dict = {
-                "state": {index[id(p)]: st for p, st in self.state.items() if id(p) in index},
-                "param_groups": [
-                    {
-                        **{k: v for k, v in g.items() if k != "params"},
-                        "params": [index[id(p)] for p in g["params"]],
-                    }
-                    for g in self.param_groups
-                ],
-            }
-        else:
-            state_dict = self.engine.state_dict()  # bitsandbytes wraps its state for FSDP
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(params)}
+        state_dict: dict[str, Any] = {
+            "state": {index[id(p)]: st for p, st in self.state.items() if id(p) in index},
+            "param_groups": [
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": [index[id(p)] for p in g["params"]],
+                }
+                for g in self.param_groups
+            ],
+        }
         state_dict["state"] = self._checkpoint_states(state_dict["state"])
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -760,9 +764,10 @@ class LadderOptimizer(torch.optim.Optimizer):
     def _checkpoint_states(self, states: dict[Any, Any]) -> dict[Any, Any]:
         """Each param's saved state in its checkpoint form
         (:func:`optladder.optimizers.checkpoint.to_checkpoint_form`: sharded 8-bit state
-        as DTensors), and, once any param has state, a zero state with ``step`` 0 for
-        each trainable param that has none yet (it never had a grad), so every
-        checkpoint of the run has the same keys."""
+        as DTensors; a plain param's 8-bit state wrapped as bitsandbytes wraps it), and,
+        once any param has state, a zero state with ``step`` 0 for each trainable param
+        that has none yet (it never had a grad), so every checkpoint of the run has the
+        same keys."""
         if not states:
             return states
         owner = {id(g): e for e in self._engines() for g in e.param_groups}
@@ -770,18 +775,12 @@ class LadderOptimizer(torch.optim.Optimizer):
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
-                where = f"param {index}"
                 st = states.get(index)
+                if not st and p.requires_grad:
+                    st = zero_state(state_target(owner[id(group)], group, p), p)
                 if st:
-                    out[index] = to_checkpoint_form(st, p, where)
-                elif p.requires_grad:
-                    engine = owner[id(group)]
-                    zero = zero_state(state_target(engine, group, p), p)
-                    # as the engine's own state_dict() lays it out (bitsandbytes wraps)
-                    wrapped = set(getattr(engine, "non_castable_tensor_keys", ()))
-                    if not self._pinned and wrapped & zero.keys():
-                        zero[BNB_WRAPPED_KEY] = {k: zero.pop(k) for k in wrapped & zero.keys()}
-                    out[index] = to_checkpoint_form(zero, p, where)
+                    form = to_checkpoint_form(st, p, f"param {index}")
+                    out[index] = form if is_dtensor(p) else wrap_bnb_state(form)
                 index += 1
         return out
 
