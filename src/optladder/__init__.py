@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from optladder.errors import OptladderWarning
     from optladder.optimizers import measure_state_bytes
+    from optladder.optimizers.dcp import DCPLoadPlanner
     from optladder.policies import (
         Decision,
         Footprint,
@@ -54,6 +55,7 @@ _WHERE = {
     "Capabilities": "optladder.rungs",
     "Rung": "optladder.rungs",
     "OptladderWarning": "optladder.errors",
+    "DCPLoadPlanner": "optladder.optimizers.dcp",
     "measure_state_bytes": "optladder.optimizers",
     "Decision": "optladder.policies",
     "Footprint": "optladder.policies",
@@ -80,6 +82,7 @@ __all__ = [
     "RUNGS",
     "AdamW",
     "Capabilities",
+    "DCPLoadPlanner",
     "Decision",
     "Escalation",
     "Footprint",

@@ -115,7 +115,7 @@ def _check_row_sharding(p: torch.Tensor, where: str) -> None:
         )
 
 
-def _rows_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def rows_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``local`` (``(local rows, ...)``) as a DTensor sharded like ``p``'s rows."""
     from torch.distributed.tensor import DTensor
 
@@ -162,11 +162,11 @@ def to_checkpoint_form(state: Mapping[str, Any], p: torch.Tensor, where: str) ->
             quantized = True
             _check_row_sharding(p, where)
             table = _rows_from_blocks(flat[f"absmax{i}"], rows, per_row)
-            out[ROW_ABSMAX_KEYS[i - 1]] = _rows_like(table, p)
+            out[ROW_ABSMAX_KEYS[i - 1]] = rows_like(table, p)
             out[f"qmap{i}"] = flat[f"qmap{i}"].clone()
     if quantized:
         start = _row_starts(rows, per_row, shard.device)
-        out[PHASE_KEY] = _rows_like((start % BNB_BLOCKSIZE).to(torch.int32), p)
+        out[PHASE_KEY] = rows_like((start % BNB_BLOCKSIZE).to(torch.int32), p)
     return out
 
 
