@@ -546,20 +546,18 @@ def _dcp_save(model: _Net, opt: LadderOptimizer, path: Path, pg: Any = None) -> 
 
 
 def _dcp_load(model: _Net, opt: LadderOptimizer, path: Path, pg: Any = None) -> None:
-    """The README's recipe: load (the checkpoint's rung first, then its state)."""
+    """The README's recipe: load (optladder's planner fits the optimizer's template to
+    the checkpoint, whatever its rung; set_optimizer_state_dict then moves the rung)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
 
-    probe = {"optim": {"param_groups": opt.state_dict()["param_groups"]}}
-    planner = DefaultLoadPlanner(allow_partial_load=True)
-    dcp.load(probe, checkpoint_id=str(path), planner=planner, process_group=pg)
-    opt.follow_checkpoint(probe["optim"]["param_groups"])
+    from optladder import DCPLoadPlanner
+
     state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=str(path), process_group=pg)
+    dcp.load(state, checkpoint_id=str(path), planner=DCPLoadPlanner(), process_group=pg)
     model.load_state_dict(state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
 

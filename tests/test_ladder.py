@@ -14,6 +14,7 @@ import torch
 
 from memtools import FailNthAllocation, LiveBytes
 from optladder import (
+    DCPLoadPlanner,
     Escalation,
     Ladder,
     OptimizerOutOfMemoryError,
@@ -519,10 +520,10 @@ def test_distributed_checkpoint_round_trip(tmp_path) -> None:  # type: ignore[no
 def test_an_escalated_distributed_checkpoint_resumes_on_its_rung(
     tmp_path, pin: str | None, escalations: int
 ) -> None:  # type: ignore[no-untyped-def]
-    """The README's recipe: a restarted job reads the checkpoint's param groups (a partial
-    load), follows its rung, then loads model and optimizer with torch's DCP helpers."""
+    """The README's recipe: a restarted job (on fp32, the policy's choice) loads model and
+    optimizer with torch's DCP helpers and optladder's planner, with no preparatory call,
+    and ends on the checkpoint's rung."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
         set_optimizer_state_dict,
@@ -553,13 +554,11 @@ def test_an_escalated_distributed_checkpoint_resumes_on_its_rung(
 
     live_model, live = setup()
     assert live.rung == "fp32"
-    probe = {"optim": {"param_groups": live.state_dict()["param_groups"]}}
-    dcp.load(probe, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
-    assert live.follow_checkpoint(probe["optim"]["param_groups"]) == opt.rung
     state = {"model": live_model.state_dict(), "optim": get_optimizer_state_dict(live_model, live)}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, planner=DCPLoadPlanner())
     live_model.load_state_dict(state["model"])
     set_optimizer_state_dict(live_model, live, state["optim"])
+    assert live.rung == opt.rung and live.decision.origin == "checkpoint"
     assert [g["rung"] for g in live.param_groups] == [g["rung"] for g in opt.param_groups]
     loaded, saved = copy.deepcopy(live.state_dict()), copy.deepcopy(opt.state_dict())
     # How the rung was reached differs, and a direct fp32 -> 8bit move never had the
@@ -577,7 +576,9 @@ def test_an_escalated_distributed_checkpoint_resumes_on_its_rung(
         assert torch.equal(p, q)
 
 
+@pytest.mark.filterwarnings("ignore:optladder. follow_checkpoint is deprecated:FutureWarning")
 def test_follow_checkpoint_moves_only_where_load_state_dict_would() -> None:
+    """Deprecated (DCPLoadPlanner needs no preparatory call), kept working for old code."""
     opt = _opt(_params(), rung=None)  # a policy choice: fp32
     live = _opt(_params(), rung=None)
     assert live.follow_checkpoint(opt.state_dict()["param_groups"]) is None  # not escalated
@@ -585,7 +586,8 @@ def test_follow_checkpoint_moves_only_where_load_state_dict_would() -> None:
     assert live.follow_checkpoint(opt.state_dict()["param_groups"]) == "bf16"
     assert live.rung == "bf16" and live.decision.origin == "checkpoint"
     pinned = _opt(_params(), rung="fp32")  # the user's word beats the checkpoint's
-    assert pinned.follow_checkpoint(opt.state_dict()["param_groups"]) is None
+    with pytest.warns(FutureWarning, match="DCPLoadPlanner"):
+        assert pinned.follow_checkpoint(opt.state_dict()["param_groups"]) is None
     with pytest.raises(ValueError, match="param_groups must be a list of dicts"):
         live.follow_checkpoint("bf16")  # type: ignore[arg-type]
     fresh = _opt(_params(), rung=None)

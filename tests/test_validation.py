@@ -640,6 +640,7 @@ def _model() -> torch.nn.Linear:
     return torch.nn.Linear(8, 8)
 
 
+@pytest.mark.filterwarnings("ignore:optladder. follow_checkpoint is deprecated:FutureWarning")
 def test_unclear_errors_now_name_the_argument() -> None:
     """rel-21: each bad input gets a ValueError/TypeError naming it."""
     m = _model()

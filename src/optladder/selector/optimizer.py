@@ -924,14 +924,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         return saved if _move_refused(self._decision, saved) is None else None
 
     def follow_checkpoint(self, param_groups: Sequence[dict[str, Any]]) -> Rung | None:
-        """Before a checkpoint's state is loaded, move to the rung it had escalated to, by
-        the rule of :meth:`load_state_dict` (which does this itself).
-
-        ``torch.distributed.checkpoint.load`` fills the live optimizer's own
-        ``state_dict()``, so that must already have the checkpoint's keys: the state of
-        a checkpoint that escalated to 8bit holds ``state1``/``absmax1``, not
-        ``exp_avg``. Read the checkpoint's param groups first (a partial load; see the
-        README) and pass them here.
+        """Deprecated: ``dcp.load(..., planner=optladder.DCPLoadPlanner())`` loads a
+        checkpoint of any rung without it (see the README). Kept so that code written
+        for the old recipe runs: it still moves, before a load, to the rung a checkpoint
+        had escalated to, by the rule of :meth:`load_state_dict` (which does this
+        itself), and warns (``FutureWarning``).
 
         Args:
             param_groups: the checkpoint's ``state_dict()["param_groups"]`` (only their
@@ -946,6 +943,14 @@ class LadderOptimizer(torch.optim.Optimizer):
                 unknown ``"rung_origin"``, options out of range, another optimizer's
                 groups, weight decay of the other mode); nothing moves then.
         """
+        warnings.warn(
+            "optladder: follow_checkpoint is deprecated and no longer needed: load with "
+            "dcp.load(state, checkpoint_id=path, planner=optladder.DCPLoadPlanner()), then "
+            "set_optimizer_state_dict(model, opt, state['optim']), which moves to the "
+            "checkpoint's rung as load_state_dict does",
+            FutureWarning,
+            stacklevel=2,
+        )
         if not isinstance(param_groups, Sequence) or not all(
             isinstance(g, dict) for g in param_groups
         ):
