@@ -47,6 +47,11 @@ def _step(model: nn.Sequential, opt: torch.optim.Optimizer, s: int) -> None:
     opt.zero_grad()
 
 
+def _states(params: list[torch.Tensor], *states: Any) -> tuple[list[torch.Tensor], dict]:
+    """A :func:`snapshots.snapshot`-like pair holding only params and per-param states."""
+    return params, {"state": dict(enumerate(states)), "param_groups": []}
+
+
 def _layout(entry: dict[str, Any]) -> dict[tuple[str, ...], Any]:
     """One param's saved state as its nesting, keys, and each value's kind, dtype, shape."""
     out: dict[tuple[str, ...], Any] = {}
@@ -78,16 +83,20 @@ def test_state_dict_has_one_layout_with_and_without_a_pin(rung: str) -> None:
     for s in range(2):
         for m, o in ((plain_model, plain), (pinned_model, pinned), (other_model, on_other)):
             _step(m, o, s)
-    a, b, c = plain.state_dict()["state"], pinned.state_dict()["state"], on_other.state_dict()["state"]
+    a, b, c = (
+        plain.state_dict()["state"],
+        pinned.state_dict()["state"],
+        on_other.state_dict()["state"],
+    )
     assert [g["rung"] for g in pinned.param_groups] == [other, rung]
     for i in (2, 3):  # the group following the decision: the same layout
         assert _layout(b[i]) == _layout(a[i])
         if rung == "bf16":  # the rounding's random bits depend on the param's place
             continue
-        assert_same(([], {"state": {0: b[i]}, "param_groups": []}), ([], {"state": {0: a[i]}, "param_groups": []}))
+        assert_same(_states([], b[i]), _states([], a[i]))
     for i in (0, 1):  # the pinned group: as the same state on an unpinned optimizer
         assert _layout(b[i]) == _layout(c[i])
-        assert_same(([], {"state": {0: b[i]}, "param_groups": []}), ([], {"state": {0: c[i]}, "param_groups": []}))
+        assert_same(_states([], b[i]), _states([], c[i]))
     # the reference optimizers' own state_dict() layouts, one param stepped once
     p = nn.Parameter(torch.randn(64, 80))
     p.grad = torch.randn(64, 80)
@@ -136,7 +145,9 @@ def _by_name(sd: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     names = [name for name, _ in model.named_parameters()]
     return {
         "state": {names[i]: st for i, st in sd["state"].items()},
-        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]],
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]
+        ],
     }
 
 
@@ -179,7 +190,10 @@ def _dcp_save(model: nn.Module, opt: Any, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+    dcp.save(
+        {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+        checkpoint_id=path,
+    )
 
 
 def _dcp_load(model: nn.Module, opt: Any, path: str) -> None:
@@ -198,9 +212,12 @@ def _dcp_load(model: nn.Module, opt: Any, path: str) -> None:
 
 @pytest.mark.parametrize("pin", [None, "fp32"])
 @pytest.mark.parametrize(
-    ("src", "dst"), [("fp32", "8bit"), ("8bit", "fp32"), ("bf16", "8bit"), ("8bit", "8bit"), ("bf16", "bf16")]
+    ("src", "dst"),
+    [("fp32", "8bit"), ("8bit", "fp32"), ("bf16", "8bit"), ("8bit", "8bit"), ("bf16", "bf16")],
 )
-def test_dcp_loads_a_checkpoint_of_any_rung_into_any_rung(src: str, dst: str, pin: str | None) -> None:
+def test_dcp_loads_a_checkpoint_of_any_rung_into_any_rung(
+    src: str, dst: str, pin: str | None
+) -> None:
     """No preparatory call: on the same rung the run continues bit for bit as the
     uninterrupted one; on another, the loaded state is the state migrated there, and the
     run continues exactly as from the migrated optimizer."""
@@ -216,9 +233,10 @@ def test_dcp_loads_a_checkpoint_of_any_rung_into_any_rung(src: str, dst: str, pi
     assert [g["rung"] for g in live.param_groups] == [pin or dst, dst]
     if src != dst:
         opt.migrate_to(dst, "the reference: the same state migrated", force=True)
-    expected = snapshot(opt)
-    loaded = snapshot(live)
-    assert_same(([*loaded[0]], {"state": loaded[1]["state"], "param_groups": []}), ([*expected[0]], {"state": expected[1]["state"], "param_groups": []}))
+    (params, saved), (live_params, loaded) = snapshot(opt), snapshot(live)
+    assert_same(
+        _states(live_params, *loaded["state"].values()), _states(params, *saved["state"].values())
+    )
     if dst == "8bit":
         assert live.state[live_model[1].weight]["state1"].dtype == torch.uint8
     for s in range(2, 4):

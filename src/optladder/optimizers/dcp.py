@@ -31,6 +31,7 @@ rest of the template (the model, other optimizers) is loaded as DCP always does.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -214,7 +215,7 @@ def _build(leaves: dict[Path, Any], ref: torch.Tensor | None) -> Any:
     root: Any = [] if leaves and isinstance(next(iter(leaves))[0], int) else {}
     for path, md in leaves.items():
         node = root
-        for part, following in zip(path[:-1], path[1:]):
+        for part, following in pairwise(path):
             empty: Any = [] if isinstance(following, int) else {}
             node = _child(node, part, empty)
         _child(node, path[-1], _placeholder(path[-1], md, ref), replace=True)

@@ -51,7 +51,6 @@ from optladder.rungs import (
     Rung,
     group_pin,
 )
-from optladder.sharding import is_dtensor
 from optladder.selector.checks import (
     check_checkpoint_groups,
     check_groups,
@@ -62,6 +61,7 @@ from optladder.selector.checks import (
     decoupled_mode,
     refuse_meta_params,
 )
+from optladder.sharding import is_dtensor
 from optladder.units import format_bytes
 
 logger = logging.getLogger("optladder")
