@@ -472,3 +472,151 @@ def test_without_a_compiler_bitsandbytes_steps_and_says_why(
     assert "no-such-compiler-for-optladder" in opt.eager_reasons[0]
     for p, q in zip(params, plain_params):
         assert torch.equal(p, q)
+
+
+def _books() -> list[torch.Tensor]:
+    from bitsandbytes import functional as F
+
+    return [F.create_dynamic_map(signed=s).float() for s in (True, False)]
+
+
+def _special_values(n: int, seed: int) -> torch.Tensor:
+    """Heavy-tailed values with zeros of both signs, exact ties and NaN/Inf sprinkled."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 8
+    x[::11] = 0.0
+    x[5::13] = -0.0
+    x[7::97] = float("nan")
+    x[9::389] = float("inf")
+    x[3::401] = -float("inf")
+    return x
+
+
+def _kernel_jobs(dtype: torch.dtype, grad_dtype: torch.dtype, seed: int, coupled: bool) -> Any:
+    """One step's jobs over 8-bit params (3 whole blocks and a partial one, 20 whole
+    blocks) with non-trivial codes and absmax, and a float32-state param."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    gen = torch.Generator().manual_seed(seed)
+    q1, q2 = _books()
+    b1, b2 = cpu8bit.code_bounds(q1), cpu8bit.code_bounds(q2)
+    t1, t2 = cpu8bit.code_table(b1), cpu8bit.code_table(b2)
+    jobs = []
+    for n, quantized in ((3 * 256 + 100, True), (20 * 256, True), (700, False)):
+        p = torch.randn(n, generator=gen).to(dtype)
+        g = _special_values(n, seed + n).to(grad_dtype) if n == 700 else None
+        g = (torch.randn(n, generator=gen) * 1e-2).to(grad_dtype) if g is None else g
+        g[::53] = float("nan") if seed % 2 else 0.0
+        blocks = -(-n // 256)
+        if quantized:
+            s1 = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+            s2 = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+            a1, a2 = torch.rand(blocks, generator=gen), torch.rand(blocks, generator=gen)
+            books = dict(bounds1=b1, bounds2=b2, table1=t1, table2=t2, qmap1=q1, qmap2=q2)
+        else:
+            s1, s2 = torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+            a1 = a2 = None
+            books = dict.fromkeys(("bounds1", "bounds2", "table1", "table2", "qmap1", "qmap2"))
+        jobs.append(
+            cpu8bit.Job(
+                param=p,
+                grad=g,
+                state1=s1,
+                state2=s2,
+                absmax1=a1,
+                absmax2=a2,
+                step=3,
+                lr=1e-2,
+                betas=(0.9, 0.99),
+                eps=1e-8,
+                weight_decay=0.1,
+                coupled_weight_decay=coupled,
+                **books,
+            )
+        )
+    return jobs
+
+
+@pytest.mark.parametrize("coupled", [False, True], ids=["adamw", "adam"])
+@pytest.mark.parametrize(
+    ("dtype", "grad_dtype"),
+    [(a, b) for a in DTYPES for b in DTYPES],
+    ids=lambda d: str(d).removeprefix("torch."),
+)
+def test_the_simd_path_writes_the_scalar_loops_bits(
+    dtype: torch.dtype, grad_dtype: torch.dtype, coupled: bool
+) -> None:
+    """The AVX-512 path (whole blocks, where the CPU has it) writes bit for bit what the
+    scalar loops write: params, codes, absmax and float32 state, for every param and grad
+    dtype, with NaN grads, over two steps. On a CPU without AVX-512 both runs take the
+    scalar loops (the test then checks only that the flag changes nothing)."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    for seed in (0, 1):
+        runs = []
+        for simd in (False, True):
+            jobs = _kernel_jobs(dtype, grad_dtype, seed, coupled)
+            cpu8bit.run_table(cpu8bit.prepare_table(jobs), simd=simd)
+            runs.append(jobs)
+        for a, b in zip(*runs):
+            for name in ("param", "state1", "state2", "absmax1", "absmax2"):
+                x, y = getattr(a, name), getattr(b, name)
+                if x is not None:
+                    assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_start_table_encodes_as_the_binary_search_and_the_reference(
+    dtype: torch.dtype,
+) -> None:
+    """``quantize_blockwise`` with the step's start table (scalar and AVX-512) gives the
+    codes and absmax of the binary search, and both equal bitsandbytes' reference rule
+    (``_reference_encode``) wherever the values are finite, on both books: midpoints and
+    the floats either side of each, zeros of both signs, tiny values under the smallest
+    midpoint, NaN (code 255, last, as ``torch.bucketize`` sorts it) and Inf."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    for code in _books():
+        bounds = cpu8bit.code_bounds(code)
+        table = cpu8bit.code_table(bounds)
+        mids = bounds[:255]
+        edge = torch.cat(
+            [
+                mids,
+                torch.nextafter(mids, torch.tensor(2.0)),
+                torch.nextafter(mids, torch.tensor(-2.0)),
+                torch.tensor([1e-30, -1e-30, 1e-45, -1e-45, 1.0, -1.0]),
+            ]
+        )
+        edge = edge[edge.abs() <= 1]
+        # blocks whose absmax is 1, so the edge values are encoded as they are
+        pieces = [torch.cat([b, torch.ones(1)]) for b in edge.split(255)]
+        values = torch.cat([*pieces, _special_values(256 * 30 + 17, 3)])
+        if code[0] == 0:
+            values = values.abs()
+        values = values.to(dtype)
+        search = cpu8bit.quantize_blockwise(values, code)
+        for simd in (False, True):
+            fast = cpu8bit.quantize_blockwise(values, code, start_table=table, simd=simd)
+            assert torch.equal(fast[0], search[0])
+            assert torch.equal(fast[1].view(torch.int32), search[1].view(torch.int32))
+        assert (search[0][values.isnan()] == 255).all()  # NaN sorts last, as in bucketize
+        blocks_ok = torch.stack(
+            [torch.isfinite(b.float()).all() for b in values.split(256)]
+        )  # a NaN or Inf makes its whole block's scale NaN: compare the other blocks
+        want_codes, want_absmax = _reference_encode(values.float(), code)
+        keep = blocks_ok.repeat_interleave(256)[: values.numel()]
+        assert torch.equal(search[0][keep], want_codes[keep])
+        assert torch.equal(search[1][blocks_ok], want_absmax[blocks_ok])
+
+
+def test_a_book_denser_than_the_start_table_takes_is_refused() -> None:
+    """Two midpoints among floats sharing their top 16 bits: ``code_table`` raises
+    (such a book is stepped by bitsandbytes' own path, see ``eightbit._kernel_miss``)."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    code = torch.linspace(-1, 1, 256)
+    code[100:103] = torch.tensor([0.5, 0.5 + 2**-20, 0.5 + 2**-19])  # 2 midpoints in 0.5's bucket
+    code, _ = code.sort()
+    with pytest.raises(ValueError, match="top 16 bits"):
+        cpu8bit.code_table(cpu8bit.code_bounds(code))

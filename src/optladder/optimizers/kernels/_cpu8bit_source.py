@@ -16,9 +16,9 @@ each value as the nearest code of the book. "Nearest" is bitsandbytes' reference
 (its torch backend's ``quantize_blockwise``: ``x * (1 / max(absmax, 1e-38))`` clamped to
 [-1, 1], then the number of midpoints between adjacent codes that lie below it, so a tie
 goes to the lower code); the midpoints (``bounds``, 255 values and a +inf) are computed in
-Python when the step is prepared, with a 127 KiB table per book that starts the count
-from a float's top 16 bits (two comparisons finish it); the unsigned book's first bound
-is set to 0 so that a positive ``exp_avg_sq`` never becomes 0 (see
+Python when the step is prepared, with a ~21 KiB table per book that gives the count
+from a float's top 16 bits and one comparison (``cpu8bit.code_table``); the unsigned
+book's first bound is set to 0 so that a positive ``exp_avg_sq`` never becomes 0 (see
 ``cpu8bit.code_bounds``). Zero is a code of both books, so a moment that is exactly 0
 stays exactly 0 (bitsandbytes' native CPU quantizer, an approximate table search, maps it
 to a small non-zero code).
@@ -52,7 +52,7 @@ typedef struct {
     const float *qmap2;
     const float *bounds1;    /* 255 midpoints of adjacent codes, then +inf */
     const float *bounds2;
-    const int32_t *table1;   /* 2 * 16257: bounds below each float's top 16 bits (below) */
+    const int32_t *table1;   /* the encoder's start table (see ol8_encode) */
     const int32_t *table2;
     int64_t numel;
     int32_t param_dtype;     /* OL8_* */
@@ -105,23 +105,35 @@ static inline __attribute__((always_inline)) void ol8_store(
 }
 
 /* The number of bounds below x, for x in [-1, 1] (or NaN), given x and its bits u: the
-   index of the nearest code, ties to the lower one. table[sign * OL8_HALF + top 15
-   magnitude bits] counts the bounds below the smallest float with those 16 top bits; at
-   most 2 bounds lie among the floats sharing them (checked when the table is made), so
-   two steps finish the count (bounds[255] = +inf stops it). */
-#define OL8_HALF 16257  /* magnitude prefixes 0 ... 0x3F80 (that of 1.0) */
+   index of the nearest code, ties to the lower one, by one lookup in the start table
+   (cpu8bit.code_table) and one comparison. Buckets are the floats sharing their top 16
+   bits (sign, exponent, 7 mantissa bits), clamped below to the prefix lo - 1 (bucket 0:
+   every magnitude below lo, where only a bound of 0 may lie) and above to the prefix of
+   1.0 (with NaN). Each bucket holds at most one bound (checked when the table is made).
+   table[0] = lo, table[1] = w (buckets per sign), table[2] = the bits of bucket 0's
+   bound for x >= +0 (0.0f or +inf), table[3] = -1 if any bound is negative (else 0:
+   every x <= -0 shares one entry), then w entries for x >= +0 and w for x <= -0; entry
+   = count | low16 << 8: the bounds below the smallest float of the bucket, and the low
+   16 bits of the bound inside it (of the bucket's largest float if none, so that the
+   comparison never counts it). A NaN is encoded as 255 (torch.bucketize, bitsandbytes'
+   reference, sorts NaN last). */
 static inline __attribute__((always_inline)) uint8_t ol8_encode(
         const int32_t *table, const float *bounds, int32_t u, float x) {
-    int32_t mag = (u >> 16) & 0x7FFF;
-    mag = mag < OL8_HALF - 1 ? mag : OL8_HALF - 1;  /* NaN */
-    int32_t k = table[(u < 0 ? OL8_HALF : 0) + mag];
-    k += bounds[k] < x;
-    k += bounds[k] < x;
-    return (uint8_t)k;
+    (void)bounds;
+    if (x != x) return 255;  /* NaN: last, as torch.bucketize sorts it */
+    const int32_t lo = table[0], w = table[1];
+    int32_t j = ((u >> 16) & 0x7FFF) - lo + 1;
+    j = j < 0 ? 0 : j;
+    j = j > w - 1 ? w - 1 : j;
+    const int32_t e = table[4 + (u < 0 ? w + (j & table[3]) : j)];
+    float bound = ol8_u2f(((uint32_t)u & 0xFFFF0000u) | ((uint32_t)e >> 8));
+    if (j == 0) bound = u < 0 ? ol8_u2f(0x7F800000u) : ol8_u2f((uint32_t)table[2]);
+    return (uint8_t)((e & 0xFF) + (bound < x));
 }
 
 /* The same count by binary search on the bounds alone (conversions: no table needed). */
 static inline __attribute__((always_inline)) uint8_t ol8_search(const float *bounds, float x) {
+    if (x != x) return 255;  /* NaN: last, as torch.bucketize sorts it */
     int32_t k = 0;
     k += bounds[k + 127] < x ? 128 : 0;
     k += bounds[k + 63] < x ? 64 : 0;
@@ -256,6 +268,196 @@ static inline __attribute__((always_inline)) void ol8_range_f32(
     }
 }
 
+/* ---- AVX-512 path: the same operations in the same order on 16 lanes, so the same
+   bits as the scalar loops above (IEEE add, mul, div, sqrt and fma are exact per lane;
+   tests compare both paths bit for bit). Used for whole 256-element blocks on CPUs with
+   AVX-512 F/BW/DQ/VL; partial blocks and other CPUs take the scalar loops. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define OL8_HAVE_AVX512 1
+#include <immintrin.h>
+#define OL8_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")))
+#define OL8_AVX512_INLINE OL8_AVX512 static inline __attribute__((always_inline))
+
+static int ol8_avx512_ok(void) {
+    static int ok = -1;  /* a fact of the CPU, not configuration: computed once */
+    if (ok < 0) {
+        __builtin_cpu_init();
+        ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    }
+    return ok;
+}
+
+OL8_AVX512_INLINE __m512 ol8v_load(const void *p, int dtype, int64_t i) {
+    if (dtype == OL8_F32) return _mm512_loadu_ps((const float *)p + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    if (dtype == OL8_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* As ol8_store: round to nearest even, a NaN stays NaN. */
+OL8_AVX512_INLINE void ol8v_store(void *p, int dtype, int64_t i, __m512 x) {
+    if (dtype == OL8_F32) {
+        _mm512_storeu_ps((float *)p + i, x);
+        return;
+    }
+    __m256i h;
+    if (dtype == OL8_BF16) {
+        const __m512i u = _mm512_castps_si512(x);
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd), 16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+            _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        h = _mm512_cvtepi32_epi16(r);
+    } else {
+        h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
+}
+
+/* Lane-wise lookups without gather instructions (slow on many CPUs: ~1 ns per 16 lanes
+   measured here): tables live in registers and are read with permutes. */
+
+/* qmap[k] for 16 indices k in [0, 255]: 8 permutes of 32 entries, then 3 blend levels. */
+OL8_AVX512_INLINE __m512 ol8v_decode(const float *q, __m512i k) {
+    __m512 r[8];
+    for (int t = 0; t < 8; t++)
+        r[t] = _mm512_permutex2var_ps(_mm512_loadu_ps(q + 32 * t), k,
+                                      _mm512_loadu_ps(q + 32 * t + 16));
+    const __mmask16 b5 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(32));
+    const __mmask16 b6 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(64));
+    const __mmask16 b7 = _mm512_test_epi32_mask(k, _mm512_set1_epi32(128));
+    for (int t = 0; t < 4; t++) r[t] = _mm512_mask_blend_ps(b5, r[2 * t], r[2 * t + 1]);
+    for (int t = 0; t < 2; t++) r[t] = _mm512_mask_blend_ps(b6, r[2 * t], r[2 * t + 1]);
+    return _mm512_mask_blend_ps(b7, r[0], r[1]);
+}
+
+/* ol8_encode on 16 lanes (one gather from the start table). */
+OL8_AVX512_INLINE __m128i ol8v_encode(const int32_t *table, __m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i w = _mm512_set1_epi32(table[1]);
+    __m512i j = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x7FFF));
+    j = _mm512_sub_epi32(j, _mm512_set1_epi32(table[0] - 1));
+    j = _mm512_max_epi32(j, _mm512_setzero_si512());
+    j = _mm512_min_epi32(j, _mm512_sub_epi32(w, _mm512_set1_epi32(1)));
+    const __mmask16 neg = _mm512_movepi32_mask(u);
+    const __m512i jn = _mm512_add_epi32(w, _mm512_and_si512(j, _mm512_set1_epi32(table[3])));
+    const __m512i e = _mm512_i32gather_epi32(_mm512_mask_mov_epi32(j, neg, jn), table + 4, 4);
+    __m512i bound = _mm512_or_si512(_mm512_and_si512(u, _mm512_set1_epi32((int32_t)0xFFFF0000u)),
+                                    _mm512_srli_epi32(e, 8));
+    const __m512i b0 = _mm512_mask_mov_epi32(_mm512_set1_epi32(table[2]), neg,
+                                             _mm512_set1_epi32(0x7F800000));
+    bound = _mm512_mask_mov_epi32(bound, _mm512_cmpeq_epi32_mask(j, _mm512_setzero_si512()), b0);
+    const __mmask16 below = _mm512_cmp_ps_mask(_mm512_castsi512_ps(bound), x, _CMP_LT_OQ);
+    __m512i k = _mm512_and_si512(e, _mm512_set1_epi32(0xFF));
+    k = _mm512_mask_add_epi32(k, below, k, _mm512_set1_epi32(1));
+    k = _mm512_mask_mov_epi32(k, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(255));
+    return _mm512_cvtepi32_epi8(k);
+}
+
+/* ol8_quantize of one whole block whose max |x| bits are the lanes of top. */
+OL8_AVX512_INLINE float ol8v_quantize(
+        const float *restrict x, __m512i top, const int32_t *table, uint8_t *restrict out) {
+    const float absmax = ol8_u2f(_mm512_reduce_max_epu32(top));
+    const __m512 r = _mm512_set1_ps(1.0f / (absmax > 1e-38f ? absmax : 1e-38f));
+    const __m512 lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f);
+    for (int i = 0; i < OL8_BLOCK; i += 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), r);
+        v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, lo, _CMP_LT_OQ), lo);
+        v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, hi, _CMP_GT_OQ), hi);
+        _mm_storeu_si128((__m128i *)(out + i), ol8v_encode(table, v));
+    }
+    return absmax;
+}
+
+OL8_AVX512_INLINE __m512i ol8v_abs_bits(__m512 x) {
+    return _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
+}
+
+/* ol8_block_q of a whole block b, on 16 lanes. */
+OL8_AVX512_INLINE void ol8v_block_q(
+        const ol8_param_t *P, int64_t b, int pd, int gd, int coupled, int decoupled) {
+    const int64_t lo = b * OL8_BLOCK;
+    uint8_t *restrict c1 = (uint8_t *)P->state1 + lo;
+    uint8_t *restrict c2 = (uint8_t *)P->state2 + lo;
+    const __m512 a1 = _mm512_set1_ps(P->absmax1[b]), a2 = _mm512_set1_ps(P->absmax2[b]);
+    const __m512 b1 = _mm512_set1_ps(P->beta1), omb1 = _mm512_set1_ps(P->one_minus_beta1);
+    const __m512 b2 = _mm512_set1_ps(P->beta2), omb2 = _mm512_set1_ps(P->one_minus_beta2);
+    const __m512 eps = _mm512_set1_ps(P->eps), step_size = _mm512_set1_ps(P->step_size);
+    const __m512 bc2 = _mm512_set1_ps(P->bc2_sqrt);
+    const __m512 decay = _mm512_set1_ps(P->decay), wd = _mm512_set1_ps(P->weight_decay);
+    float m[OL8_BLOCK] __attribute__((aligned(64))), v[OL8_BLOCK] __attribute__((aligned(64)));
+    __m512i top1 = _mm512_setzero_si512(), top2 = _mm512_setzero_si512();
+    for (int i = 0; i < OL8_BLOCK; i += 16) {
+        const __m512i k1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c1 + i)));
+        const __m512i k2 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c2 + i)));
+        __m512 mi = _mm512_mul_ps(ol8v_decode(P->qmap1, k1), a1);
+        __m512 vi = _mm512_mul_ps(ol8v_decode(P->qmap2, k2), a2);
+        __m512 g = ol8v_load(P->grad, gd, lo + i);
+        __m512 p = ol8v_load(P->param, pd, lo + i);
+        if (coupled) g = _mm512_fmadd_ps(p, wd, g);
+        mi = _mm512_fmadd_ps(g, omb1, _mm512_mul_ps(mi, b1));
+        vi = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, _mm512_mul_ps(vi, b2));
+        const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
+        if (decoupled) p = _mm512_mul_ps(p, decay);
+        p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, mi), denom));
+        ol8v_store(P->param, pd, lo + i, p);
+        _mm512_store_ps(m + i, mi);
+        _mm512_store_ps(v + i, vi);
+        top1 = _mm512_max_epu32(top1, ol8v_abs_bits(mi));
+        top2 = _mm512_max_epu32(top2, ol8v_abs_bits(vi));
+    }
+    P->absmax1[b] = ol8v_quantize(m, top1, P->table1, c1);
+    P->absmax2[b] = ol8v_quantize(v, top2, P->table2, c2);
+}
+
+/* The blocks [first, end) of a quantized param; a partial last block goes scalar. */
+OL8_AVX512_INLINE void ol8v_blocks_wd(
+        const ol8_param_t *P, int64_t first, int64_t end, int pd, int gd, int coupled,
+        int decoupled) {
+    for (int64_t b = first; b < end; b++) {
+        if ((b + 1) * OL8_BLOCK <= P->numel) ol8v_block_q(P, b, pd, gd, coupled, decoupled);
+        else ol8_block_q(P, b, pd, gd, coupled, decoupled);
+    }
+}
+
+OL8_AVX512_INLINE void ol8v_blocks_typed(const ol8_param_t *P, int64_t first, int64_t end,
+                                         int pd, int gd) {
+    if (P->coupled) ol8v_blocks_wd(P, first, end, pd, gd, 1, 0);
+    else if (P->decoupled) ol8v_blocks_wd(P, first, end, pd, gd, 0, 1);
+    else ol8v_blocks_wd(P, first, end, pd, gd, 0, 0);
+}
+
+OL8_AVX512 __attribute__((noinline)) static void ol8v_blocks(
+        const ol8_param_t *P, int64_t first, int64_t end) {
+    const int pd = P->param_dtype, gd = P->grad_dtype;
+    if (pd == OL8_F32 && gd == OL8_F32) ol8v_blocks_typed(P, first, end, OL8_F32, OL8_F32);
+    else if (pd == OL8_BF16 && gd == OL8_BF16) ol8v_blocks_typed(P, first, end, OL8_BF16, OL8_BF16);
+    else if (pd == OL8_F16 && gd == OL8_F16) ol8v_blocks_typed(P, first, end, OL8_F16, OL8_F16);
+    else ol8v_blocks_typed(P, first, end, pd, gd);
+}
+
+/* ol_quantize_blockwise's block, on 16 lanes (a whole block, with a start table). */
+OL8_AVX512 __attribute__((noinline)) static float ol8v_quantize_block(
+        const void *src, int dtype, int64_t lo, const int32_t *table, const float *bounds,
+        uint8_t *out) {
+    float x[OL8_BLOCK] __attribute__((aligned(64)));
+    (void)bounds;
+    __m512i top = _mm512_setzero_si512();
+    for (int i = 0; i < OL8_BLOCK; i += 16) {
+        const __m512 v = ol8v_load(src, dtype, lo + i);
+        _mm512_store_ps(x + i, v);
+        top = _mm512_max_epu32(top, ol8v_abs_bits(v));
+    }
+    return ol8v_quantize(x, top, table, out);
+}
+#else
+static int ol8_avx512_ok(void) { return 0; }
+#endif
+
 #define OL8_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
 static inline __attribute__((always_inline)) void ol8_item_wd(
@@ -281,8 +483,14 @@ static inline __attribute__((always_inline)) void ol8_item_typed(
 }
 
 OL8_CLONES
-static void ol8_item(const ol8_param_t *params, const ol8_item_t *it) {
+static void ol8_item(const ol8_param_t *params, const ol8_item_t *it, int simd) {
     const ol8_param_t *P = &params[it->param];
+#ifdef OL8_HAVE_AVX512
+    if (simd && P->quantized && P->table1 != NULL && P->table2 != NULL) {
+        ol8v_blocks(P, it->first_block, it->first_block + it->n_blocks);
+        return;
+    }
+#endif
     const int pd = P->param_dtype, gd = P->grad_dtype;
     /* grads of the param's own dtype are the common case: specialize those */
     if (pd == OL8_F32 && gd == OL8_F32) ol8_item_typed(P, it, OL8_F32, OL8_F32);
@@ -298,38 +506,42 @@ typedef struct {
     const ol8_item_t *items;
     int64_t n_items;
     int64_t first, stride;
+    int simd;
 } ol8_job_t;
 
 static void *ol8_run(void *arg) {
     const ol8_job_t *job = (const ol8_job_t *)arg;
     for (int64_t t = job->first; t < job->n_items; t += job->stride)
-        ol8_item(job->params, &job->items[t]);
+        ol8_item(job->params, &job->items[t], job->simd);
     return NULL;
 }
 
-/* Step every listed item. Returns 0, or -1 if a worker thread could not start (then
-   the items ran on fewer threads: the result is the same). Allocates nothing. */
+/* Step every listed item. simd = 0 keeps to the scalar loops (tests compare both
+   paths); otherwise AVX-512 where the CPU has it. Returns 0, or -1 if a worker thread
+   could not start (then the items ran on fewer threads: the result is the same).
+   Allocates nothing. */
 int ol_adamw8bit_step(const ol8_param_t *params, const ol8_item_t *items, int64_t n_items,
-                      int32_t n_threads) {
+                      int32_t n_threads, int32_t simd) {
     if (n_items <= 0) return 0;
+    simd = simd && ol8_avx512_ok();
     if (n_threads < 1) n_threads = 1;
     if (n_threads > OL8_MAX_THREADS) n_threads = OL8_MAX_THREADS;
     if (n_threads > n_items) n_threads = (int32_t)n_items;
     int rc = 0;
     if (n_threads == 1) {
-        ol8_job_t job = {params, items, n_items, 0, 1};
+        ol8_job_t job = {params, items, n_items, 0, 1, simd};
         ol8_run(&job);
         return 0;
     }
 #ifdef _OPENMP
     #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
-    for (int64_t t = 0; t < n_items; t++) ol8_item(params, &items[t]);
+    for (int64_t t = 0; t < n_items; t++) ol8_item(params, &items[t], simd);
 #else
     ol8_job_t jobs[OL8_MAX_THREADS];
     pthread_t tids[OL8_MAX_THREADS];
     int started[OL8_MAX_THREADS];
     for (int t = 0; t < n_threads; t++) {
-        ol8_job_t job = {params, items, n_items, t, n_threads};
+        ol8_job_t job = {params, items, n_items, t, n_threads, simd};
         jobs[t] = job;
         started[t] = 0;
     }
@@ -348,13 +560,21 @@ int ol_adamw8bit_step(const ol8_param_t *params, const ol8_item_t *items, int64_
    given, one absmax per 256-element block: the kernel's own rule, for state conversions
    (table may be NULL: binary search). Allocates nothing. */
 int ol_quantize_blockwise(const void *src, int32_t dtype, int64_t n, const int32_t *table,
-                          const float *bounds, uint8_t *out, float *absmax, int32_t n_threads) {
+                          const float *bounds, uint8_t *out, float *absmax, int32_t n_threads,
+                          int32_t simd) {
     const int64_t blocks = (n + OL8_BLOCK - 1) / OL8_BLOCK;
     if (n_threads < 1) n_threads = 1;
+    simd = simd && table != NULL && ol8_avx512_ok();
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t lo = b * OL8_BLOCK;
         const int64_t len = n - lo < OL8_BLOCK ? n - lo : OL8_BLOCK;
+#ifdef OL8_HAVE_AVX512
+        if (simd && len == OL8_BLOCK) {
+            absmax[b] = ol8v_quantize_block(src, dtype, lo, table, bounds, out + lo);
+            continue;
+        }
+#endif
         float x[OL8_BLOCK];
         if (dtype == OL8_F32) {
             const float *s = (const float *)src + lo;

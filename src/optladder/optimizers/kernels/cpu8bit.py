@@ -136,6 +136,7 @@ def load_library() -> ctypes.CDLL:
         ctypes.POINTER(_Item),
         ctypes.c_int64,
         ctypes.c_int32,
+        ctypes.c_int32,
     )
     step.restype = ctypes.c_int
     lib.ol_quantize_blockwise.argtypes = (
@@ -147,13 +148,19 @@ def load_library() -> ctypes.CDLL:
         ctypes.c_void_p,
         ctypes.c_void_p,
         ctypes.c_int32,
+        ctypes.c_int32,
     )
     lib.ol_quantize_blockwise.restype = ctypes.c_int
     return lib
 
 
 def quantize_blockwise(
-    values: torch.Tensor, qmap: torch.Tensor, *, library: ctypes.CDLL | None = None
+    values: torch.Tensor,
+    qmap: torch.Tensor,
+    *,
+    library: ctypes.CDLL | None = None,
+    start_table: torch.Tensor | None = None,
+    simd: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``values`` in bitsandbytes' block-wise format with the kernel's rule.
 
@@ -167,6 +174,10 @@ def quantize_blockwise(
         values: float32, bfloat16 or float16 CPU tensor, any shape.
         qmap: the code book (see :func:`code_bounds`).
         library: from :func:`load_library`; default :func:`load_library`.
+        start_table: :func:`code_table` of ``code_bounds(qmap)``, to encode as the step
+            does (a table lookup and one comparison, on AVX-512 lanes where the CPU has
+            them); default None: a binary search on the bounds. Same codes either way.
+        simd: False keeps to the scalar loop (same codes; for tests).
 
     Returns:
         ``(codes, absmax)``: uint8 codes of ``values``' shape, float32 absmax with one
@@ -182,7 +193,7 @@ def quantize_blockwise(
             f"{values.dtype} on {values.device}"
         )
     lib = load_library() if library is None else library
-    bounds = code_bounds(qmap)  # binary search on these: no 127 KiB start table here
+    bounds = code_bounds(qmap)  # without start_table: a binary search on these
     src = values.contiguous()
     codes = torch.empty(values.shape, dtype=torch.uint8)
     absmax = torch.empty(_ceil_div(src.numel(), BLOCK_SIZE), dtype=torch.float32)
@@ -191,11 +202,12 @@ def quantize_blockwise(
         src.data_ptr(),
         PARAM_DTYPE_CODES[src.dtype],
         src.numel(),
-        None,
+        None if start_table is None else start_table.data_ptr(),
         bounds.data_ptr(),
         codes.data_ptr(),
         absmax.data_ptr(),
         threads,
+        int(simd),
     )
     return codes, absmax
 
@@ -242,37 +254,78 @@ def code_bounds(qmap: torch.Tensor) -> torch.Tensor:
     return bounds
 
 
-_TABLE_HALF = 16257
-"""Magnitude prefixes of the start table: top 15 bits of |x| from 0 to 0x3F80 (1.0)."""
+_ONE_PREFIX = 0x3F80
+"""The top 15 magnitude bits (exponent and 7 mantissa bits) of 1.0."""
 
 
 def code_table(bounds: torch.Tensor) -> torch.Tensor:
-    """The start table of the encoder: for each float32 in [-1, 1], by its sign and the
-    top 15 bits of its magnitude (exponent and 7 mantissa bits), the number of
-    ``bounds`` below the smallest float with those bits. The kernel counts the bounds
-    below ``x`` as this entry plus at most two comparisons, exact because no more than
-    two bounds share top bits.
+    """The encoder's start table: for a float32 ``x`` in [-1, 1], the number of ``bounds``
+    below it in one lookup and one comparison (no search).
+
+    Buckets are the floats sharing their top 16 bits (sign, exponent, 7 mantissa bits),
+    clamped below to the prefix ``lo - 1`` (bucket 0: every magnitude under ``lo``, the
+    smallest prefix of a non-zero bound) and above to the prefix of 1.0 (NaN falls there
+    and counts no bound). Each bucket holds at most one bound, so the count is the
+    bounds below the bucket's smallest float plus one comparison with the bound inside.
+
+    Layout (int32): ``[lo, w, bits of bucket 0's bound for x >= +0 (0.0 or +inf), -1 if
+    any bound is negative else 0]``, then ``w`` entries for ``x >= +0`` and ``w`` for
+    ``x <= -0`` (only the first is read when no bound is negative). Entry = count | low16
+    << 8: the count, and the low 16 bits of the bound inside the bucket (of the bucket's
+    largest float where none is, so that the comparison never counts it). For
+    bitsandbytes' dynamic maps ``lo`` is near 2**-21 and a table is about 21 KiB.
 
     Args:
         bounds: from :func:`code_bounds`.
 
     Returns:
-        int32 CPU tensor of 2 * 16,257 elements (127 KiB): positive prefixes, then
-        negative ones.
+        int32 CPU tensor of ``4 + 2 * w`` elements.
 
     Raises:
-        ValueError: if more than two bounds share their top 16 bits (a code book denser
-            than bitsandbytes' dynamic maps, which have at most one).
+        ValueError: if a bucket holds more than one bound (a code book denser than
+            bitsandbytes' dynamic maps, which have at most one per bucket): such books are
+            stepped by bitsandbytes' own per-tensor path.
     """
-    top = (bounds[:255].view(torch.int32).to(torch.int64) & 0xFFFFFFFF) >> 16
-    if int(torch.unique(top, return_counts=True)[1].max()) > 2:
-        raise ValueError("a code book has more than 2 midpoints among floats sharing 16 bits")
-    mag = torch.arange(_TABLE_HALF, dtype=torch.int64)
-    # the smallest float of each prefix: +0 low bits for positives, all ones for negatives
-    low = torch.cat([mag << 16, (mag | 0x8000) << 16 | 0xFFFF])
-    smallest = torch.where(low >= 1 << 31, low - (1 << 32), low).to(torch.int32)
-    values = smallest.view(torch.float32)
-    return torch.searchsorted(bounds, values, side="left").clamp_(max=255).to(torch.int32)
+    edges = bounds[:255]
+    bits = edges.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    mags = (bits >> 16) & 0x7FFF
+    nonzero = mags[edges != 0]
+    lo = int(nonzero.min()) if nonzero.numel() else _ONE_PREFIX
+    lo = max(1, min(lo, _ONE_PREFIX))
+    width = _ONE_PREFIX - lo + 2
+    prefix = torch.arange(lo - 1, _ONE_PREFIX + 1, dtype=torch.int64)  # bucket j: lo - 1 + j
+    # the smallest and the largest float of each bucket, positive then negative
+    pos_lo = torch.cat([torch.zeros(1, dtype=torch.int64), prefix[1:] << 16])
+    pos_hi = (prefix << 16) | 0xFFFF
+    pos_hi[-1] = _ONE_PREFIX << 16  # 1.0: the largest value the last bucket takes
+    neg_lo = ((prefix | 0x8000) << 16) | 0xFFFF
+    neg_hi = torch.cat([torch.tensor([0x8000 << 16]), (prefix[1:] | 0x8000) << 16])
+
+    def as_float(b: torch.Tensor) -> torch.Tensor:
+        return torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32)
+
+    smallest = as_float(torch.cat([pos_lo, neg_lo]))
+    largest = as_float(torch.cat([pos_hi, neg_hi]))
+    start = torch.searchsorted(edges, smallest, side="left")
+    inside = torch.searchsorted(edges, largest, side="right") - start
+    zero_buckets = torch.tensor([0, width])
+    if int(inside.max()) > 1 and not bool((inside.index_fill(0, zero_buckets, 0) <= 1).all()):
+        raise ValueError(
+            "a code book has 2 or more midpoints among floats sharing their top 16 bits; "
+            "the 8-bit CPU kernel takes books as sparse as bitsandbytes' dynamic maps"
+        )
+    if bool((edges[(mags < lo)] != 0).any()):  # only 0 may lie in bucket 0 (lo's definition)
+        raise ValueError("a code book has a non-zero midpoint under its smallest prefix")
+    # the low 16 bits of the bound inside each bucket, else of its largest float
+    low = torch.where(
+        inside > 0, bits[start.clamp(max=254)] & 0xFFFF, torch.cat([pos_hi, neg_hi]) & 0xFFFF
+    )
+    low[zero_buckets] = 0  # bucket 0's bound comes from the header
+    has_zero = bool((edges == 0).any())
+    zero_bits = 0 if has_zero else 0x7F800000  # 0.0 or +inf
+    negative = -1 if bool((edges < 0).any()) else 0
+    head = torch.tensor([lo, width, zero_bits, negative], dtype=torch.int64)
+    return torch.cat([head, start.clamp(max=255) | (low << 8)]).to(torch.int32)
 
 
 def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
@@ -397,11 +450,14 @@ def _check_state(k: int, job: Job) -> bool:
                 raise ValueError(f"jobs[{k}].{name} must be a contiguous CPU tensor")
         for name in ("qmap1", "qmap2", "bounds1", "bounds2", "table1", "table2"):
             t = getattr(job, name)
-            dtype, n = (
-                (torch.int32, 2 * _TABLE_HALF) if name.startswith("table") else (torch.float32, 256)
-            )
-            if t is None or t.dtype != dtype or t.shape != (n,):
-                raise ValueError(f"jobs[{k}].{name} must be {n} {dtype} values")
+            if name.startswith("table"):
+                ok = t is not None and t.dtype == torch.int32 and t.dim() == 1
+                ok = ok and t.numel() >= 6 and t.numel() == 4 + 2 * int(t[1])
+                ok = ok and int(t[1]) == _ONE_PREFIX - int(t[0]) + 2
+                if not ok:
+                    raise ValueError(f"jobs[{k}].{name} must be a code_table() of its bounds")
+            elif t is None or t.dtype != torch.float32 or t.shape != (256,):
+                raise ValueError(f"jobs[{k}].{name} must be 256 torch.float32 values")
             if not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"jobs[{k}].{name} must be a contiguous CPU tensor")
     return quantized
@@ -499,13 +555,16 @@ def prepare_table(jobs: Sequence[Job], *, num_threads: int | None = None) -> Tab
     return Table(params=params, items=items, n_items=item, threads=threads, tensors=tuple(keep))
 
 
-def run_table(table: Table, library: ctypes.CDLL | None = None) -> None:
+def run_table(table: Table, library: ctypes.CDLL | None = None, *, simd: bool = True) -> None:
     """Run one step on prepared tables (the commit phase): params, codes, absmax and
     float32 state are written in place; nothing is allocated.
 
     Args:
         table: from :func:`prepare_table`, for tensors not changed since.
         library: from :func:`load_library`; default :func:`load_library` (cached).
+        simd: False keeps to the scalar loops; by default whole blocks of 8-bit state run
+            on AVX-512 lanes where the CPU has them (the same bits: the same IEEE
+            operations in the same order; tested).
 
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
@@ -513,4 +572,4 @@ def run_table(table: Table, library: ctypes.CDLL | None = None) -> None:
     if table.n_items == 0:
         return
     lib = load_library() if library is None else library
-    lib.ol_adamw8bit_step(table.params, table.items, table.n_items, table.threads)
+    lib.ol_adamw8bit_step(table.params, table.items, table.n_items, table.threads, int(simd))
