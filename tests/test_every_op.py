@@ -257,15 +257,9 @@ def test_a_fault_at_any_op_of_a_guarded_train_step_neither_loses_nor_doubles_it(
         net, opt = _build(rung, pin)
         _step(net, opt, 0)
         before = snapshot(opt)
-
-        def train_step(idx: torch.Tensor) -> None:
-            opt.zero_grad()
-            net(idx).backward()
-            opt.step()
-
         with FailNthOp(k) as fault:
             try:
-                Ladder(opt).run(train_step, _batch(1))
+                Ladder(opt).run(_step, net, opt, 1)
                 raised: BaseException | None = None
             except (torch.OutOfMemoryError, PartialStepError) as exc:
                 raised = exc
@@ -292,6 +286,31 @@ def _failed_move_left(exc: BaseException) -> bool:
     return "converted back with" in str(exc)
 
 
+def _failing(move: Any, fault: FailNthOp) -> Any:
+    """``move`` run under ``fault``."""
+
+    def failing_move(*args: Any, **kwargs: Any) -> None:
+        with fault:
+            move(*args, **kwargs)
+
+    return failing_move
+
+
+def _oom_once_after_backward(net: _Tiny, opt: Any) -> Any:
+    """A train step that runs out of memory after its first backward (no size given)."""
+    calls = []
+
+    def train_step(i: int) -> None:
+        opt.zero_grad()
+        net(_batch(i)).backward()
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (no size given)")
+        opt.step()
+
+    return train_step
+
+
 @pytest.mark.parametrize(
     ("rung", "pin", "guarded"),
     [("fp32", "8bit", True), ("bf16", None, False)],
@@ -315,27 +334,11 @@ def test_a_fault_at_any_op_of_a_move_down_changes_nothing_or_says_what(
         _step(net, opt, 0)
         before = snapshot(opt)
         fault = FailNthOp(k)
-        move = opt.migrate_to
-
-        def failing_move(*args: Any, **kwargs: Any) -> None:
-            with fault:
-                move(*args, **kwargs)
-
-        opt.migrate_to = failing_move
-
-        calls = []
-
-        def train_step(idx: torch.Tensor) -> None:
-            opt.zero_grad()
-            net(idx).backward()
-            calls.append(1)
-            if len(calls) == 1:
-                raise torch.OutOfMemoryError("CUDA out of memory (no size given)")
-            opt.step()
-
+        opt.migrate_to = _failing(opt.migrate_to, fault)
+        train_step = _oom_once_after_backward(net, opt)
         try:
             if guarded:
-                Ladder(opt).run(train_step, _batch(1))
+                Ladder(opt).run(train_step, 1)
             else:
                 opt.escalate("injected")
             raised: BaseException | None = None
