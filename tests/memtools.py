@@ -42,6 +42,33 @@ class FailNthAllocation(TorchDispatchMode):
         return out
 
 
+class FailNthOp(TorchDispatchMode):
+    """Raise ``torch.OutOfMemoryError`` instead of running the ``n``-th dispatched op
+    (1-based), whatever the op (allocating or in place, a factory, a fused kernel, a
+    custom op); with ``n=None`` only count them. ``ops`` lists every op seen, by name.
+
+    Ops the dispatcher never sees (a ctypes kernel call) cannot be failed here.
+    """
+
+    def __init__(self, n: int | None = None) -> None:
+        super().__init__()
+        self.n = n
+        self.count = 0
+        self.ops: list[str] = []
+
+    @property
+    def reached(self) -> bool:
+        """Whether the ``n``-th op was dispatched (and failed)."""
+        return self.n is not None and self.count >= self.n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        self.ops.append(str(func))
+        if self.count == self.n:
+            raise torch.OutOfMemoryError(f"injected: op {self.n} ({func})")
+        return func(*args, **(kwargs or {}))
+
+
 class LiveBytes(TorchDispatchMode):
     """Track the bytes of tensors created while active, minus the bytes freed (of those and
     of tensors passed to :meth:`watch`), and the peak of that balance.

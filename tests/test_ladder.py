@@ -660,6 +660,36 @@ def test_a_real_cpu_oom_under_rlimit_as_escalates_and_finishes() -> None:
     assert "escalations: fp32 -> bf16" in text
 
 
+def test_a_real_oom_with_a_pinned_8bit_group_escalates_the_decided_groups_exactly() -> None:
+    """A real CPU OOM (RLIMIT_AS, in a child: tests/rlimit_child.py) in the third step's
+    backward, with an embedding group pinned to 8bit beside decided fp32 groups: the
+    Ladder moves only the decided groups to bf16 and reruns the step; after five steps
+    params and the whole state equal, bit for bit, a run with no cap that moved at the
+    same point, and every param stepped exactly five times."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    child = os.path.join(os.path.dirname(__file__), "rlimit_child.py")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # big frees go back to the OS
+    for name in ("OPTLADDER_RUNG", "OPTLADDER_BF16_ADAM", "OPTLADDER_8BIT_ADAM"):
+        env.pop(name, None)
+    proc = subprocess.run(
+        [sys.executable, child], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["seen"] == []  # the Ladder recovered every step
+    assert [e[:3] for e in out["escalations"]] == [["fp32", "bf16", 2]]
+    reason = out["escalations"][0][3]
+    assert "forward/backward" in reason and "can't allocate memory" in reason  # a real OOM
+    assert out["rung"] == "bf16" and out["pinned_rung"] == "8bit"
+    assert {"state1", "state2", "absmax1", "absmax2"} <= set(out["pinned_keys"])  # 8-bit codes
+    assert out["committed_steps"] == 5 and out["steps"] == [5]  # none lost, none doubled
+    assert out["params_equal"] and out["groups_equal"] and out["state_equal"]
+
+
 def test_migrate_to_honours_pins_and_disabled_rungs() -> None:
     pinned = _opt(_params(), rung="fp32")
     with pytest.raises(ValueError, match=r"pinned by rung='fp32' \(pass force=True"):

@@ -33,6 +33,7 @@ from typing import Any, cast
 import torch
 
 from optladder.bnb_overrides import quantized_8bit
+from optladder.oom import is_oom
 from optladder.rungs import BNB_MIN_8BIT_SIZE, param_refusal
 from optladder.sharding import is_dtensor, local_tensor
 
@@ -45,6 +46,8 @@ def import_bitsandbytes() -> ModuleType:
 
     Raises:
         ImportError: if bitsandbytes is missing or its native library fails to load.
+        Out-of-memory errors (:func:`optladder.oom.is_oom`) raised while importing, as
+            they are: they say nothing about whether bitsandbytes is installed.
     """
     noisy = logging.getLogger(_NOISY_LOGGER)
     previous = noisy.level
@@ -54,6 +57,8 @@ def import_bitsandbytes() -> ModuleType:
     except ImportError:
         raise
     except Exception as exc:  # a broken native library raises other errors
+        if is_oom(exc):
+            raise
         raise ImportError(f"bitsandbytes failed to import: {type(exc).__name__}: {exc}") from exc
     finally:
         noisy.setLevel(previous)

@@ -412,25 +412,24 @@ def _split_moment(m: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, tor
 
     With ``w = bits(m) + 0x8000`` (modulo 2**32), the bfloat16 value is ``w``'s high half
     (round to nearest, ties away from zero) and the low half is kept aside, so
-    :func:`_join_moment` gives back ``m`` bit for bit. The addition is done in ``m``'s own
-    storage and undone before returning, so this allocates exactly the two halves:
-    ``m``'s bytes, the bfloat16 value being half of them.
+    :func:`_join_moment` gives back ``m`` bit for bit. Both halves are computed in their
+    own new tensors (``m``'s high half plus the carry out of its low half, and the low
+    half with its top bit flipped); ``m`` is only read, so a failure at any point leaves
+    it as it was. This allocates exactly the two halves: ``m``'s bytes, the bfloat16
+    value being half of them.
 
     Returns:
         ``(value, low)``: a contiguous bfloat16 tensor of ``shape`` and a contiguous int16
         tensor of ``m``'s element count.
     """
-    words = m.view(torch.int32)
-    words.add_(_HALF)
-    try:
-        halves = words.reshape(-1).view(torch.int16)  # little-endian: (low, high) pairs
-        # clone, not contiguous(): a one-element slice is "contiguous" and would stay a view
-        value = halves[1::2].clone(memory_format=torch.contiguous_format)
-        value = value.view(torch.bfloat16).reshape(shape)
-        low = halves[0::2].clone(memory_format=torch.contiguous_format)
-    finally:
-        words.sub_(_HALF)  # m as it was, for anyone else holding it
-    return value, low
+    halves = m.view(torch.int32).reshape(-1).view(torch.int16)  # little-endian: (low, high)
+    # clone, not contiguous(): a one-element slice is "contiguous" and would stay a view
+    high = halves[1::2].clone(memory_format=torch.contiguous_format)
+    low = halves[0::2].clone(memory_format=torch.contiguous_format)
+    low.bitwise_right_shift_(15)  # -1 where the low half is >= 0x8000 (the carry), else 0
+    high.sub_(low)  # + the carry, modulo 2**16 as the 32-bit addition
+    low.copy_(halves[0::2]).bitwise_xor_(-_HALF)  # the low half of w: + 0x8000 modulo 2**16
+    return high.view(torch.bfloat16).reshape(shape), low
 
 
 def _join_moment(value: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
