@@ -4,6 +4,7 @@ never-stepped params in state_dict() and DCP, and optimizers over meta params.""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import tempfile
 
@@ -220,3 +221,61 @@ def test_an_optimizer_over_meta_params_is_refused(rung: str) -> None:
     opt = choose_optimizer(model, lr=1e-3, rung=rung, free_memory="1GiB", environ={})
     opt.step()
     assert torch.allclose(model.bias, torch.full((64,), -1e-3 * 2 / (2 + 1e-8)), rtol=1e-2)
+
+
+NUMPY_STEPS = ("int64", "int32", "uint32", "float32", "float64")
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_numpy_scalar_steps_load_in_the_engines_own_form(rung: str) -> None:
+    """bug-23 (ray#61937): a checkpoint whose ``step`` came back from a numpy round trip
+    holds numpy scalars (``np.int64`` is no Python int). Each loads like the Python
+    number it stands for: the step lands in the rung's own form (a 0-d ``STEP_DTYPE``
+    tensor, or an int on 8bit) and the next step is bit-identical to a resume from the
+    untouched checkpoint. A numpy bool is not a count: refused, nothing changes."""
+    np = pytest.importorskip("numpy")
+    from optladder.optimizers.steps import STEP_DTYPE
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Linear(80, 64)  # 5,120 weight elements: quantized on the 8-bit rung
+        return m, choose_optimizer(m, lr=1e-2, rung=rung, free_memory="64GiB", environ={})
+
+    def grads(m: nn.Module, s: int) -> None:
+        for i, p in enumerate(m.parameters()):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * s + i))
+
+    m, opt = build()
+    for s in range(3):
+        grads(m, s)
+        opt.step()
+    ckpt, weights = opt.state_dict(), {k: v.clone() for k, v in m.state_dict().items()}
+    ref_m, ref = build()
+    ref_m.load_state_dict(weights)
+    ref.load_state_dict(copy.deepcopy(ckpt))
+    grads(ref_m, 3)
+    ref.step()
+    for name in NUMPY_STEPS:
+        sd = copy.deepcopy(ckpt)
+        for st in sd["state"].values():
+            st["step"] = getattr(np, name)(3)
+        m2, opt2 = build()
+        m2.load_state_dict(weights)
+        opt2.load_state_dict(sd)
+        for p in m2.parameters():
+            step = opt2.state[p]["step"]
+            if rung == "8bit":
+                assert type(step) is int and step == 3, (name, step)
+            else:
+                assert isinstance(step, torch.Tensor) and step.dtype == STEP_DTYPE, (name, step)
+                assert step.dim() == 0 and step.item() == 3.0, (name, step)
+        grads(m2, 3)
+        opt2.step()
+        for p, q in zip(m2.parameters(), ref_m.parameters(), strict=True):
+            assert torch.equal(p, q), name
+    sd = copy.deepcopy(ckpt)
+    next(iter(sd["state"].values()))["step"] = np.bool_(True)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match="'step' must be a finite whole number >= 0"):
+        opt.load_state_dict(sd)
+    assert_same(snapshot(opt), before)

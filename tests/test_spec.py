@@ -67,6 +67,28 @@ def test_misses_say_why(make, reason: str) -> None:  # type: ignore[no-untyped-d
     assert config is None and why is not None and reason in why
 
 
+@pytest.mark.parametrize(
+    ("name", "kept"),
+    [
+        ("AdamW8bit", "8-bit block-quantized state"),
+        ("PagedAdamW8bit", "8-bit block-quantized state"),
+        ("AdamW32bit", "32-bit state in bitsandbytes' layout"),
+        ("PagedAdamW32bit", "32-bit state in bitsandbytes' layout"),
+    ],
+)
+def test_a_bitsandbytes_miss_names_the_state_it_keeps(name: str, kept: str) -> None:
+    """The reason states the optimizer's own bit width (its ``args.optim_bits``): a 32-bit
+    bitsandbytes optimizer is never said to keep 8-bit state."""
+    bnb = pytest.importorskip("bitsandbytes")
+    opt = getattr(bnb.optim, name)(_p(5000))
+    assert opt.args.optim_bits == int(kept.split("-")[0])
+    config, why = to_fused_config(opt)
+    assert config is None and why is not None
+    assert why.startswith(f"{name} keeps {kept}"), why
+    other = "32-bit" if kept.startswith("8") else "8-bit"
+    assert other not in why
+
+
 def test_sparse_grad_is_a_miss() -> None:
     emb = torch.nn.Embedding(10, 4, sparse=True)
     emb(torch.tensor([1, 2])).sum().backward()

@@ -25,6 +25,7 @@ is quantized follows the param's global element count. No conversion communicate
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -633,7 +634,9 @@ def _finite_number(value: Any) -> float | None:
         if value.numel() != 1 or value.is_complex() or value.device.type == "meta":
             return None
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    # numbers.Real takes numpy's integer and float scalars too (an np.int64 from a numpy
+    # round trip is no int); bools (Python's and numpy's) are not counts
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     number = float(value)
     return number if math.isfinite(number) else None

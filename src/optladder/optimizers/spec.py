@@ -208,7 +208,8 @@ def to_fused_config(
     optladder's :class:`~optladder.optimizers.adamw.LadderAdamW` (``use_bf16_moments``
     when its moments are bfloat16); an optladder optimizer maps as its current engine.
     Each unmappable case has its own reason: amsgrad, maximize, differentiable, sparse or
-    complex params, 8-bit block-quantized state, any other optimizer class.
+    complex params, bitsandbytes optimizers (8-bit block-quantized or 32-bit state in
+    their own layout), any other optimizer class.
 
     Args:
         optimizer: any ``torch.optim.Optimizer``.
@@ -221,9 +222,17 @@ def to_fused_config(
         optimizer = inner
     name = type(optimizer).__name__
     if is_bnb_engine(optimizer):
+        bits = getattr(getattr(optimizer, "args", None), "optim_bits", None)
+        kept = (
+            "8-bit block-quantized state"
+            if bits == 8
+            else f"{bits}-bit state in bitsandbytes' layout (state1/state2)"
+            if bits is not None
+            else "state in bitsandbytes' layout (state1/state2)"
+        )
         return None, (
-            f"{name} keeps 8-bit block-quantized state: bitsandbytes owns its kernels and "
-            "its format, which is not a fused AdamW configuration"
+            f"{name} keeps {kept}: bitsandbytes owns its kernels and its format, which is "
+            "not a fused AdamW configuration"
         )
     d = optimizer.defaults
     if isinstance(optimizer, LadderAdamW | torch.optim.Adam | torch.optim.AdamW):
