@@ -257,7 +257,7 @@ def model_from_config(path: Path) -> tuple[torch.nn.Module, str]:
         ) from exc
     try:
         config = transformers.AutoConfig.from_pretrained(str(path))
-    except (ValueError, KeyError, TypeError, OSError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
         raise PlanError(
             f"--model-config={str(path)!r}: transformers {transformers.__version__} cannot read "
             f"it ({type(exc).__name__}: {exc})"
@@ -285,7 +285,7 @@ def config_dtype(path: Path) -> tuple[str | None, str]:
     fine-tuning then trains in. ``null``, a missing key and ``"auto"`` name none.
 
     Args:
-        path: the config.json file (already read once by :func:`model_from_config`).
+        path: the config.json file.
 
     Returns:
         The canonical dtype name (``"bfloat16"``, ...) or None, and the key it came from
@@ -309,7 +309,7 @@ def config_dtype(path: Path) -> tuple[str | None, str]:
         try:
             return canonical_dtype(value, f"--model-config {str(path)!r}: {key}"), key
         except ValueError as exc:
-            raise PlanError(f"{exc}; or give --dtype to plan for another param dtype") from None
+            raise PlanError(f"{exc}; or give --dtype to override it") from None
     return None, ""
 
 
@@ -517,9 +517,14 @@ def make_plan(
     else:
         if model_config is not None:
             path, described = resolve_config(model_config)
+            try:  # before transformers reads the value
+                from_config, key = config_dtype(path)
+            except PlanError:
+                if dtype is None:
+                    raise
+                from_config, key = None, ""  # --dtype given: the config's is not needed
             module, class_name = model_from_config(path)
             source = f"--model-config {described}: {class_name}"
-            from_config, key = config_dtype(path)
             if dtype is not None:
                 said = f"; the config's {key} is {from_config}" if from_config else ""
                 notes.append(f"params taken as {dtype} (--dtype{said})")
