@@ -322,7 +322,12 @@ def main(argv: list[str] | None = None) -> list[Run]:
             dtype = torch.float32 if name.startswith("fp32") else torch.bfloat16
             runs.append(
                 run_lm(
-                    name, make, args.lm_steps, args.seed, data, param_dtype=dtype,
+                    name,
+                    make,
+                    args.lm_steps,
+                    args.seed,
+                    data,
+                    param_dtype=dtype,
                     task="lm-bf16-params",
                 )
             )

@@ -17,9 +17,7 @@ abbreviations of Hugging Face's ``TrainingArguments`` (``bf16=True``) and of mix
 flags (``--precision bf16``)."""
 
 _CANONICAL: dict[str, str] = {
-    spelling: name
-    for name, others in PARAM_DTYPE_SPELLINGS.items()
-    for spelling in (name, *others)
+    spelling: name for name, others in PARAM_DTYPE_SPELLINGS.items() for spelling in (name, *others)
 }
 
 
@@ -49,6 +47,5 @@ def canonical_dtype(value: object, name: str) -> str:
     if text is not None and text in _CANONICAL:
         return _CANONICAL[text]
     raise ValueError(
-        f"{name}={value!r} is not a param dtype this accepts; expected one of "
-        f"{allowed_spellings()}"
+        f"{name}={value!r} is not a param dtype this accepts; expected one of {allowed_spellings()}"
     )

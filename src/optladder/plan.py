@@ -530,7 +530,9 @@ def make_plan(
                 notes.append(f"params taken as {dtype} (--dtype{said})")
             elif from_config is not None:
                 param_dtype = DTYPES[from_config]
-                notes.append(f"params taken as {from_config}, the config's {key} (--dtype to change)")
+                notes.append(
+                    f"params taken as {from_config}, the config's {key} (--dtype to change)"
+                )
             else:
                 notes.append(
                     "params taken as float32: the config names no dtype (no dtype or "
