@@ -1,17 +1,25 @@
-"""Does the bf16 rung train as well as fp32 AdamW? Two small tasks, three optimizers.
+"""Does the bf16 rung train as well as fp32 AdamW? Do bf16 params? Small tasks, same seeds.
 
-Tasks:
+Tasks (``--tasks``, comma-separated; each runs alone):
     digits: an MLP on scikit-learn's 8x8 digits (1,797 images, 10 classes).
     stdlib-lm: a small causal transformer language model over bytes, trained from
         scratch on the source of Python's own standard library (the ``.py`` files next
         to ``os.py``), evaluated on a held-out tail of that text.
+    lm-bf16-params: the same language model with its params in bfloat16
+        (``model.to(torch.bfloat16)``, forward and backward in bfloat16, loss in float32).
 
-Optimizers, same seed (same init, same batches): torch's AdamW with float32 moments,
-optladder's AdamW with bf16 moments and stochastic rounding, and with round-to-nearest.
-The table gives the final losses and each one's gap to fp32; a PNG shows the curves.
+Optimizers of digits and stdlib-lm, same seed (same init, same batches): torch's AdamW
+with float32 moments, optladder's AdamW with bf16 moments and stochastic rounding, and
+with round-to-nearest. Optimizers of lm-bf16-params: optladder's AdamW with float32
+moments (the fp32 rung) on float32 params, and on bfloat16 params whose writes are
+stochastically rounded (``param_rounding="stochastic"``) or rounded to nearest
+(``param_rounding="nearest"``): only the params' dtype and their rounding differ.
+The table gives the final losses and each one's gap to the task's fp32 run; a PNG shows
+the curves.
 
-    python bench/convergence.py                      # ~5-10 minutes on 2 CPU cores
+    python bench/convergence.py                      # ~15-25 minutes on 2 CPU cores
     python bench/convergence.py --lm-steps 200 --digits-epochs 10   # a quick look
+    python bench/convergence.py --tasks lm-bf16-params --lm-steps 300  # bf16 params only
 
 Not a test; the issue's bar: bf16 stochastic within 1% of fp32's final loss.
 """
@@ -32,6 +40,8 @@ from torch.nn import functional as F
 
 from optladder.optimizers.adamw import LadderAdamW
 
+TASKS = ("digits", "stdlib-lm", "lm-bf16-params")
+
 OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -45,6 +55,27 @@ def optimizers(lr: float, weight_decay: float) -> dict[str, OptFactory]:
         "bf16 nearest": lambda ps: LadderAdamW(
             ps, lr=lr, weight_decay=weight_decay, rounding="nearest", seed=0
         ),
+    }
+
+
+def bf16_param_optimizers(lr: float, weight_decay: float) -> dict[str, OptFactory]:
+    """lm-bf16-params' contenders: float32 moments (the fp32 rung) on every one; the first
+    steps float32 params, the others bfloat16 params with each ``param_rounding``."""
+
+    def make(param_rounding: str) -> OptFactory:
+        return lambda ps: LadderAdamW(
+            ps,
+            lr=lr,
+            weight_decay=weight_decay,
+            moment_dtype=torch.float32,
+            param_rounding=param_rounding,  # type: ignore[arg-type]
+            seed=0,
+        )
+
+    return {
+        "fp32 params": make("stochastic"),  # float32 params: nothing to round
+        "bf16 params, SR": make("stochastic"),
+        "bf16 params, nearest": make("nearest"),
     }
 
 
@@ -152,23 +183,37 @@ class ByteLM(nn.Module):
         return self.ln(self.blocks(x)) @ self.tok.weight.T
 
 
-def run_lm(name: str, make: OptFactory, steps: int, seed: int, data: torch.Tensor) -> Run:
-    """Train on the first 90% of the bytes, batch 32 x 128; eval on the last 10%."""
+def run_lm(
+    name: str,
+    make: OptFactory,
+    steps: int,
+    seed: int,
+    data: torch.Tensor,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    task: str = "stdlib-lm",
+) -> Run:
+    """Train on the first 90% of the bytes, batch 32 x 128; eval on the last 10%.
+
+    The model is built in float32 from ``seed`` and then cast to ``param_dtype`` (so every
+    dtype starts from the same init, rounded to nearest once); the loss is taken in
+    float32 from the logits.
+    """
     context, batch = 128, 32
     cut = int(len(data) * 0.9)
     train, held = data[:cut], data[cut:]
     torch.manual_seed(seed)
-    model = ByteLM(context=context)
+    model = ByteLM(context=context).to(param_dtype)
     opt = make(list(model.parameters()))
     gen = torch.Generator().manual_seed(seed)
-    run = Run("stdlib-lm", name)
+    run = Run(task, name)
     t0 = time.perf_counter()
     tail: list[float] = []
     for step in range(1, steps + 1):
         starts = torch.randint(0, len(train) - context - 1, (batch,), generator=gen)
         xb = torch.stack([train[s : s + context] for s in starts])
         yb = torch.stack([train[s + 1 : s + context + 1] for s in starts])
-        loss = F.cross_entropy(model(xb).reshape(-1, 256), yb.reshape(-1))
+        loss = F.cross_entropy(model(xb).float().reshape(-1, 256), yb.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -181,7 +226,8 @@ def run_lm(name: str, make: OptFactory, steps: int, seed: int, data: torch.Tenso
         starts = torch.arange(0, len(held) - context - 1, context)[:64]
         xb = torch.stack([held[s : s + context] for s in starts])
         yb = torch.stack([held[s + 1 : s + context + 1] for s in starts])
-        run.final_eval = F.cross_entropy(model(xb).reshape(-1, 256), yb.reshape(-1)).item()
+        logits = model(xb).float().reshape(-1, 256)
+        run.final_eval = F.cross_entropy(logits, yb.reshape(-1)).item()
     run.seconds = time.perf_counter() - t0
     return run
 
@@ -192,7 +238,7 @@ def run_lm(name: str, make: OptFactory, steps: int, seed: int, data: torch.Tenso
 def report(runs: list[Run]) -> str:
     """The table: final losses and the relative gap of each to fp32 on the same task."""
     lines = [
-        f"{'task':<11}{'optimizer':<21}{'train loss':>11}{'eval loss':>11}"
+        f"{'task':<15}{'optimizer':<21}{'train loss':>11}{'eval loss':>11}"
         f"{'train gap':>11}{'eval gap':>10}{'seconds':>9}"
     ]
     for r in runs:
@@ -200,7 +246,7 @@ def report(runs: list[Run]) -> str:
         gap_t = 100 * (r.final_train - base.final_train) / base.final_train
         gap_e = 100 * (r.final_eval - base.final_eval) / base.final_eval
         lines.append(
-            f"{r.task:<11}{r.optimizer:<21}{r.final_train:11.4f}{r.final_eval:11.4f}"
+            f"{r.task:<15}{r.optimizer:<21}{r.final_train:11.4f}{r.final_eval:11.4f}"
             f"{gap_t:+10.2f}%{gap_e:+9.2f}%{r.seconds:9.1f}"
         )
     return "\n".join(lines)
@@ -241,7 +287,11 @@ def main(argv: list[str] | None = None) -> list[Run]:
     ap.add_argument("--lm-steps", type=int, default=600)
     ap.add_argument("--lm-bytes", type=int, default=4_000_000, help="stdlib text to use")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tasks", default="digits,stdlib-lm")
+    ap.add_argument(
+        "--tasks",
+        default=",".join(TASKS),
+        help=f"comma-separated, from {', '.join(TASKS)} (default: all)",
+    )
     ap.add_argument(
         "--png",
         type=lambda s: Path(s) if s else None,
@@ -251,18 +301,37 @@ def main(argv: list[str] | None = None) -> list[Run]:
     args = ap.parse_args(argv)
     torch.set_num_threads(torch.get_num_threads())
     runs: list[Run] = []
-    tasks = args.tasks.split(",")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown or not tasks:
+        ap.error(f"--tasks={args.tasks!r}: unknown {unknown}; expected some of {', '.join(TASKS)}")
     if "digits" in tasks:
         for name, make in optimizers(lr=1e-3, weight_decay=1e-2).items():
             runs.append(run_digits(name, make, args.digits_epochs, args.seed))
             print(f"digits    {name:<21} done in {runs[-1].seconds:.1f}s", flush=True)
-    if "stdlib-lm" in tasks:
+    if "stdlib-lm" in tasks or "lm-bf16-params" in tasks:
         text = stdlib_text(args.lm_bytes)
         data = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
         print(f"stdlib-lm: {len(text):,} bytes of {sys.version.split()[0]} stdlib source")
+    if "stdlib-lm" in tasks:
         for name, make in optimizers(lr=2e-3, weight_decay=1e-2).items():
             runs.append(run_lm(name, make, args.lm_steps, args.seed, data))
             print(f"stdlib-lm {name:<21} done in {runs[-1].seconds:.1f}s", flush=True)
+    if "lm-bf16-params" in tasks:
+        for name, make in bf16_param_optimizers(lr=2e-3, weight_decay=1e-2).items():
+            dtype = torch.float32 if name.startswith("fp32") else torch.bfloat16
+            runs.append(
+                run_lm(
+                    name,
+                    make,
+                    args.lm_steps,
+                    args.seed,
+                    data,
+                    param_dtype=dtype,
+                    task="lm-bf16-params",
+                )
+            )
+            print(f"lm-bf16-params {name:<21} done in {runs[-1].seconds:.1f}s", flush=True)
     print(report(runs))
     if args.png:
         try:

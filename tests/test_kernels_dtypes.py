@@ -35,6 +35,16 @@ needs_gcc = pytest.mark.skipif(
 
 
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the compiled Triton kernel needs CUDA (gpu_check.sh)"
+)
+WRITE_BACKENDS = [
+    pytest.param("cpu", marks=needs_gcc),
+    "eager",
+    pytest.param("triton", marks=needs_cuda),
+]
+"""Backends of the param-write tests; Triton's only where compiled (20,000-element params
+are too slow for its interpreter)."""
 
 
 @pytest.fixture(scope="module")
@@ -193,13 +203,14 @@ def test_triton_kernel_matches_float64_and_eager_bits(
 
 def _write_many(backend: str, param_dtype: torch.dtype, seed: int, **options: Any) -> torch.Tensor:
     """One step of N equal params whose update is a fraction of their ulp: returns the
-    written params."""
+    written params (on the CPU)."""
     n = 20_000
-    p = torch.nn.Parameter(torch.full((n,), 1.0 + 2.0**-6).to(param_dtype))
+    device = TRITON_DEVICE if backend == "triton" else torch.device("cpu")
+    p = torch.nn.Parameter(torch.full((n,), 1.0 + 2.0**-6).to(device, param_dtype))
     opt = LadderAdamW([p], lr=3e-4, weight_decay=0.0, backend=backend, seed=seed, **options)  # type: ignore[arg-type]
-    p.grad = torch.full((n,), 0.5, dtype=param_dtype)
+    p.grad = torch.full((n,), 0.5, dtype=param_dtype, device=device)
     opt.step()
-    return p.detach()
+    return p.detach().cpu()
 
 
 def _float32_result() -> float:
@@ -207,7 +218,7 @@ def _float32_result() -> float:
     return float(_write_many("eager", torch.float32, seed=0)[0])
 
 
-@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_gcc), "eager"])
+@pytest.mark.parametrize("backend", WRITE_BACKENDS)
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
 def test_stochastic_param_writes_are_unbiased_and_reproducible(
     backend: str, param_dtype: torch.dtype
@@ -236,22 +247,23 @@ def test_stochastic_param_writes_are_unbiased_and_reproducible(
     assert not torch.equal(_bits(written), _bits(_write_many(backend, param_dtype, seed=2)))
 
 
-@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_gcc), "eager"])
+@pytest.mark.parametrize("backend", WRITE_BACKENDS)
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
 def test_nearest_param_writes_are_round_to_nearest_even(
     backend: str, param_dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(4)
+    device = TRITON_DEVICE if backend == "triton" else torch.device("cpu")
     p32 = torch.nn.Parameter(torch.randn(5000, generator=gen).to(param_dtype).float())
-    low = torch.nn.Parameter(p32.detach().to(param_dtype))
+    low = torch.nn.Parameter(p32.detach().to(device, param_dtype))
     grad = torch.randn(5000, generator=gen)
     ref = LadderAdamW([p32], lr=1e-2, backend="eager")
     opt = LadderAdamW([low], lr=1e-2, backend=backend, param_rounding="nearest")  # type: ignore[arg-type]
-    p32.grad, low.grad = grad, grad.to(param_dtype)
-    p32.grad = low.grad.float()  # the same grad values
+    p32.grad, low.grad = grad, grad.to(device, param_dtype)
+    p32.grad = low.grad.float().cpu()  # the same grad values
     ref.step()
     opt.step()
-    assert torch.equal(_bits(low), _bits(p32.detach().to(param_dtype)))  # torch's RNE
+    assert torch.equal(_bits(low.cpu()), _bits(p32.detach().to(param_dtype)))  # torch's RNE
 
 
 def test_param_rounding_is_validated_exactly_and_saved() -> None:
@@ -329,12 +341,18 @@ def test_choose_optimizer_takes_param_rounding_on_both_rungs() -> None:
         assert torch.equal(_bits(p), _bits(ref.detach().to(torch.bfloat16)))
 
 
-@needs_gcc
+@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_gcc), "triton"])
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 @pytest.mark.parametrize("param_dtype", DTYPES)
-def test_nan_and_inf_write_the_same_bits_in_kernel_and_eager(param_dtype: torch.dtype) -> None:
+def test_nan_and_inf_write_the_same_bits_in_kernel_and_eager(
+    request: pytest.FixtureRequest, backend: str, param_dtype: torch.dtype, rounding: str
+) -> None:
     """NaN and infinite grads, params and moments: stochastic writes keep NaN a NaN
-    (quiet, its sign and high payload bits kept; float16: 0x7E00 with the sign) and the
-    C kernel writes the eager bits, the NaN patterns included."""
+    (quiet, its sign and high payload bits kept; float16: 0x7E00 with the sign), nearest
+    bfloat16 writes make it 0x7FC0, and the kernel writes the eager bits, the NaN
+    patterns included (the Triton kernel: compiled on CUDA, else in its interpreter)."""
+    if backend == "triton":
+        request.getfixturevalue("triton_interpreter")
     inputs = _inputs((64,), param_dtype, torch.float32, seed=3)
     x = inputs[0]
     x["g"][:8] = torch.tensor(
@@ -345,9 +363,10 @@ def test_nan_and_inf_write_the_same_bits_in_kernel_and_eager(param_dtype: torch.
     )
     x["m"][12:14] = torch.tensor([float("nan"), float("inf")])
     x["v"][14:16] = torch.tensor([float("nan"), float("inf")])
+    options = {"rounding": rounding, "param_rounding": rounding}
     for rung in MOMENTS:
-        got, got_opt = _one_step("cpu", rung, inputs)
-        ref, ref_opt = _one_step("eager", rung, inputs)
+        got, got_opt = _one_step(backend, rung, inputs, **options)
+        ref, ref_opt = _one_step("eager", rung, inputs, **options)
         assert torch.equal(_bits(ref[0]), _bits(got[0]))
         for name in ("exp_avg", "exp_avg_sq"):
             a, b = ref_opt.state[ref[0]][name], got_opt.state[got[0]][name]

@@ -24,6 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from optladder import __version__
+from optladder.dtype_names import allowed_spellings, canonical_dtype
 from optladder.units import parse_bytes, parse_count
 
 EXIT_FITS = 0
@@ -69,6 +70,14 @@ def _seed(text: str) -> int:
     if not 0 <= value <= SEED_MAX:
         raise argparse.ArgumentTypeError(f"invalid seed {text!r}: {allowed}")
     return value
+
+
+def _dtype(text: str) -> str:
+    """argparse type of ``--dtype``: a param dtype in any accepted spelling (``bf16``)."""
+    try:
+        return canonical_dtype(text, "--dtype")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -171,8 +180,9 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     plan.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        help="param dtype (default float32; --model: the factory's own)",
+        type=_dtype,
+        help=f"param dtype: {allowed_spellings()} (default: --model-config: the config's "
+        "torch_dtype or dtype, else float32; --model: the factory's own; --params: float32)",
     )
     plan.add_argument(
         "--rung", type=str.lower, choices=RUNG_CHOICES, help="pin a rung, past the memory gate"

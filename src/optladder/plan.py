@@ -34,6 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from optladder import units
+from optladder.dtype_names import canonical_dtype
 from optladder.optimizers import probe_capabilities
 from optladder.policies import (
     Decision,
@@ -55,7 +56,12 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-"""Param dtypes ``--dtype`` accepts."""
+"""Param dtypes ``--dtype`` accepts (other spellings: :mod:`optladder.dtype_names`)."""
+
+CONFIG_DTYPE_KEYS = ("dtype", "torch_dtype")
+"""The keys of a Hugging Face config.json that name its params' dtype: ``dtype`` (what
+transformers >= 4.56 writes) and ``torch_dtype`` (what earlier versions wrote, still read);
+``dtype`` wins when both are present, as in ``PretrainedConfig``."""
 
 
 class PlanError(ValueError):
@@ -107,6 +113,8 @@ class Plan(BaseModel):
         trainable_params: trainable param elements of the whole model.
         param_tensors: distinct trainable param tensors (1 for ``--params``).
         dtypes: the params' dtype names.
+        param_bytes: bytes of the trainable params themselves (elements times each
+            one's dtype size; not sharded), beside which the optimizer state lives.
         device: the target device, e.g. ``"cuda"``.
         device_present: whether that device exists on this machine (if not, its
             capabilities come from torch's kernel lists).
@@ -125,6 +133,7 @@ class Plan(BaseModel):
     trainable_params: int
     param_tensors: int
     dtypes: tuple[str, ...]
+    param_bytes: int
     device: str
     device_present: bool
     world_size: int
@@ -248,7 +257,7 @@ def model_from_config(path: Path) -> tuple[torch.nn.Module, str]:
         ) from exc
     try:
         config = transformers.AutoConfig.from_pretrained(str(path))
-    except (ValueError, KeyError, TypeError, OSError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
         raise PlanError(
             f"--model-config={str(path)!r}: transformers {transformers.__version__} cannot read "
             f"it ({type(exc).__name__}: {exc})"
@@ -266,6 +275,42 @@ def model_from_config(path: Path) -> tuple[torch.nn.Module, str]:
         f"--model-config={str(path)!r}: transformers {transformers.__version__} cannot build a "
         f"model of model_type {raw['model_type']!r} from it ({'; '.join(errors)})"
     )
+
+
+def config_dtype(path: Path) -> tuple[str | None, str]:
+    """The params' dtype a Hugging Face config.json names, if any.
+
+    Reads ``dtype`` or else ``torch_dtype`` (:data:`CONFIG_DTYPE_KEYS`): the dtype of the
+    checkpoint's weights, which ``from_pretrained(..., dtype="auto")`` loads and most
+    fine-tuning then trains in. ``null``, a missing key and ``"auto"`` name none.
+
+    Args:
+        path: the config.json file.
+
+    Returns:
+        The canonical dtype name (``"bfloat16"``, ...) or None, and the key it came from
+        (``""`` when none).
+
+    Raises:
+        PlanError: if the file is not a JSON object, or the key names a dtype other than
+            float32, bfloat16 or float16 (any spelling of :mod:`optladder.dtype_names`);
+            the message says that ``--dtype`` overrides it.
+    """
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"--model-config={str(path)!r} is not a readable JSON file: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise PlanError(f"--model-config={str(path)!r} holds no JSON object")
+    for key in CONFIG_DTYPE_KEYS:
+        value = raw.get(key)
+        if value is None or value == "auto":
+            continue
+        try:
+            return canonical_dtype(value, f"--model-config {str(path)!r}: {key}"), key
+        except ValueError as exc:
+            raise PlanError(f"{exc}; or give --dtype to override it") from None
+    return None, ""
 
 
 def model_from_factory(spec: str) -> torch.nn.Module:
@@ -395,9 +440,11 @@ def make_plan(
         free_memory: free bytes of one target device (an int or ``"80GiB"``); probed
             when None, which needs the device to be present.
         world_size: ranks the optimizer state is sharded across, ``>= 1``.
-        dtype: the params' dtype (``float32``, ``bfloat16``, ``float16``); default
-            float32 for ``params`` and ``model_config`` (the config's own dtype is that of
-            its checkpoint, not of training), the factory's own for ``model``.
+        dtype: the params' dtype (``float32``, ``bfloat16``, ``float16``, or another
+            spelling of :mod:`optladder.dtype_names`: ``bf16``, ``fp16``, ``half``...);
+            default float32 for ``params``, the config's ``dtype`` or ``torch_dtype``
+            (:func:`config_dtype`; float32 when it names none) for ``model_config``, the
+            factory's own for ``model``.
         policy: the thresholds; default :class:`optladder.Policy()`.
         rung: pin a rung, as ``choose_optimizer(rung=...)`` does.
         environ: where to read ``OPTLADDER_*`` overrides; None means ``os.environ``.
@@ -428,8 +475,11 @@ def make_plan(
         )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"--world-size={world_size!r} is not allowed; expected an integer >= 1")
-    if dtype is not None and dtype not in DTYPES:
-        raise PlanError(f"--dtype={dtype!r} is not allowed; expected one of {', '.join(DTYPES)}")
+    if dtype is not None:
+        try:
+            dtype = canonical_dtype(dtype, "--dtype")
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
     try:
         target = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -444,6 +494,7 @@ def make_plan(
 
     notes: list[str] = []
     if params is not None:
+        param_bytes = count * param_dtype.itemsize
         state = {r: rung_state_bytes(r, count, param_dtype) for r in RUNGS}
         codebooks = BNB_QMAP_BYTES if count >= BNB_MIN_8BIT_SIZE else 0
         state["8bit"] += codebooks
@@ -466,17 +517,38 @@ def make_plan(
     else:
         if model_config is not None:
             path, described = resolve_config(model_config)
+            try:  # before transformers reads the value
+                from_config, key = config_dtype(path)
+            except PlanError:
+                if dtype is None:
+                    raise
+                from_config, key = None, ""  # --dtype given: the config's is not needed
             module, class_name = model_from_config(path)
             source = f"--model-config {described}: {class_name}"
+            if dtype is not None:
+                said = f"; the config's {key} is {from_config}" if from_config else ""
+                notes.append(f"params taken as {dtype} (--dtype{said})")
+            elif from_config is not None:
+                param_dtype = DTYPES[from_config]
+                notes.append(
+                    f"params taken as {from_config}, the config's {key} (--dtype to change)"
+                )
+            else:
+                notes.append(
+                    "params taken as float32: the config names no dtype (no dtype or "
+                    "torch_dtype key, or 'auto'; --dtype to change)"
+                )
+            module = module.to(dtype=param_dtype)  # on the meta device: no memory
         else:
             assert model is not None
             module = model_from_factory(model)
             source = f"--model {model}: {type(module).__name__}"
-        if dtype is not None or model_config is not None:
-            module = module.to(dtype=param_dtype)  # on the meta device: no memory
-            notes.append(f"params taken as {dtype or 'float32'} (--dtype to change)")
+            if dtype is not None:
+                module = module.to(dtype=param_dtype)  # on the meta device: no memory
+                notes.append(f"params taken as {dtype} (--dtype)")
         footprint = measure_footprint(module)
         tensors = trainable_params(normalize_param_groups(module))
+        param_bytes = sum(p.numel() * p.element_size() for p in tensors)
         codebooks = BNB_QMAP_BYTES if footprint.largest_param >= BNB_MIN_8BIT_SIZE else 0
         # One target device: the code books are counted once, wherever the params were built.
         state = {r: sum(rung_state_bytes(r, p.numel(), p.dtype) for p in tensors) for r in RUNGS}
@@ -526,6 +598,7 @@ def make_plan(
         trainable_params=footprint.trainable_params,
         param_tensors=footprint.param_tensors,
         dtypes=footprint.dtypes,
+        param_bytes=param_bytes,
         device=str(target),
         device_present=present,
         world_size=world_size,
@@ -564,7 +637,7 @@ def print_plan(plan: Plan, file: TextIO | None = None, *, decided: bool = True) 
     lines = [
         f"model: {plan.source}",
         f"       {plan.trainable_params:,} trainable params in {tensors} "
-        f"({', '.join(plan.dtypes)})",
+        f"({', '.join(plan.dtypes)}): {_bytes_cell(plan.param_bytes)} of params",
     ]
     if decided:
         lines += [

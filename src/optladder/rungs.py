@@ -61,6 +61,29 @@ def parse_rung(value: object, name: str) -> Rung:
     raise ValueError(f"{name}={value!r} is not a rung; accepted values: {', '.join(RUNGS)}")
 
 
+class KernelRoute(BaseModel):
+    """What steps params of one dtype on one rung of one device (plain data).
+
+    Attributes:
+        kernel: the kernel in words, e.g. ``"the C kernel"``, ``"torch's fused AdamW"``,
+            ``"the eager path"``.
+        fused: whether that kernel updates many params per launch.
+        reason: why the combination is not fused, when ``fused`` is False.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kernel: str
+    fused: bool
+    reason: str | None = None
+
+    def describe(self, rung: str, dtype: str) -> str:
+        """One line: ``"bf16 rung: bfloat16 params on the C kernel (fused)"``, or the
+        kernel and ``(not fused: reason)``."""
+        how = "fused" if self.fused else f"not fused: {self.reason or 'no fused kernel'}"
+        return f"{rung} rung: {dtype} params on {self.kernel} ({how})"
+
+
 class Capabilities(BaseModel):
     """What the target device's optimizer kernels can do, per rung (plain data).
 
@@ -76,6 +99,8 @@ class Capabilities(BaseModel):
         unavailable_reasons: per unavailable rung, why.
         slow: per rung known to be slow on this device, why (for instance bitsandbytes
             on the CPU is tens of times slower than torch's fused fp32 AdamW).
+        kernels: per rung, per param dtype name, what steps those params
+            (:class:`KernelRoute`); empty when not probed.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -86,6 +111,7 @@ class Capabilities(BaseModel):
     available: dict[Rung, bool] = Field(default_factory=lambda: dict.fromkeys(RUNGS, True))
     unavailable_reasons: dict[Rung, str] = Field(default_factory=dict)
     slow: dict[Rung, str] = Field(default_factory=dict)
+    kernels: dict[Rung, dict[str, KernelRoute]] = Field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,7 @@ def probe_capabilities(
     if not fused["bf16"]:
         slow["bf16"] = reasons["bf16"]
     return Capabilities(
+        kernels=spec.kernel_routes(dev.type, device_fused, dtypes, has_complex),
         device=str(dev),
         fused=fused,
         unfused_reasons=reasons,

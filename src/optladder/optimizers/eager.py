@@ -137,6 +137,21 @@ def _round_bf16_into(
     out.view(torch.int16).copy_(rounded.view(out.shape))  # int32 -> int16: the low 16 bits
 
 
+def _nearest_bf16_into(out: torch.Tensor, x: torch.Tensor, s: EagerScratch, n: int) -> None:
+    """In-place :func:`optladder.optimizers.rounding.nearest_round_bf16` into the bfloat16
+    tensor ``out``: round to nearest even, every NaN ``0x7FC0`` (the kernels' bits; torch's
+    vectorized ``copy_`` would write ``0xFFFF``)."""
+    as_int = x.view(torch.int32)
+    rounded, carry = s.i32[0][:n], s.i32[1][:n]
+    torch.bitwise_right_shift(as_int, 16, out=carry)
+    carry.bitwise_and_(1).add_(0x7FFF)
+    torch.add(as_int, carry, out=rounded)  # int32 wraps like the kernels' uint32
+    rounded.bitwise_right_shift_(16)  # arithmetic: the low 16 bits are the logical shift's
+    torch.ne(x, x, out=s.mask[:n])  # NaN
+    rounded.masked_fill_(s.mask[:n], 0x7FC0)
+    out.view(torch.int16).copy_(rounded.view(out.shape))  # int32 -> int16: the low 16 bits
+
+
 def _round_f16_into(
     out: torch.Tensor, x: torch.Tensor, bits: torch.Tensor, s: EagerScratch, n: int
 ) -> None:
@@ -272,6 +287,8 @@ def eager_step(
                 _round_f16_into(cut(views[0]), flat[0], bits, scratch, n)
         elif wide:
             cut(views[0]).add_(param)
+        elif p.dtype == torch.bfloat16:
+            _nearest_bf16_into(cut(views[0]), flat[0], scratch, n)
         else:
             cut(views[0]).copy_(param)
         if stochastic:
@@ -280,6 +297,9 @@ def eager_step(
             _round_bf16_into(cut(moments[0]).view(-1), flat[1], tmp, scratch, n)
             torch.bitwise_right_shift(bits, 16, out=tmp)
             _round_bf16_into(cut(moments[1]).view(-1), flat[2], tmp, scratch, n)
+        elif moment_dtype == torch.bfloat16:
+            _nearest_bf16_into(cut(moments[0]).view(-1), flat[1], scratch, n)
+            _nearest_bf16_into(cut(moments[1]).view(-1), flat[2], scratch, n)
         else:
             cut(moments[0]).copy_(exp_avg)
             cut(moments[1]).copy_(exp_avg_sq)

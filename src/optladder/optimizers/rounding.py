@@ -217,6 +217,34 @@ def stochastic_round_bf16(x: torch.Tensor, bits16: torch.Tensor) -> torch.Tensor
     return (rounded >> 16).to(torch.int16).view(torch.bfloat16).reshape(x.shape)
 
 
+def nearest_round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to bfloat16, to nearest even; every NaN becomes ``0x7FC0``.
+
+    The bits of the kernels' nearest writes (``ol_bf16_ne`` in C, ``_round_bf16`` in
+    Triton) and of c10's scalar ``round_to_nearest_even``: ``(u + 0x7FFF + bit 16) >> 16``
+    for numbers and infinities, the positive quiet NaN ``0x7FC0`` for any NaN. torch's
+    own ``.to(torch.bfloat16)`` gives the same bits for every non-NaN value but not one
+    NaN pattern for all devices and code paths (its vectorized CPU conversion writes
+    ``0xFFFF``), so the oracle does not use it.
+
+    Args:
+        x: float32 tensor, any shape.
+
+    Returns:
+        bfloat16 tensor shaped like ``x`` (contiguous).
+
+    Raises:
+        TypeError: if ``x`` is not float32.
+    """
+    if x.dtype != torch.float32:
+        raise TypeError(f"x must be float32, got {x.dtype}")
+    u = x.contiguous().view(torch.int32).reshape(-1)
+    # int32 addition wraps like the kernels' uint32; only NaN patterns carry into the sign
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    rounded = torch.where(torch.isnan(x.reshape(-1)), 0x7FC0, rounded)
+    return rounded.to(torch.int16).view(torch.bfloat16).reshape(x.shape)
+
+
 def stochastic_round_f16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """Round float32 values to float16 using 32 random bits per element.
 
@@ -265,12 +293,14 @@ def round_param(
         dtype: the param's dtype; float32 (and wider) is returned unrounded.
         key: :func:`element_key` of this (seed, step, param); the param's bits come from
             :func:`param_key` of it.
-        param_rounding: ``"stochastic"`` or ``"nearest"`` (torch's ``.to(dtype)``,
-            round-to-nearest-even).
+        param_rounding: ``"stochastic"`` or ``"nearest"`` (round-to-nearest-even:
+            :func:`nearest_round_bf16` for bfloat16, torch's ``.to(torch.float16)``).
 
     Returns:
         A tensor of ``dtype`` shaped like ``x``.
     """
+    if dtype == torch.bfloat16 and param_rounding == "nearest":
+        return nearest_round_bf16(x)
     if dtype not in (torch.bfloat16, torch.float16) or param_rounding == "nearest":
         return x.to(dtype)
     bits = random_bits(x.numel(), param_key(key), x.device)
@@ -293,13 +323,13 @@ def round_moments(
         key: :func:`element_key` for this (seed, step, parameter); unused for
             ``"nearest"``.
         rounding: ``"stochastic"`` (the bits documented above) or ``"nearest"``
-            (round-to-nearest-even, torch's ``.to(torch.bfloat16)``).
+            (round-to-nearest-even, :func:`nearest_round_bf16`).
 
     Returns:
         ``(exp_avg, exp_avg_sq)`` as bfloat16 tensors of the input shape.
     """
     if rounding == "nearest":
-        return exp_avg.to(torch.bfloat16), exp_avg_sq.to(torch.bfloat16)
+        return nearest_round_bf16(exp_avg), nearest_round_bf16(exp_avg_sq)
     bits = random_bits(exp_avg.numel(), key, exp_avg.device)
     return (
         stochastic_round_bf16(exp_avg, bits & 0xFFFF),

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from optladder.optimizers.adamw import LadderAdamW
 from optladder.optimizers.migrate import is_bnb_engine
+from optladder.rungs import KernelRoute, Rung
 
 LOW_PRECISION_DTYPES = ("bfloat16", "float16")
 
@@ -138,6 +139,96 @@ def eightbit_fused_miss(device_type: str) -> str | None:
         why = kernels.cpu_unavailable_reason()
         return None if why is None else cpu8bit.fallback_reason(why)
     return f"bitsandbytes has no fused 8-bit optimizer kernel on {device_type}"
+
+
+_KERNEL_NAMES = {"cpu": "the C kernel", "cuda": "the Triton kernel"}
+
+
+def _ladder_route(device_type: str, dtype: str) -> KernelRoute:
+    """optladder's AdamW on params of ``dtype``: its kernel, or the eager path and why."""
+    why = _kernel_miss(device_type, (dtype,))
+    if why is None:
+        return KernelRoute(kernel=_KERNEL_NAMES[device_type], fused=True)
+    return KernelRoute(kernel="the eager path", fused=False, reason=why)
+
+
+def kernel_routes(
+    device_type: str, device_fused: bool, dtypes: Iterable[str], has_complex: bool
+) -> dict[Rung, dict[str, KernelRoute]]:
+    """What steps the params of each dtype on each rung of ``device_type``.
+
+    The rules are the engines' dispatch (each param is routed by its own dtype):
+
+    - fp32: float32 params on torch's fused AdamW where it runs (its foreach path else,
+      and for complex params); when bfloat16 or float16 params are among them, every
+      param is on optladder's AdamW with float32 moments (:func:`fp32_engine`), whose
+      kernels step float32, bfloat16 and float16 params.
+    - bf16: optladder's AdamW: its kernel (C on the CPU, Triton on CUDA) for float32,
+      bfloat16 and float16 params, the eager path for float64 ones.
+    - 8bit: bitsandbytes' kernel on CUDA; optladder's 8-bit C kernel on the CPU where it
+      builds, else bitsandbytes' per-tensor CPU path.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"``, ...
+        device_fused: whether torch's fused AdamW runs there (:func:`fused_adamw_runs`).
+        dtypes: names of the trainable params' dtypes (complex ones included or not).
+        has_complex: whether any trainable param is complex (``complex64`` is added to
+            ``dtypes`` when no complex name is among them).
+
+    Returns:
+        ``{rung: {dtype: KernelRoute}}`` for every rung and every distinct dtype,
+        including dtypes a rung refuses (their route says so).
+    """
+    names = tuple(dict.fromkeys(dtypes))
+    if has_complex and not any(d.startswith("complex") for d in names):
+        names = (*names, "complex64")
+    low = bool(set(names) & set(LOW_PRECISION_DTYPES))
+    routes: dict[Rung, dict[str, KernelRoute]] = {"fp32": {}, "bf16": {}, "8bit": {}}
+    for dtype in names:
+        complex_param = dtype.startswith("complex")
+        if low and dtype in KERNEL_DTYPES:
+            routes["fp32"][dtype] = _ladder_route(device_type, dtype)
+        elif low:
+            lows = ", ".join(sorted(set(names) & set(LOW_PRECISION_DTYPES)))
+            routes["fp32"][dtype] = KernelRoute(
+                kernel="no engine",
+                fused=False,
+                reason=f"optladder's AdamW (for the {lows} params) cannot step {dtype} params",
+            )
+        elif device_fused and not complex_param:
+            routes["fp32"][dtype] = KernelRoute(kernel="torch's fused AdamW", fused=True)
+        else:
+            routes["fp32"][dtype] = KernelRoute(
+                kernel="torch's foreach AdamW",
+                fused=False,
+                reason=fp32_fused_miss(device_fused, device_type, (dtype,), complex_param),
+            )
+        if complex_param:
+            refusal = "the bf16 and 8-bit rungs take real params only"
+            routes["bf16"][dtype] = KernelRoute(kernel="no engine", fused=False, reason=refusal)
+            routes["8bit"][dtype] = KernelRoute(kernel="no engine", fused=False, reason=refusal)
+            continue
+        routes["bf16"][dtype] = _ladder_route(device_type, dtype)
+        if dtype not in KERNEL_DTYPES:
+            routes["8bit"][dtype] = KernelRoute(
+                kernel="no engine",
+                fused=False,
+                reason=f"bitsandbytes' 8-bit optimizers step {', '.join(KERNEL_DTYPES)} params",
+            )
+        elif device_type == "cuda":
+            routes["8bit"][dtype] = KernelRoute(kernel="bitsandbytes' 8-bit kernel", fused=True)
+        elif device_type == "cpu":
+            miss = eightbit_fused_miss(device_type)
+            routes["8bit"][dtype] = (
+                KernelRoute(kernel="the 8-bit C kernel", fused=True)
+                if miss is None
+                else KernelRoute(kernel="bitsandbytes' CPU path", fused=False, reason=miss)
+            )
+        else:
+            routes["8bit"][dtype] = KernelRoute(
+                kernel="bitsandbytes", fused=False, reason=eightbit_fused_miss(device_type)
+            )
+    return routes
 
 
 class FusedOptimizerConfig(BaseModel):

@@ -56,8 +56,9 @@ class Decision(BaseModel):
         Lines: the rung, who chose it (``origin``) and whether it passes the memory gate;
         the trainable params (count, tensors, dtypes; those in groups that pin their
         rung); every rung's state bytes; which rungs are fused on the device and why the
-        others are not (and which are unavailable); where the free memory came from;
-        then the reasons, one per line.
+        others are not (and which are unavailable); which kernel steps each param dtype
+        on each available rung (``bf16 rung: bfloat16 params on the C kernel (fused)``,
+        or the reason it is not fused); then the reasons, one per line.
         """
         fp = self.footprint
         verdict = "fits" if self.fits else "does NOT fit"
@@ -98,6 +99,15 @@ class Decision(BaseModel):
             else:
                 fused.append(f"{r} no ({caps.unfused_reasons.get(r, 'no fused kernel')})")
         lines.append(f"fused on {caps.device}: " + "; ".join(fused))
+        routes = [
+            route.describe(r, dtype)
+            for r in RUNGS
+            if caps.available.get(r, True)
+            for dtype, route in caps.kernels.get(r, {}).items()
+        ]
+        if routes:
+            lines.append("kernels:")
+            lines += [f"- {line}" for line in routes]
         lines.append("why:")
         lines += [f"- {r}" for r in self.reasons]
         return "\n".join(lines)
