@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from optladder.optimizers.migrate import (
     state_target,
     unwrap_bnb_state,
 )
+from optladder.optimizers.stepmemo import StepMemo
 from optladder.optimizers.transaction import (
     commit_step,
     deferred_interrupts,
@@ -264,6 +266,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._zero_grad_calls = 0
         self.partial_step: PartialStepError | None = None
         self._warned: set[tuple[Rung, str]] = set()
+        # per engine, what passed the step checks (weak: a replaced engine's goes with it)
+        self._memos: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepMemo] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._names: tuple[tuple[int, ...], dict[int, str]] = ((), {})
         order = list(engine.param_groups if param_groups is None else param_groups)
         held = {id(g) for g in engine.param_groups}
         if not held <= {id(g) for g in order}:
@@ -485,12 +492,15 @@ class LadderOptimizer(torch.optim.Optimizer):
 
     def _two_phase_step(self, retries: int, grad_scale: torch.Tensor | None = None) -> str | None:
         engines = self._engines()
-        names = {id(g): f"group {gi}" for gi, g in enumerate(self.param_groups)}
+        names = self._group_names()
         prepared: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
         error: BaseException | None = None
         try:
             for engine in engines:
-                prepared.append((engine, prepare_step(engine, names)))
+                memo = self._memos.get(engine)
+                if memo is None:
+                    memo = self._memos[engine] = StepMemo()
+                prepared.append((engine, prepare_step(engine, names, memo)))
         except BaseException as exc:
             for engine, created in prepared:  # the failing engine rolled itself back
                 rollback_step(engine, created)
@@ -520,6 +530,13 @@ class LadderOptimizer(torch.optim.Optimizer):
             error.__traceback__ = None
         del error
         return message
+
+    def _group_names(self) -> dict[int, str]:
+        """``id(group) -> "group {place}"`` for messages, kept while the groups are."""
+        key = tuple(map(id, self.param_groups))
+        if self._names[0] != key:
+            self._names = (key, {gid: f"group {gi}" for gi, gid in enumerate(key)})
+        return self._names[1]
 
     def _commit(
         self, engines: list[torch.optim.Optimizer], grad_scale: torch.Tensor | None
