@@ -21,6 +21,7 @@ import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -42,8 +43,14 @@ def grad_refs(grads: Sequence[torch.Tensor | None]) -> GradRefs:
 
 
 def same_grads(refs: GradRefs, grads: Sequence[torch.Tensor | None]) -> bool:
-    """Whether ``refs`` (from :func:`grad_refs`) still point at exactly ``grads``."""
-    return len(refs) == len(grads) and all(map(operator.is_, map(_call, refs), grads))
+    """Whether ``refs`` (from :func:`grad_refs`) still point at exactly ``grads`` (a
+    reference to a grad that died reads as None: the missing grads must be the same)."""
+    return (
+        len(refs) == len(grads)
+        and all(map(operator.is_, map(_call, refs), grads))
+        and list(map(operator.is_, grads, repeat(None)))
+        == list(map(operator.is_, refs, repeat(_NO_GRAD)))
+    )
 
 
 def same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
