@@ -17,7 +17,6 @@ import math
 import numbers
 import operator
 from collections.abc import Callable, Mapping
-from itertools import repeat
 from typing import Any, Literal, cast
 
 import torch
@@ -38,6 +37,7 @@ from optladder.optimizers.stepmemo import (
     GradRefs,
     StepMemo,
     grad_of,
+    grad_kinds,
     grad_refs,
     same_grads,
     same_objects,
@@ -155,25 +155,7 @@ def unscale_grads_(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
 _EXP_AVG = operator.itemgetter("exp_avg")
 _EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
 _STEP = operator.itemgetter("step")
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
-_LAYOUT = operator.attrgetter("layout")
 _DATA_PTR = torch.Tensor.data_ptr
-
-
-def _grad_kinds(grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
-    """What routing reads of a group's grads, as lists to compare with ``==``: which are
-    None, and the others' dtypes, contiguity, element counts, devices and whether all
-    are dense (loops in C)."""
-    present = [g for g in grads if g is not None]
-    return (
-        list(map(operator.is_, grads, repeat(None))),
-        list(map(_DTYPE, present)),
-        list(map(torch.Tensor.is_contiguous, present)),
-        list(map(torch.Tensor.numel, present)),
-        list(map(_DEVICE, present)),
-        all(map(operator.is_, map(_LAYOUT, present), repeat(torch.strided))),
-    )
 
 
 class _GroupPlan:
@@ -208,7 +190,7 @@ class _GroupPlan:
         self.reasons = reasons
         self.states = states
         self.table = table
-        self._kinds = _grad_kinds(grads)
+        self._kinds = grad_kinds(grads)
         self._positions = [i - start for _, i in routes["cpu"]]
         self._cpu_params = [p for p, _ in routes["cpu"]]
         self._param_ptrs = list(map(_DATA_PTR, self._cpu_params))
@@ -227,7 +209,7 @@ class _GroupPlan:
         self, group: dict[str, Any], start: int, grads: list[torch.Tensor | None]
     ) -> bool:
         """Whether this plan still routes and points right: the same group dict, params
-        and first index; grads of the same kinds (:func:`_grad_kinds`, read only for
+        and first index; grads of the same kinds (:func:`~.stepmemo.grad_kinds`, read only for
         grads that are not the ones the table holds); the C kernel's params in the same
         memory; their state the same tensors (the caller checks that the state dicts
         are the same objects)."""
@@ -236,7 +218,7 @@ class _GroupPlan:
         if not same_objects(group["params"], self.params):
             return False
         written = same_grads(self._grads, grads) and self._grads_written(grads)[0]
-        if not written and _grad_kinds(grads) != self._kinds:
+        if not written and grad_kinds(grads) != self._kinds:
             return False
         if list(map(_DATA_PTR, self._cpu_params)) != self._param_ptrs:
             return False

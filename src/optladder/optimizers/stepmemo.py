@@ -100,6 +100,25 @@ class StepMemo:
     """
 
     groups: dict[int, GroupMemo] = field(default_factory=dict)
+    states_ready: tuple[list[Any], list[bool]] | None = None
+
+    def states_exist(self, state: Mapping[Any, Any], params: list[torch.Tensor]) -> bool:
+        """Whether every param of ``params`` (all groups' params) with a grad had its
+        state the last time :meth:`record_states` ran, with the same state dicts now and
+        the same params without a grad (so no state needs creating)."""
+        if self.states_ready is None:
+            return False
+        seen, missing = self.states_ready
+        return same_objects(list(state.values()), seen) and missing == list(
+            map(operator.is_, map(grad_of, params), repeat(None))
+        )
+
+    def record_states(self, state: Mapping[Any, Any], params: list[torch.Tensor]) -> None:
+        """Remember that every param of ``params`` with a grad now has its state."""
+        self.states_ready = (
+            list(state.values()),
+            list(map(operator.is_, map(grad_of, params), repeat(None))),
+        )
 
     def _memo(self, gi: int, group: dict[str, Any]) -> GroupMemo:
         memo = self.groups.get(gi)
@@ -156,3 +175,22 @@ class StepMemo:
         """Forget groups at places ``>= n_groups`` (the optimizer has fewer groups)."""
         for gi in [gi for gi in self.groups if gi >= n_groups]:
             del self.groups[gi]
+
+
+_DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
+
+
+def grad_kinds(grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+    """What a kernel's routing reads of a group's grads, to compare with ``==``: which
+    are None, and the others' dtypes, contiguity, element counts, devices and whether
+    all are dense (loops in C)."""
+    present = [g for g in grads if g is not None]
+    return (
+        list(map(operator.is_, grads, repeat(None))),
+        list(map(_DTYPE, present)),
+        list(map(torch.Tensor.is_contiguous, present)),
+        list(map(torch.Tensor.numel, present)),
+        list(map(torch.Tensor.get_device, present)),
+        all(map(operator.is_, map(_LAYOUT, present), repeat(torch.strided))),
+    )

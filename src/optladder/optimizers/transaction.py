@@ -191,20 +191,24 @@ def prepare_step(
         if is_bnb_engine(engine) or isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
             bnb = is_bnb_engine(engine)
             state = engine.state
-            for gi, group in enumerate(engine.param_groups):
-                for pi, p in enumerate(group["params"]):
-                    if p.grad is None or p in state and len(state[p]) != 0:
-                        continue
-                    created.append(p)
-                    if bnb:
-                        engine.init_state(group, p, gi, pi)  # type: ignore[attr-defined]
-                    else:
-                        state[p].update(_torch_adam_init(group, p))
+            params = [p for group in engine.param_groups for p in group["params"]]
+            if memo is None or not memo.states_exist(state, params):
+                for gi, group in enumerate(engine.param_groups):
+                    for pi, p in enumerate(group["params"]):
+                        if p.grad is None or p in state and len(state[p]) != 0:
+                            continue
+                        created.append(p)
+                        if bnb:
+                            engine.init_state(group, p, gi, pi)  # type: ignore[attr-defined]
+                        else:
+                            state[p].update(_torch_adam_init(group, p))
             if bnb and hasattr(engine, "prepare_contiguous"):
                 engine.prepare_contiguous()  # copies of non-contiguous params, see eightbit
             prepare_kernel = getattr(engine, "prepare_kernel_step", None)
             if prepare_kernel is not None:
                 prepare_kernel()  # the 8-bit CPU kernel's tables
+            if memo is not None:
+                memo.record_states(state, params)
     except BaseException:
         rollback_step(engine, created)
         raise
