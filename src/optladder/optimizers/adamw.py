@@ -585,6 +585,14 @@ class LadderAdamW(torch.optim.Optimizer):
         self._group_plans.clear()
         self._lr_tensors.clear()
 
+    def release_tables(self) -> None:
+        """Drop the kept plans and kernel tables (they hold the state's tensors): before
+        the state moves to another format or is replaced; the next step makes them
+        again."""
+        self._group_plans.clear()
+        self._cpu_tables.clear()
+        self._state_seen = []
+
     def _write_cpu_steps(self, plans: list[_GroupPlan]) -> None:
         """Read the step counts of each group's C kernel params (one call per group),
         refuse those out of range (see :meth:`_check_steps`), and write this step's

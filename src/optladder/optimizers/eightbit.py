@@ -202,6 +202,12 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             self._prepared = None
             self._prepared = _prepare_step(self)
 
+        def release_tables(self) -> None:
+            """Drop the kept kernel table (it holds the state's tensors): before the
+            state moves to another format or is replaced; the next step makes it again."""
+            self._kernel_plan = None
+            self._prepared = None
+
         def drop_kernel_step(self) -> None:
             """Forget the tables :meth:`prepare_kernel_step` made (a rolled-back step)."""
             self._prepared = None

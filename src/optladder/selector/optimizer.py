@@ -701,6 +701,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             if id(group) in following:  # named by its place among all groups
                 check_params_for_rung(group["params"], rung, None, f"group {gi}")
         saved_groups = [dict(g) for g in old.param_groups]
+        self._memos.clear()  # they hold the state dicts the move drops
         try:
             fused = self._decision.capabilities.fused[rung]
             new = self._rebuild(rung, old.param_groups, fused)
@@ -919,6 +920,11 @@ class LadderOptimizer(torch.optim.Optimizer):
             for name, value in saved.items():
                 if name != "params" and name not in ENGINE_KEYS and name not in _LADDER_KEYS:
                     live[name] = value
+        self._memos.clear()  # they hold the state dicts being replaced
+        for held in self._engines():
+            release = getattr(held, "release_tables", None)
+            if release is not None:
+                release()  # their tables hold the state being replaced
         self.state.clear()
         self.state.update(new_state)
         if move_to is not None:
