@@ -36,8 +36,8 @@ from optladder.optimizers.rounding import (
 from optladder.optimizers.stepmemo import (
     GradRefs,
     StepMemo,
-    grad_of,
     grad_kinds,
+    grad_of,
     grad_refs,
     same_grads,
     same_objects,
@@ -202,7 +202,8 @@ class _GroupPlan:
         """Whether the table already points at these grads (same tensors, same memory),
         and the C kernel's grads' pointers (the grads at its params' places must not be
         None: the grads' kinds are this plan's)."""
-        ptrs = list(map(_DATA_PTR, map(grads.__getitem__, self._positions)))
+        present = cast(list[torch.Tensor], list(map(grads.__getitem__, self._positions)))
+        ptrs = list(map(_DATA_PTR, present))
         return ptrs == self._grad_ptrs and same_grads(self._grads, grads), ptrs
 
     def still_valid(
@@ -608,7 +609,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 continue
             group = plan.group
             steps = table.read_steps()
-            if steps and not (0 <= min(steps) and max(steps) <= limit):
+            if steps and not (min(steps) >= 0 and max(steps) <= limit):
                 for (_, i), step in zip(plan.routes["cpu"], steps):
                     if not 0 <= step <= limit:
                         raise ValueError(

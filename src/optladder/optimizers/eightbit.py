@@ -507,7 +507,11 @@ class _KernelPlan:
         self.runs: list[tuple[int, int, int]] = []  # (group, first row, end row)
         for k, (gi, _) in enumerate(places):
             quantized = jobs[k].state1.dtype
-            if self.runs and self.runs[-1][0] == gi and jobs[self.runs[-1][1]].state1.dtype == quantized:
+            if (
+                self.runs
+                and self.runs[-1][0] == gi
+                and jobs[self.runs[-1][1]].state1.dtype == quantized
+            ):
                 self.runs[-1] = (gi, self.runs[-1][1], k + 1)
             else:
                 self.runs.append((gi, k, k + 1))
@@ -592,7 +596,7 @@ class _KernelPlan:
         for (_, first, end), step in zip(self.runs, firsts):
             if steps[first:end].count(step) != end - first:
                 return None  # params of one run at different step counts
-        kernel_grads = list(map(grads.__getitem__, self.flat_places))
+        kernel_grads = cast(list[torch.Tensor], list(map(grads.__getitem__, self.flat_places)))
         self.grad_column.copy_(
             torch.tensor(list(map(torch.Tensor.data_ptr, kernel_grads)), dtype=torch.int64)
         )

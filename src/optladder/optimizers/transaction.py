@@ -125,7 +125,10 @@ def _grads_match(
         and list(map(_SHAPE, present)) == list(map(_SHAPE, params))
         and list(map(_DEVICE, present)) == list(map(_DEVICE, params))
         and list(map(_DTYPE, present)) == list(map(_DTYPE, params))
-        and (not strides or list(map(torch.Tensor.stride, present)) == list(map(torch.Tensor.stride, params)))
+        and (
+            not strides
+            or list(map(torch.Tensor.stride, present)) == list(map(torch.Tensor.stride, params))
+        )
     )
 
 
@@ -195,7 +198,7 @@ def prepare_step(
             if memo is None or not memo.states_exist(state, params):
                 for gi, group in enumerate(engine.param_groups):
                     for pi, p in enumerate(group["params"]):
-                        if p.grad is None or p in state and len(state[p]) != 0:
+                        if p.grad is None or (p in state and len(state[p]) != 0):
                             continue
                         created.append(p)
                         if bnb:

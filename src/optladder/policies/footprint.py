@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -18,7 +21,7 @@ from optladder.rungs import (
     Rung,
     group_pin,
 )
-from optladder.sharding import is_dtensor, local_numel, local_tensor
+from optladder.sharding import all_plain, is_dtensor, local_numel, local_tensor
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -251,6 +254,10 @@ def storage_key(p: torch.Tensor) -> tuple[Any, ...] | None:
     return (*key, p.dtype)
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_DTYPE = operator.attrgetter("dtype")
+
+
 def trainable_params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
     """The distinct trainable params of ``groups``, in order of first appearance.
 
@@ -258,6 +265,14 @@ def trainable_params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
     Parameter objects that are the same view of the same storage are merged too (for
     DTensors: the same view of the same local shard, with the same global layout).
     """
+    groups = list(groups)
+    flat = [p for g in groups for p in g["params"]]
+    if all_plain(flat):  # in bulk: distinct element pointers mean distinct memory
+        trainable = list(itertools.compress(flat, map(_REQUIRES_GRAD, flat)))
+        distinct = list({id(p): p for p in trainable}.values())  # first places, in order
+        ptrs = set(map(torch.Tensor.data_ptr, distinct))
+        if len(ptrs) == len(distinct) and len({p.device for p in distinct}) <= 1:
+            return distinct
     seen_ids: set[int] = set()
     seen_storage: set[tuple[Any, ...]] = set()
     out = []
@@ -278,6 +293,9 @@ def trainable_params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
 def _state_bytes(params: list[torch.Tensor], rung: Rung) -> int:
     """State bytes ``params`` need on ``rung`` in one engine (its code books included)."""
     if rung != "8bit":
+        if all_plain(params):  # once per distinct (elements, dtype)
+            counts = Counter(zip(map(torch.Tensor.numel, params), map(_DTYPE, params)))
+            return sum(k * rung_state_bytes(rung, n, d) for (n, d), k in counts.items())
         return sum(rung_state_bytes(rung, p.numel(), p.dtype, local_numel(p)) for p in params)
     total = 0
     devices = set()
@@ -349,8 +367,8 @@ def measure_footprint(model_or_params: object) -> Footprint:
         param_tensors=len(params),
         frozen_params=frozen,
         largest_param=max(p.numel() for p in params),
-        devices=tuple(sorted({str(p.device) for p in params})),
-        dtypes=tuple(sorted({str(p.dtype).removeprefix("torch.") for p in following})),
+        devices=tuple(sorted({str(d) for d in {p.device for p in params}})),
+        dtypes=tuple(sorted({str(d).removeprefix("torch.") for d in set(map(_DTYPE, following))})),
         has_complex=any(p.is_complex() for p in following),
         state_bytes={rung: _state_bytes(following, rung) + pinned for rung in RUNGS},
         sharded=any(is_dtensor(p) for p in params),

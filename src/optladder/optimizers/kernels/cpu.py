@@ -461,8 +461,12 @@ class KernelTable:
         if name not in self._columns:
             offset = getattr(_Param, name).offset
             width = ctypes.sizeof(_Param) // dtype.itemsize
-            rows = torch.frombuffer(self.rows, dtype=torch.uint8)[: self.n_params * width * dtype.itemsize]
-            self._columns[name] = rows.view(dtype).view(self.n_params, width)[:, offset // dtype.itemsize]
+            rows = torch.frombuffer(self.rows, dtype=torch.uint8)[
+                : self.n_params * width * dtype.itemsize
+            ]
+            self._columns[name] = rows.view(dtype).view(self.n_params, width)[
+                :, offset // dtype.itemsize
+            ]
         return self._columns[name]
 
     def set_grads(self, grads: Sequence[torch.Tensor], ptrs: Sequence[int] | None = None) -> None:
@@ -526,8 +530,7 @@ class KernelTable:
         """
         if len(grads) != self.n_params or len(steps) != self.n_params:
             raise ValueError(
-                f"set_step needs {self.n_params} grads and steps, got {len(grads)} and "
-                f"{len(steps)}"
+                f"set_step needs {self.n_params} grads and steps, got {len(grads)} and {len(steps)}"
             )
         self.set_grads(grads)
         self.set_scalars(steps, scalars)
