@@ -352,14 +352,15 @@ class LadderAdamW(torch.optim.Optimizer):
         check_param_rounding(param_group.get("param_rounding", "stochastic"))
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for i, p in enumerate(params):
+        dtypes = LADDER_DTYPES if self.moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
+        names = {str(d).removeprefix("torch.") for d in {p.dtype for p in params}}
+        for i, p in enumerate(params if not names <= set(dtypes) else ()):
             if p.is_complex():
                 raise ValueError(
                     f"param {i} of the new group is complex ({p.dtype}); the bf16 rung and "
                     "optladder's AdamW take real params only: use the fp32 rung "
                     "(rung='fp32') for complex params"
                 )
-            dtypes = LADDER_DTYPES if self.moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
             if str(p.dtype).removeprefix("torch.") not in dtypes:
                 raise ValueError(
                     f"param {i} of the new group has dtype {p.dtype}; optladder's AdamW with "

@@ -35,12 +35,12 @@ from typing import Any, cast
 
 import torch
 
-from optladder.bnb_overrides import quantized_8bit
+from optladder.bnb_overrides import no_overrides, quantized_8bit
 from optladder.optimizers.migrate import check_step_range
 from optladder.optimizers.stepmemo import grad_kinds, grad_of, same_objects
 from optladder.optimizers.steps import MAX_STEP
 from optladder.rungs import BNB_MIN_8BIT_SIZE, param_refusal
-from optladder.sharding import is_dtensor, local_tensor
+from optladder.sharding import all_plain, is_dtensor, local_tensor
 
 _NOISY_LOGGER = "bitsandbytes.backends.cpu.ops"
 
@@ -884,10 +884,14 @@ def build_8bit(
         ValueError: for complex params, dtypes bitsandbytes does not take, or a
             bitsandbytes override it would fail on (``optim_bits`` not 8 or 32).
     """
-    for gi, group in enumerate(param_groups):
-        for pi, p in enumerate(group["params"]):
-            check_8bit_param(p, f"param {pi} of group {gi}")
-            quantized_8bit(p, f"param {pi} of group {gi}")
+    flat = [p for group in param_groups for p in group["params"]]
+    names = {str(d).removeprefix("torch.") for d in {p.dtype for p in flat}}
+    bulk = all_plain(flat) and no_overrides()  # then only dtypes can be refused
+    if not bulk or any(param_refusal("8bit", n, sharded=False) is not None for n in names):
+        for gi, group in enumerate(param_groups):
+            for pi, p in enumerate(group["params"]):
+                check_8bit_param(p, f"param {pi} of group {gi}")
+                quantized_8bit(p, f"param {pi} of group {gi}")
     try:
         engine: Any = ladder_adamw8bit_class()
     except ImportError as exc:

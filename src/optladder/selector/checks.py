@@ -320,6 +320,8 @@ def check_params_for_rung(
     Raises:
         ValueError: naming the param, its dtype and what is allowed.
     """
+    if all_plain(params) and _rung_takes(params, rung, engine):
+        return  # read in bulk; else param by param, naming the first refused
     for pi, p in enumerate(params):
         name = f"param {pi} of {group}"
         where = f"{name} ({p.dtype})"
@@ -353,6 +355,28 @@ def check_params_for_rung(
                 "params (its 8bit engine then steps a contiguous copy in place), or add "
                 "a contiguous param"
             )
+
+
+def _rung_takes(
+    params: list[torch.Tensor], rung: Rung, engine: torch.optim.Optimizer | None
+) -> bool:
+    """The rules of :func:`check_params_for_rung` for plain params, once per distinct
+    dtype: True when all pass (False: check param by param)."""
+    names = {str(d).removeprefix("torch.") for d in set(map(_DTYPE, params))}
+    if any(param_refusal(rung, name, sharded=False) is not None for name in names):
+        return False
+    if engine is None:
+        return True
+    if isinstance(engine, LadderAdamW):
+        return not names & set(FP32_WIDE_DTYPES)
+    if rung == "fp32":
+        if names & {"bfloat16", "float16"}:
+            return False
+        if engine.defaults.get("fused") and names & {"complex64", "complex128"}:
+            return False
+    if rung == "8bit" and not steps_noncontiguous(engine):
+        return all(map(torch.Tensor.is_contiguous, params))
+    return True
 
 
 def _contiguous(p: torch.Tensor) -> bool:

@@ -111,7 +111,7 @@ def disjoint_dense(params: list[torch.Tensor]) -> bool:
     Args:
         params: contiguous ``torch.Tensor``/``nn.Parameter`` objects, not on meta.
     """
-    if len({p.device for p in params}) > 1:
+    if len(set(map(operator.attrgetter("device"), params))) > 1:
         return False
     starts = list(map(torch.Tensor.data_ptr, params))
     sizes = list(
