@@ -7,12 +7,15 @@ tensors of 256 elements, float32 params and grads on the CPU. For each rung
 
 - construction: seconds to build the optimizer (optladder's includes its one probe of
   the device's fused kernel and the decision; torch's has none);
+- probe: seconds of that probe alone (``probe_capabilities``, timed right after each
+  optladder build), and construction without it (construction minus probe);
 - step: seconds of one ``step()`` once the state exists (warm-up steps first).
 
 Each rep builds and steps every implementation once, in an order rotated by one each
 rep so that no implementation always runs first or last; reported are the median and
 the min-max over reps, and the ratio of medians ``torch / optladder`` (above 1 is
-faster than torch, below 1 slower). Run with 1 and 2 threads (``--threads 1,2``).
+faster than torch, below 1 slower; for construction, ``x`` is with the probe and ``x-p``
+without it). Run with 1 and 2 threads (``--threads 1,2``).
 
 Usage::
 
@@ -35,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 import optladder
+from optladder.optimizers.capabilities import probe_capabilities
 
 Build = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -64,21 +68,27 @@ def make_params(count: int, numel: int) -> list[torch.nn.Parameter]:
 
 def one_rep(
     impls: dict[str, Build], order: list[str], count: int, numel: int, warmup: int
-) -> dict[str, tuple[float, float]]:
-    """Build and step each implementation in ``order``: name -> (build s, step s)."""
-    out: dict[str, tuple[float, float]] = {}
+) -> dict[str, tuple[float, float, float]]:
+    """Build and step each implementation in ``order``: name -> (build s, probe s, step s);
+    the probe is timed for optladder's implementations only (0 for torch's)."""
+    out: dict[str, tuple[float, float, float]] = {}
     for name in order:
         params = make_params(count, numel)
         gc.collect()
         t0 = time.perf_counter()
         opt = impls[name](params)
         t_build = time.perf_counter() - t0
+        t_probe = 0.0
+        if name.startswith("optladder"):
+            t0 = time.perf_counter()
+            probe_capabilities("cpu", ("float32",))
+            t_probe = time.perf_counter() - t0
         for _ in range(warmup):
             opt.step()
         t0 = time.perf_counter()
         opt.step()
         t_step = time.perf_counter() - t0
-        out[name] = (t_build, t_step)
+        out[name] = (t_build, t_probe, t_step)
         del opt, params
     return out
 
@@ -122,20 +132,29 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(threads)
         for count, numel in shapes:
             builds: dict[str, list[float]] = {n: [] for n in names}
+            probes: dict[str, list[float]] = {n: [] for n in names}
             steps: dict[str, list[float]] = {n: [] for n in names}
+            one_rep(impls, names, min(count, 64), numel, 1)  # untimed: imports, kernel loads
             for rep in range(args.reps):
                 order = names[rep % len(names) :] + names[: rep % len(names)]
-                for name, (b, s) in one_rep(impls, order, count, numel, args.warmup).items():
+                for name, (b, p, s) in one_rep(impls, order, count, numel, args.warmup).items():
                     builds[name].append(b)
+                    probes[name].append(p)
                     steps[name].append(s)
             base_b = statistics.median(builds["torch-fused-fp32"])
             base_s = statistics.median(steps["torch-fused-fp32"])
             print(f"\nthreads={threads}  {count:,} x {numel:,} float32")
-            print(f"{'impl':<20}{'build ms':>28}{'x':>7}{'step ms':>28}{'x':>7}")
+            print(
+                f"{'impl':<20}{'build ms':>28}{'x':>7}{'probe ms':>10}{'x-p':>7}"
+                f"{'step ms':>28}{'x':>7}"
+            )
             for name in names:
                 rb = base_b / statistics.median(builds[name])
+                without = [b - p for b, p in zip(builds[name], probes[name])]
+                rbp = base_b / statistics.median(without)
                 rs = base_s / statistics.median(steps[name])
                 line = f"{name:<20}{spread(builds[name]):>28}{rb:7.2f}"
+                line += f"{statistics.median(probes[name]) * 1e3:10.2f}{rbp:7.2f}"
                 print(line + f"{spread(steps[name]):>28}{rs:7.2f}")
 
 
