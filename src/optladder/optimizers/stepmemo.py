@@ -95,8 +95,13 @@ class StepMemo:
     in ``param_groups``. Owned by whoever runs the checks (the optladder optimizer keeps
     one per engine); dropping it only makes the next step check everything.
 
+    It holds the params and the state dicts (not the grads): drop it before the state
+    moves to another format, so the old state can be freed as it goes.
+
     Attributes:
         groups: place in ``param_groups`` -> :class:`GroupMemo`.
+        states_ready: after :meth:`record_states`, the state dicts then (in order) and
+            which params had no grad.
     """
 
     groups: dict[int, GroupMemo] = field(default_factory=dict)

@@ -15,6 +15,11 @@ each engine allocates nothing that the dispatcher sees:
   still leave one param half-written.
 - ``torch.optim.AdamW(foreach=True)`` (complex params): the foreach ops allocate
   between in-place writes; no two-phase guarantee.
+
+The checks of a step run once per change, not once per step: with a
+:class:`~optladder.optimizers.stepmemo.StepMemo`, group options with the same values and
+grads that are the same tensors are not checked again, and state creation is skipped
+when every param with a grad already has its state.
 """
 
 from __future__ import annotations
