@@ -301,8 +301,8 @@ def _state_bytes(params: list[torch.Tensor], rung: Rung) -> int:
     if all_plain(params) and no_overrides():  # the size rule alone, in bulk
         counts = Counter(zip(map(torch.Tensor.numel, params), map(_DTYPE, params)))
         total = sum(k * rung_state_bytes(rung, n, d) for (n, d), k in counts.items())
-        devices = {p.device for p in params if p.numel() >= BNB_MIN_8BIT_SIZE}
-        return total + BNB_QMAP_BYTES * len(devices)
+        quantized = {p.device for p in params if p.numel() >= BNB_MIN_8BIT_SIZE}
+        return total + BNB_QMAP_BYTES * len(quantized)
     total = 0
     devices = set()
     for i, p in enumerate(params):
