@@ -7,17 +7,25 @@ tensors of 256 elements, float32 params and grads on the CPU. For each rung
 
 - construction: seconds to build the optimizer (optladder's includes its one probe of
   the device's fused kernel and the decision; torch's has none);
+- probe: seconds of that probe alone (``probe_capabilities``, timed right after each
+  optladder build), and construction without it (construction minus probe);
 - step: seconds of one ``step()`` once the state exists (warm-up steps first).
 
 Each rep builds and steps every implementation once, in an order rotated by one each
 rep so that no implementation always runs first or last; reported are the median and
 the min-max over reps, and the ratio of medians ``torch / optladder`` (above 1 is
-faster than torch, below 1 slower). Run with 1 and 2 threads (``--threads 1,2``).
+faster than torch, below 1 slower; for construction, ``x`` is with the probe and ``x-p``
+without it). Run with 1 and 2 threads (``--threads 1,2``).
 
 Usage::
 
     python bench/overhead.py                       # both shapes, 1 and 2 threads, 5 reps
     python bench/overhead.py --reps 9 --shapes 2000x4096 --threads 2
+    python bench/overhead.py --threads 1 --clock cpu   # on a shared machine
+
+``--clock cpu`` times with ``time.process_time`` (this process's CPU seconds) instead of
+the wall clock: on a machine other jobs share, it leaves out the time this process waited
+for a core. Use it with one thread (with more, it adds the threads' CPU seconds).
 
 Not a test: the numbers depend on the machine and on what else runs on it.
 """
@@ -35,6 +43,7 @@ from collections.abc import Callable
 import torch
 
 import optladder
+from optladder.optimizers.capabilities import probe_capabilities
 
 Build = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -63,22 +72,34 @@ def make_params(count: int, numel: int) -> list[torch.nn.Parameter]:
 
 
 def one_rep(
-    impls: dict[str, Build], order: list[str], count: int, numel: int, warmup: int
-) -> dict[str, tuple[float, float]]:
-    """Build and step each implementation in ``order``: name -> (build s, step s)."""
-    out: dict[str, tuple[float, float]] = {}
+    impls: dict[str, Build],
+    order: list[str],
+    count: int,
+    numel: int,
+    warmup: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, tuple[float, float, float]]:
+    """Build and step each implementation in ``order``: name -> (build s, probe s, step s);
+    the probe is timed for optladder's implementations only (0 for torch's); ``clock``
+    reads seconds."""
+    out: dict[str, tuple[float, float, float]] = {}
     for name in order:
         params = make_params(count, numel)
         gc.collect()
-        t0 = time.perf_counter()
+        t0 = clock()
         opt = impls[name](params)
-        t_build = time.perf_counter() - t0
+        t_build = clock() - t0
+        t_probe = 0.0
+        if name.startswith("optladder"):
+            t0 = clock()
+            probe_capabilities("cpu", ("float32",))
+            t_probe = clock() - t0
         for _ in range(warmup):
             opt.step()
-        t0 = time.perf_counter()
+        t0 = clock()
         opt.step()
-        t_step = time.perf_counter() - t0
-        out[name] = (t_build, t_step)
+        t_step = clock() - t0
+        out[name] = (t_build, t_probe, t_step)
         del opt, params
     return out
 
@@ -96,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rungs", default="fp32,bf16,8bit", help="optladder rungs to run")
     ap.add_argument("--reps", type=int, default=5, help="reps (>= 3)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed one")
+    ap.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall", help="wall clock or process CPU time"
+    )
     args = ap.parse_args(argv)
     if args.reps < 3:
         ap.error(f"--reps must be >= 3, got {args.reps}")
@@ -117,25 +141,40 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", category=optladder.OptladderWarning)
     logging.getLogger("optladder").setLevel(logging.ERROR)
     names = list(impls)
-    print(f"torch={torch.__version__} reps={args.reps} (median [min-max] ms; ratio torch/impl)")
+    print(
+        f"torch={torch.__version__} reps={args.reps} clock={args.clock} "
+        "(median [min-max] ms; ratio torch/impl)"
+    )
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for count, numel in shapes:
             builds: dict[str, list[float]] = {n: [] for n in names}
+            probes: dict[str, list[float]] = {n: [] for n in names}
             steps: dict[str, list[float]] = {n: [] for n in names}
+            clock = time.process_time if args.clock == "cpu" else time.perf_counter
+            one_rep(impls, names, min(count, 64), numel, 1)  # untimed: imports, kernel loads
             for rep in range(args.reps):
                 order = names[rep % len(names) :] + names[: rep % len(names)]
-                for name, (b, s) in one_rep(impls, order, count, numel, args.warmup).items():
+                for name, (b, p, s) in one_rep(
+                    impls, order, count, numel, args.warmup, clock
+                ).items():
                     builds[name].append(b)
+                    probes[name].append(p)
                     steps[name].append(s)
             base_b = statistics.median(builds["torch-fused-fp32"])
             base_s = statistics.median(steps["torch-fused-fp32"])
             print(f"\nthreads={threads}  {count:,} x {numel:,} float32")
-            print(f"{'impl':<20}{'build ms':>28}{'x':>7}{'step ms':>28}{'x':>7}")
+            print(
+                f"{'impl':<20}{'build ms':>28}{'x':>7}{'probe ms':>10}{'x-p':>7}"
+                f"{'step ms':>28}{'x':>7}"
+            )
             for name in names:
                 rb = base_b / statistics.median(builds[name])
+                without = [b - p for b, p in zip(builds[name], probes[name])]
+                rbp = base_b / statistics.median(without)
                 rs = base_s / statistics.median(steps[name])
                 line = f"{name:<20}{spread(builds[name]):>28}{rb:7.2f}"
+                line += f"{statistics.median(probes[name]) * 1e3:10.2f}{rbp:7.2f}"
                 print(line + f"{spread(steps[name]):>28}{rs:7.2f}")
 
 

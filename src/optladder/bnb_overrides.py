@@ -55,6 +55,19 @@ def param_override(p: torch.Tensor) -> Mapping[str, Any]:
     return dict(found or {})
 
 
+def no_overrides() -> bool:
+    """Whether bitsandbytes holds no per-param override at all (never imported, or its
+    manager has none): then :func:`quantized_8bit` is the size rule alone for every
+    param."""
+    module = sys.modules.get("bitsandbytes.optim.optimizer")
+    manager = getattr(getattr(module, "GlobalOptimManager", None), "_instance", None)
+    if manager is None:
+        return True
+    return not getattr(manager, "module_weight_config_triple", ()) and not getattr(
+        manager, "pid2config", {}
+    )
+
+
 def quantized_8bit(
     p: torch.Tensor,
     where: str,

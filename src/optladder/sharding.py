@@ -12,6 +12,8 @@ This module sits below ``policies`` and ``optimizers``, like :mod:`optladder.run
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -33,6 +35,14 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
         return t
     with torch.no_grad():
         return t.to_local()  # type: ignore[attr-defined]
+
+
+def all_plain(tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor is a plain ``torch.Tensor`` or ``nn.Parameter`` (no DTensor
+    or other subclass) off the meta device: then per-tensor rules can be read in bulk."""
+    return set(map(type, tensors)) <= set(_PLAIN) and not any(
+        map(operator.attrgetter("is_meta"), tensors)
+    )
 
 
 def local_numel(t: torch.Tensor) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, cast
 
@@ -31,6 +32,15 @@ from optladder.optimizers.rounding import (
     round_moments,
     round_param,
     step_key,
+)
+from optladder.optimizers.stepmemo import (
+    GradRefs,
+    StepMemo,
+    grad_kinds,
+    grad_of,
+    grad_refs,
+    same_grads,
+    same_objects,
 )
 from optladder.optimizers.steps import BF16_MAX_STEP, MAX_STEP, STEP_DTYPE
 from optladder.rungs import FLOAT32_MATH_DTYPES, LADDER_DTYPES
@@ -142,6 +152,93 @@ def unscale_grads_(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
         torch._foreach_mul_(grads, 1.0 / float(grad_scale.item()))
 
 
+_EXP_AVG = operator.itemgetter("exp_avg")
+_EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
+_STEP = operator.itemgetter("step")
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+class _GroupPlan:
+    """How one param group of a :class:`LadderAdamW` steps, kept between steps while
+    what it was made from stays the same (see :meth:`still_valid`).
+
+    Attributes:
+        group: the group dict.
+        params: its params then (identity).
+        start: the index of its first param over all groups.
+        routes: backend -> ``(param, index)`` of the params it steps.
+        reasons: index -> why that param is not on a fused kernel.
+        states: the state dicts of the C kernel's params, in table order.
+        table: the C kernel's table of those params, or None.
+    """
+
+    def __init__(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+        start: int,
+        routes: dict[str, list[tuple[torch.Tensor, int]]],
+        reasons: dict[int, str],
+        states: list[dict[str, Any]],
+        table: Any,
+    ) -> None:
+        self.group = group
+        self.params = list(params)
+        self.start = start
+        self.routes = routes
+        self.reasons = reasons
+        self.states = states
+        self.table = table
+        self._kinds = grad_kinds(grads)
+        self._positions = [i - start for _, i in routes["cpu"]]
+        self._cpu_params = [p for p, _ in routes["cpu"]]
+        self._param_ptrs = list(map(_DATA_PTR, self._cpu_params))
+        self._moments = [list(map(get, states)) for get in (_EXP_AVG, _EXP_AVG_SQ, _STEP)]
+        self._grads: GradRefs = []  # the grads whose pointers the table holds
+        self._grad_ptrs: list[int] = []
+
+    def _grads_written(self, grads: list[torch.Tensor | None]) -> tuple[bool, list[int]]:
+        """Whether the table already points at these grads (same tensors, same memory),
+        and the C kernel's grads' pointers (the grads at its params' places must not be
+        None: the grads' kinds are this plan's)."""
+        present = cast(list[torch.Tensor], list(map(grads.__getitem__, self._positions)))
+        ptrs = list(map(_DATA_PTR, present))
+        return ptrs == self._grad_ptrs and same_grads(self._grads, grads), ptrs
+
+    def still_valid(
+        self, group: dict[str, Any], start: int, grads: list[torch.Tensor | None]
+    ) -> bool:
+        """Whether this plan still routes and points right: the same group dict, params
+        and first index; grads of the same kinds (:func:`~.stepmemo.grad_kinds`, read only for
+        grads that are not the ones the table holds); the C kernel's params in the same
+        memory; their state the same tensors (the caller checks that the state dicts
+        are the same objects)."""
+        if group is not self.group or start != self.start:
+            return False
+        if not same_objects(group["params"], self.params):
+            return False
+        written = same_grads(self._grads, grads) and self._grads_written(grads)[0]
+        if not written and grad_kinds(grads) != self._kinds:
+            return False
+        if list(map(_DATA_PTR, self._cpu_params)) != self._param_ptrs:
+            return False
+        return all(
+            same_objects(list(map(get, self.states)), held)
+            for get, held in zip((_EXP_AVG, _EXP_AVG_SQ, _STEP), self._moments)
+        )
+
+    def write_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """Point the C kernel's table at ``grads`` (unless it already does)."""
+        if self.table is None:
+            return
+        written, ptrs = self._grads_written(grads)
+        if written:
+            return
+        self.table.set_grads(list(map(grads.__getitem__, self._positions)), ptrs)
+        self._grads, self._grad_ptrs = grad_refs(grads), ptrs
+
+
 class LadderAdamW(torch.optim.Optimizer):
     """AdamW whose moments ``exp_avg`` and ``exp_avg_sq`` are stored in ``moment_dtype``.
 
@@ -232,6 +329,9 @@ class LadderAdamW(torch.optim.Optimizer):
         self._plan: Any = None
         self._scratch: dict[torch.device, Any] = {}
         self._cpu_tables: dict[int, Any] = {}  # group position -> cpu.KernelTable
+        self._group_plans: dict[int, _GroupPlan] = {}  # group position -> its plan
+        self._options_memo = StepMemo()  # group options that passed their checks
+        self._state_seen: list[Any] = []  # self.state's values after the last prepare
         self._lr_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}  # Triton's lr
         super().__init__(params, defaults)
 
@@ -252,14 +352,15 @@ class LadderAdamW(torch.optim.Optimizer):
         check_param_rounding(param_group.get("param_rounding", "stochastic"))
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for i, p in enumerate(params):
+        dtypes = LADDER_DTYPES if self.moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
+        names = {str(d).removeprefix("torch.") for d in {p.dtype for p in params}}
+        for i, p in enumerate(params if not names <= set(dtypes) else ()):
             if p.is_complex():
                 raise ValueError(
                     f"param {i} of the new group is complex ({p.dtype}); the bf16 rung and "
                     "optladder's AdamW take real params only: use the fp32 rung "
                     "(rung='fp32') for complex params"
                 )
-            dtypes = LADDER_DTYPES if self.moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
             if str(p.dtype).removeprefix("torch.") not in dtypes:
                 raise ValueError(
                     f"param {i} of the new group has dtype {p.dtype}; optladder's AdamW with "
@@ -269,6 +370,8 @@ class LadderAdamW(torch.optim.Optimizer):
                 )
         param_group["params"] = params
         super().add_param_group(param_group)
+        if hasattr(self, "_group_plans"):  # not while torch's __init__ adds the first groups
+            self._group_plans.clear()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load state, keeping the moments in ``moment_dtype`` without a lossy cast.
@@ -289,6 +392,7 @@ class LadderAdamW(torch.optim.Optimizer):
             },
         }
         super().load_state_dict(stripped)
+        self._group_plans.clear()
         for group in self.param_groups:  # checkpoints from before param_rounding existed
             group.setdefault("param_rounding", self.defaults.get("param_rounding", "stochastic"))
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -336,75 +440,55 @@ class LadderAdamW(torch.optim.Optimizer):
     def prepare_step(self) -> list[torch.Tensor]:
         """Phase one of a step: check the grads, route each param to a backend, and
         allocate everything the step will need (state of params stepping for the first
-        time, ``step`` tensors on the Triton device, the eager path's scratch).
+        time, ``step`` tensors on the Triton device, the eager path's scratch), and write
+        the C kernel's tables for this step.
+
+        Each group's routing and kernel table are kept between steps
+        (:class:`_GroupPlan`) and made again only when something they depend on
+        changed: the group dict, its params (by identity and memory), the kinds of its
+        grads (which are None, their dtypes, devices, element counts, contiguity), its
+        params' state (the state dicts and the tensors in them), or a param's index.
+        New grad tensors of the same kinds only get their pointers written.
 
         Returns:
             The params whose state this call created.
 
         Raises:
-            ValueError: if a grad is sparse. An OOM while allocating: the state created
-                so far is dropped first, so the optimizer is as it was.
+            ValueError: if a grad is sparse, a group option is not allowed, or a step
+                count is out of this rung's range. An OOM while allocating: the state
+                created so far is dropped first, so the optimizer is as it was.
         """
         from optladder.optimizers import eager
 
-        plan: list[tuple[dict[str, Any], dict[str, list[tuple[torch.Tensor, int]]]]] = []
         env: dict[str, str | None] = {}
-        reasons: dict[int, str] = {}
-        param_index = -1
-        for gi, group in enumerate(self.param_groups):
-            try:  # keys may be set on a group after construction
-                check_rounding(group["rounding"])
-                check_param_rounding(group.get("param_rounding", "stochastic"))
-                check_seed(group["seed"])
-                for flag in ("decoupled_weight_decay", "maximize"):
-                    if not isinstance(group.get(flag, False), bool):
-                        raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
-            except ValueError as exc:
-                raise ValueError(f"param group {gi}: {exc}") from None
-            routes: dict[str, list[tuple[torch.Tensor, int]]] = {
-                "eager": [],
-                "cpu": [],
-                "triton": [],
-            }
-            for p in group["params"]:
-                param_index += 1
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError(
-                        f"param {param_index} has a sparse grad; optladder's AdamW needs "
-                        "dense grads"
-                    )
-                backend, reason = self._route(p, param_index, env)
-                routes[backend].append((p, param_index))
-                if reason is not None:
-                    reasons[param_index] = reason
-            plan.append((group, routes))
+        plans: list[_GroupPlan] = []
         created: list[torch.Tensor] = []
+        state_same = same_objects(list(self.state.values()), self._state_seen)
         try:
-            for _, routes in plan:
-                for items in routes.values():
-                    for p, _ in items:
-                        if len(self.state[p]) == 0:
-                            created.append(p)
-                            self._init_state(p)
-                        elif self.state[p]["step"].dtype != STEP_DTYPE:  # state set by hand
-                            self.state[p]["step"] = self.state[p]["step"].to(STEP_DTYPE)
-                for p, _ in routes["triton"]:
-                    st = self.state[p]
-                    if st["step"].device != p.device:
-                        st["step"] = st["step"].to(p.device)
-            for group, routes in plan:
-                if routes["triton"]:
-                    self._prepare_triton(group, routes["triton"])
-                if routes["cpu"] and not self._load_cpu_kernel(routes["cpu"], reasons):
-                    routes["eager"] += routes["cpu"]
-                    routes["cpu"] = []
-            self._prepare_cpu_tables(plan)
-            self._check_steps(plan)
+            start = 0
+            for gi, group in enumerate(self.param_groups):
+                if not self._options_memo.options_unchanged(gi, group):
+                    self._check_group_options(gi, group)
+                    self._options_memo.record_options(gi, group)
+                params = group["params"]
+                grads = list(map(grad_of, params))
+                plan = self._group_plans.get(gi)
+                if plan is None or not (state_same and plan.still_valid(group, start, grads)):
+                    plan = self._plan_group(group, params, grads, start, env, created)
+                    self._group_plans[gi] = plan
+                plan.write_grads(grads)
+                plans.append(plan)
+                start += len(params)
+            for gi in [gi for gi in self._group_plans if gi >= len(plans)]:
+                del self._group_plans[gi]
+            for plan in plans:
+                if plan.routes["triton"]:
+                    self._prepare_triton(plan.group, plan.routes["triton"])
+            self._write_cpu_steps(plans)
+            self._check_steps(plans)
             need: dict[torch.device, int] = {}
-            for _, routes in plan:
-                for p, _ in routes["eager"]:
+            for plan in plans:
+                for p, _ in plan.routes["eager"]:
                     need[p.device] = max(need.get(p.device, 0), eager.scratch_length(p))
             for device, length in need.items():
                 have = self._scratch.get(device)
@@ -414,25 +498,140 @@ class LadderAdamW(torch.optim.Optimizer):
         except BaseException:
             for p in created:
                 self.state.pop(p, None)
+            self._group_plans.clear()  # they may point at the state just dropped
             raise
-        self._plan = plan
-        self.eager_reasons = reasons
+        self._state_seen = list(self.state.values())
+        self._plan = plans
+        self._cpu_tables = {gi: p.table for gi, p in enumerate(plans) if p.table is not None}
+        self.eager_reasons = {i: r for plan in plans for i, r in plan.reasons.items()}
         return created
+
+    @staticmethod
+    def _check_group_options(gi: int, group: dict[str, Any]) -> None:
+        """Refuse a group's ``rounding``, ``param_rounding``, ``seed`` and flags set to
+        what this optimizer does not take (keys may be set on a group after
+        construction)."""
+        try:
+            check_rounding(group["rounding"])
+            check_param_rounding(group.get("param_rounding", "stochastic"))
+            check_seed(group["seed"])
+            for flag in ("decoupled_weight_decay", "maximize"):
+                if not isinstance(group.get(flag, False), bool):
+                    raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
+        except ValueError as exc:
+            raise ValueError(f"param group {gi}: {exc}") from None
+
+    def _plan_group(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor | None],
+        start: int,
+        env: dict[str, str | None],
+        created: list[torch.Tensor],
+    ) -> _GroupPlan:
+        """Route each param of a group with a grad, create the state of those stepping
+        for the first time (appended to ``created``), and build the group's C kernel
+        table: a new :class:`_GroupPlan`.
+
+        Raises:
+            ValueError: if a grad is sparse, or ``backend`` names a kernel that cannot
+                step a param.
+        """
+        routes: dict[str, list[tuple[torch.Tensor, int]]] = {"eager": [], "cpu": [], "triton": []}
+        reasons: dict[int, str] = {}
+        for k, (p, grad) in enumerate(zip(params, grads)):
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise ValueError(
+                    f"param {start + k} has a sparse grad; optladder's AdamW needs dense grads"
+                )
+            backend, reason = self._route(p, start + k, env)
+            routes[backend].append((p, start + k))
+            if reason is not None:
+                reasons[start + k] = reason
+        for items in routes.values():
+            for p, _ in items:
+                if len(self.state[p]) == 0:
+                    created.append(p)
+                    self._init_state(p)
+                elif self.state[p]["step"].dtype != STEP_DTYPE:  # state set by hand
+                    self.state[p]["step"] = self.state[p]["step"].to(STEP_DTYPE)
+        for p, _ in routes["triton"]:
+            st = self.state[p]
+            if st["step"].device != p.device:
+                st["step"] = st["step"].to(p.device)
+        if routes["cpu"] and not self._load_cpu_kernel(routes["cpu"], reasons):
+            routes["eager"] += routes["cpu"]
+            routes["cpu"] = []
+        table = None
+        states = [self.state[p] for p, _ in routes["cpu"]]
+        if routes["cpu"]:
+            from optladder.optimizers.kernels import cpu
+
+            table = cpu.KernelTable(
+                [p for p, _ in routes["cpu"]],
+                [st["exp_avg"] for st in states],
+                [st["exp_avg_sq"] for st in states],
+                [st["step"] for st in states],
+                [i for _, i in routes["cpu"]],
+            )
+        return _GroupPlan(group, params, grads, start, routes, reasons, states, table)
 
     def release_scratch(self) -> None:
         """Drop the prepared plan, the eager path's scratch buffers and the kernel tables."""
         self._plan = None
         self._scratch.clear()
         self._cpu_tables.clear()
+        self._group_plans.clear()
         self._lr_tensors.clear()
 
-    def _check_steps(
-        self, plan: list[tuple[dict[str, Any], dict[str, list[tuple[torch.Tensor, int]]]]]
-    ) -> None:
+    def release_tables(self) -> None:
+        """Drop the kept plans and kernel tables (they hold the state's tensors): before
+        the state moves to another format or is replaced; the next step makes them
+        again."""
+        self._group_plans.clear()
+        self._cpu_tables.clear()
+        self._state_seen = []
+
+    def _write_cpu_steps(self, plans: list[_GroupPlan]) -> None:
+        """Read the step counts of each group's C kernel params (one call per group),
+        refuse those out of range (see :meth:`_check_steps`), and write this step's
+        scalars into the tables: the bias corrections and the random bits' key prefix,
+        computed once per distinct step count (one, when the group's params stepped
+        together)."""
+        from optladder.optimizers import eager
+
+        limit = BF16_MAX_STEP if self.moment_dtype == torch.bfloat16 else MAX_STEP
+        for plan in plans:
+            table = plan.table
+            if table is None:
+                continue
+            group = plan.group
+            steps = table.read_steps()
+            if steps and not (min(steps) >= 0 and max(steps) <= limit):
+                for (_, i), step in zip(plan.routes["cpu"], steps):
+                    if not 0 <= step <= limit:
+                        raise ValueError(
+                            f"param {i} has step {step:.0f}; this rung steps from counts in "
+                            f"[0, {limit:,}]"
+                        )
+            lr = float(group["lr"])
+            beta1, beta2 = group["betas"]
+            seed = group["seed"]
+            new_steps = [s + 1.0 for s in steps]
+            scalars = {
+                s: (step_key(seed, int(s)), *eager.step_scalars(lr, beta1, beta2, int(s)))
+                for s in set(new_steps)
+            }
+            table.set_scalars(new_steps, scalars)
+
+    def _check_steps(self, plans: list[_GroupPlan]) -> None:
         """Refuse a step count this rung cannot step from, before anything is written
-        (host steps only: the Triton path keeps ``step`` on the device, where reading it
-        would synchronize; a checkpoint's steps are checked at load). The C kernel's
-        params are read in one call per group through its table.
+        (the eager path's; the C kernel's are checked where they are read,
+        :meth:`_write_cpu_steps`; the Triton path keeps ``step`` on the device, where
+        reading it would synchronize; a checkpoint's steps are checked at load).
 
         Raises:
             ValueError: naming the param, its step and the limit
@@ -440,40 +639,14 @@ class LadderAdamW(torch.optim.Optimizer):
                 random bits' key takes 32-bit steps; :data:`~.steps.MAX_STEP` else).
         """
         limit = BF16_MAX_STEP if self.moment_dtype == torch.bfloat16 else MAX_STEP
-        for gi, (_, routes) in enumerate(plan):
-            steps = self._cpu_tables[gi].read_steps() if routes["cpu"] else []
-            steps += [float(self.state[p]["step"].item()) for p, _ in routes["eager"]]
-            for (_, i), step in zip(routes["cpu"] + routes["eager"], steps):
+        for plan in plans:
+            for p, i in plan.routes["eager"]:
+                step = float(self.state[p]["step"].item())
                 if not 0 <= step <= limit:
                     raise ValueError(
                         f"param {i} has step {step:.0f}; this rung steps from counts in "
                         f"[0, {limit:,}]"
                     )
-
-    def _prepare_cpu_tables(
-        self, plan: list[tuple[dict[str, Any], dict[str, list[tuple[torch.Tensor, int]]]]]
-    ) -> None:
-        """Build the C kernel's table of each group whose param set changed (kept while
-        the params, their moments' storage and their indices stay the same)."""
-        from optladder.optimizers.kernels import cpu
-
-        for gi, (_, routes) in enumerate(plan):
-            items = routes["cpu"]
-            if not items:
-                self._cpu_tables.pop(gi, None)
-                continue
-            params = [p for p, _ in items]
-            states = [self.state[p] for p in params]
-            args = (
-                params,
-                [st["exp_avg"] for st in states],
-                [st["exp_avg_sq"] for st in states],
-                [st["step"] for st in states],
-                [i for _, i in items],
-            )
-            table = self._cpu_tables.get(gi)
-            if table is None or table.signature != cpu.table_signature(*args):
-                self._cpu_tables[gi] = cpu.KernelTable(*args)
 
     def commit_step(
         self, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
@@ -490,12 +663,13 @@ class LadderAdamW(torch.optim.Optimizer):
         """
         from optladder.optimizers import eager
 
-        plan = self._plan
-        if plan is None:
+        plans = self._plan
+        if plans is None:
             raise RuntimeError("commit_step() needs prepare_step() first")
         self._plan = None
         skip_host: bool | None = None
-        for gi, (group, routes) in enumerate(plan):
+        for plan in plans:
+            group, routes = plan.group, plan.routes
             if routes["triton"]:
                 self._step_triton(group, routes["triton"], grad_scale, found_inf)
             host = routes["cpu"] + routes["eager"]
@@ -507,8 +681,8 @@ class LadderAdamW(torch.optim.Optimizer):
                 continue
             if grad_scale is not None:
                 unscale_grads_([cast(torch.Tensor, p.grad) for p, _ in host], grad_scale)
-            if routes["cpu"]:
-                self._step_cpu(group, routes["cpu"], self._cpu_tables[gi])
+            if plan.table is not None:
+                self._step_cpu(group, plan.table)
             for p, i in routes["eager"]:
                 eager.eager_step(
                     p, self.state[p], group, i, self.moment_dtype, self._scratch[p.device]
@@ -576,31 +750,19 @@ class LadderAdamW(torch.optim.Optimizer):
             return False
         return True
 
-    def _step_cpu(
-        self, group: dict[str, Any], items: list[tuple[torch.Tensor, int]], table: Any
-    ) -> None:
-        """Step params with the C kernel (loaded by :meth:`_load_cpu_kernel`), through the
-        group's prepared table: the step counts are read and bumped together, and the
-        bias corrections and the random bits' key prefix are computed once per distinct
-        step count (one, when the group's params stepped together)."""
-        from optladder.optimizers import eager
+    def _step_cpu(self, group: dict[str, Any], table: Any) -> None:
+        """Step a group's params with the C kernel through its table, whose grads and
+        per-step scalars :meth:`prepare_step` wrote, then bump every step count in one
+        call."""
         from optladder.optimizers.kernels import cpu
 
-        lr = float(group["lr"])
         beta1, beta2 = group["betas"]
-        seed = group["seed"]
-        new_steps = [s + 1.0 for s in table.read_steps()]
-        scalars = {
-            s: (step_key(seed, int(s)), *eager.step_scalars(lr, beta1, beta2, int(s)))
-            for s in set(new_steps)
-        }
-        table.set_step([cast(torch.Tensor, p.grad) for p, _ in items], new_steps, scalars)
         cpu.adamw_step(
             table,
             beta1=beta1,
             beta2=beta2,
             eps=group["eps"],
-            lr=lr,
+            lr=float(group["lr"]),
             weight_decay=group["weight_decay"],
             decoupled_weight_decay=group["decoupled_weight_decay"],
             maximize=group["maximize"],

@@ -22,20 +22,26 @@ decay the AdamW (decoupled) way.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import importlib
+import itertools
 import logging
+import operator
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any, cast
 
 import torch
 
-from optladder.bnb_overrides import quantized_8bit
+from optladder.bnb_overrides import no_overrides, quantized_8bit
 from optladder.oom import is_oom
+from optladder.optimizers.migrate import check_step_range
+from optladder.optimizers.stepmemo import grad_kinds, grad_of, same_objects
+from optladder.optimizers.steps import MAX_STEP
 from optladder.rungs import BNB_MIN_8BIT_SIZE, param_refusal
-from optladder.sharding import is_dtensor, local_tensor
+from optladder.sharding import all_plain, is_dtensor, local_tensor
 
 _NOISY_LOGGER = "bitsandbytes.backends.cpu.ops"
 
@@ -145,6 +151,7 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             self.eager_reasons: dict[int, str] = {}
             self._kernel_error: str | None = None
             self._prepared: _PreparedStep | None = None
+            self._kernel_plan: _KernelPlan | None = None  # the table kept between steps
             self._bounds: dict[int, tuple[torch.Tensor, int, Any]] = {}
             self._books: list[tuple[torch.Tensor, Any]] = []
             # non-contiguous param -> (contiguous copy, contiguous grad or None), made in
@@ -167,6 +174,8 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             """
             try:
                 for group in self.param_groups:
+                    if all(map(torch.Tensor.is_contiguous, group["params"])):
+                        continue  # the common case, checked in C
                     for p in group["params"]:
                         if p.grad is None or is_dtensor(p) or p in self._contiguous:
                             continue
@@ -197,6 +206,12 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             """
             self._prepared = None
             self._prepared = _prepare_step(self)
+
+        def release_tables(self) -> None:
+            """Drop the kept kernel table (it holds the state's tensors): before the
+            state moves to another format or is replaced; the next step makes it again."""
+            self._kernel_plan = None
+            self._prepared = None
 
         def drop_kernel_step(self) -> None:
             """Forget the tables :meth:`prepare_kernel_step` made (a rolled-back step)."""
@@ -373,40 +388,250 @@ class _PreparedStep:
         library: the loaded kernel library (None with ``table``).
         states: the state dicts of the kernel's params (their ``step`` is bumped after
             the kernel ran), in table order.
-        checks: ``(param, grad, state, step, state1)`` per kernel param, to see at
-            commit that the tables still point at the right tensors.
         others: ``(group, param, gindex, pindex)`` stepped by bitsandbytes.
         late: ``(param, job, state)`` of DTensor params whose grad is redistributed in
             the commit: each job's grad is a placeholder until then.
         staged: ``(param, copy, grad copy or None)`` of non-contiguous params, stepped
             in the contiguous copies ``prepare_contiguous`` made (copied in before the
             kernel runs, the param copied back after).
+        params: every param of every group when prepared, in order.
+        grads: their grads then (None where a param had none).
+        state_seen: the engine's state dicts then (``state.values()``, in order).
+        check_states: the state dicts of every kernel param (``late`` ones included).
+        check_steps: their ``step`` then.
+        check_state1: their ``state1`` then.
         n_groups: the number of param groups when prepared.
-        n_stepping: the number of params with a grad when prepared.
     """
 
     table: Any
     library: Any
     states: list[dict[str, Any]]
-    checks: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], int, torch.Tensor]]
     others: list[tuple[dict[str, Any], torch.Tensor, int, int]]
     late: list[tuple[torch.Tensor, Any, dict[str, Any]]]
     staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    state_seen: list[Any]
+    check_states: list[dict[str, Any]]
+    check_steps: list[int]
+    check_state1: list[torch.Tensor]
     n_groups: int
-    n_stepping: int
 
     def still_valid(self, engine: torch.optim.Optimizer) -> bool:
-        """Whether the grads and state the tables point at are still the params' own, and
-        the same number of params has a grad."""
-        if len(engine.param_groups) != self.n_groups:
-            return False
+        """Whether the params, their grads and the state the tables point at are still
+        the ones prepared (identity, compared in C), with the same step counts."""
         groups = engine.param_groups
-        if sum(p.grad is not None for g in groups for p in g["params"]) != self.n_stepping:
+        if len(groups) != self.n_groups:
             return False
-        state = engine.state
-        return all(
-            p.grad is grad and state.get(p) is st and st["step"] == step and st["state1"] is s1
-            for p, grad, st, step, s1 in self.checks
+        params = list(itertools.chain.from_iterable(g["params"] for g in groups))
+        return (
+            same_objects(params, self.params)
+            and same_objects(list(map(grad_of, params)), self.grads)
+            and same_objects(list(engine.state.values()), self.state_seen)
+            and list(map(_STEP, self.check_states)) == self.check_steps
+            and same_objects(list(map(_STATE1, self.check_states)), self.check_state1)
+        )
+
+
+_STEP = operator.itemgetter("step")
+_STATE1 = operator.itemgetter("state1")
+_STATE2 = operator.itemgetter("state2")
+
+_PER_PARAM_FIELDS = frozenset(
+    (
+        "param",
+        "grad",
+        "state1",
+        "state2",
+        "absmax1",
+        "absmax2",
+        "qmap1",
+        "qmap2",
+        "bounds1",
+        "bounds2",
+        "table1",
+        "table2",
+        "numel",
+        "param_dtype",
+        "grad_dtype",
+        "quantized",
+    )
+)
+"""Fields of the 8-bit kernel's param row that :func:`cpu8bit.prepare_table` writes from
+the param and its state; every other field is a scalar of the step and the group's
+options, the same for all params of one group, state format and step count."""
+
+
+def _row_bytes(table: Any) -> torch.Tensor:
+    """The table's param rows as a ``(rows, row bytes)`` uint8 view of their memory."""
+    rows = table.params
+    size = ctypes.sizeof(rows._type_)
+    return torch.frombuffer(rows, dtype=torch.uint8)[: len(rows) * size].view(len(rows), size)
+
+
+class _KernelPlan:
+    """The 8-bit CPU kernel's table of a ``LadderAdamW8bit``, kept between steps while
+    the groups, params (and their memory), grads' kinds, state and bitsandbytes'
+    per-param overrides stay the same; a step then writes only the grad pointers and,
+    per (group, state format), the scalars of its step count and the group's options
+    (one row made by :func:`~.kernels.cpu8bit.prepare_table` and copied to the rows of
+    that run, so the scalars are exactly the ones a full table would hold).
+
+    Made only for plain CPU params of one step count per run, without per-param
+    overrides, DTensors or non-contiguous params; :meth:`make` returns None otherwise
+    (every step then prepares a full table).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        prepared: _PreparedStep,
+        jobs: list[Any],
+        places: list[tuple[int, int]],
+        kernel_params: list[torch.Tensor],
+    ) -> None:
+        groups = engine.param_groups
+        self.groups = list(groups)
+        self.params = [list(g["params"]) for g in groups]
+        self.kinds = [grad_kinds(list(map(grad_of, g["params"]))) for g in groups]
+        self.n_overrides = (len(engine.mng.pid2config), len(engine.mng.index2config))
+        self.state_seen = prepared.state_seen
+        self.jobs = [dataclasses.replace(job, grad=job.param) for job in jobs]  # no grads held
+        keep = tuple(getattr(job, f.name) for job in self.jobs for f in dataclasses.fields(job))
+        table = dataclasses.replace(  # the tensors it points into, but none of the grads
+            prepared.table, tensors=tuple(t for t in keep if isinstance(t, torch.Tensor))
+        )
+        self.prepared = dataclasses.replace(prepared, table=table, params=[], grads=[])
+        offsets = list(itertools.accumulate((len(p) for p in self.params), initial=0))
+        self.flat_places = [offsets[gi] + pi for gi, pi in places]
+        self.kernel_params = kernel_params
+        self.param_ptrs = list(map(torch.Tensor.data_ptr, kernel_params))
+        self.states = prepared.states
+        self.state1 = list(map(_STATE1, self.states))
+        self.state2 = list(map(_STATE2, self.states))
+        self.runs: list[tuple[int, int, int]] = []  # (group, first row, end row)
+        for k, (gi, _) in enumerate(places):
+            quantized = jobs[k].state1.dtype
+            if (
+                self.runs
+                and self.runs[-1][0] == gi
+                and jobs[self.runs[-1][1]].state1.dtype == quantized
+            ):
+                self.runs[-1] = (gi, self.runs[-1][1], k + 1)
+            else:
+                self.runs.append((gi, k, k + 1))
+        self.rows = _row_bytes(prepared.table)
+        fields = prepared.table.params._type_._fields_
+        self.scalar_bytes = [
+            (getattr(prepared.table.params._type_, name).offset, ctypes.sizeof(ctype))
+            for name, ctype in fields
+            if name not in _PER_PARAM_FIELDS
+        ]
+        grad_field = prepared.table.params._type_.grad
+        self.grad_column = self.rows.view(torch.int64)[:, grad_field.offset // 8]
+
+    @classmethod
+    def make(
+        cls,
+        engine: Any,
+        prepared: _PreparedStep,
+        jobs: list[Any],
+        places: list[tuple[int, int]],
+        kernel_params: list[torch.Tensor],
+    ) -> _KernelPlan | None:
+        """A plan for the next steps, or None when this step's table cannot be kept
+        (see the class docstring)."""
+        if prepared.table is None or prepared.late or prepared.staged:
+            return None
+        if any(is_dtensor(p) for p in kernel_params):
+            return None
+        mng = engine.mng
+        for (gi, pi), p in zip(places, kernel_params):
+            if (gi, pi) in mng.index2config or id(p) in mng.pid2config:
+                return None
+        plan = cls(engine, prepared, jobs, places, kernel_params)
+        rows = plan.rows
+        for _, first, end in plan.runs:  # the scalars must be one per run: check
+            for offset, size in plan.scalar_bytes:
+                run = rows[first:end, offset : offset + size]
+                if not bool((run == run[0]).all()):
+                    return None
+        return plan
+
+    def refresh(self, engine: Any) -> _PreparedStep | None:
+        """The prepared step for the engine's current grads, step counts and options on
+        this plan's table, or None when the plan no longer fits (prepare a full table).
+
+        Raises:
+            ValueError: a step count outside what the kernel steps from (see
+                :func:`~optladder.optimizers.migrate.check_step_range`).
+        """
+        from optladder.optimizers.kernels import cpu8bit
+
+        groups = engine.param_groups
+        if not same_objects(groups, self.groups):
+            return None
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        for group, held, kinds in zip(groups, self.params, self.kinds):
+            group_params = group["params"]
+            if not same_objects(group_params, held):
+                return None
+            group_grads = list(map(grad_of, group_params))
+            if grad_kinds(group_grads) != kinds:
+                return None
+            params += group_params
+            grads += group_grads
+        state_seen = list(engine.state.values())
+        if (
+            not same_objects(state_seen, self.state_seen)
+            or (len(engine.mng.pid2config), len(engine.mng.index2config)) != self.n_overrides
+            or list(map(torch.Tensor.data_ptr, self.kernel_params)) != self.param_ptrs
+            or not same_objects(list(map(_STATE1, self.states)), self.state1)
+            or not same_objects(list(map(_STATE2, self.states)), self.state2)
+        ):
+            return None
+        steps = list(map(_STEP, self.states))
+        if not all(isinstance(step, int) for step in (min(steps), max(steps))):
+            return None
+        if min(steps) < 0 or max(steps) > MAX_STEP:
+            k = next(k for k, step in enumerate(steps) if not 0 <= step <= MAX_STEP)
+            check_step_range(steps[k], engine, self.kernel_params[k], f"param {k}")
+        firsts = [steps[first] for _, first, _ in self.runs]
+        for (_, first, end), step in zip(self.runs, firsts):
+            if steps[first:end].count(step) != end - first:
+                return None  # params of one run at different step counts
+        kernel_grads = cast(list[torch.Tensor], list(map(grads.__getitem__, self.flat_places)))
+        self.grad_column.copy_(
+            torch.tensor(list(map(torch.Tensor.data_ptr, kernel_grads)), dtype=torch.int64)
+        )
+        for (gi, first, end), step in zip(self.runs, firsts):
+            group = groups[gi]
+            betas = group["betas"]
+            one = cpu8bit.prepare_table(
+                [
+                    dataclasses.replace(
+                        self.jobs[first],
+                        grad=cast(torch.Tensor, kernel_grads[first]).detach(),
+                        step=step + 1,
+                        lr=float(group["lr"]),
+                        betas=(float(betas[0]), float(betas[1])),
+                        eps=float(group["eps"]),
+                        weight_decay=float(group["weight_decay"]),
+                    )
+                ]
+            )
+            row = _row_bytes(one)[0]
+            for offset, size in self.scalar_bytes:
+                self.rows[first:end, offset : offset + size] = row[offset : offset + size]
+        old = self.prepared
+        self.state_seen = state_seen
+        return dataclasses.replace(
+            old,
+            params=params,
+            grads=grads,
+            state_seen=state_seen,
+            check_steps=steps,
         )
 
 
@@ -490,19 +715,41 @@ def _kernel_miss(
 
 
 def _prepare_step(engine: Any) -> _PreparedStep:
+    """The prepared step of a ``LadderAdamW8bit``: on the engine's kept
+    :class:`_KernelPlan` when it still fits, else from a full table
+    (:func:`_build_step`), kept for the next steps when it can be."""
+    plan = engine._kernel_plan
+    if plan is not None:
+        prepared = plan.refresh(engine)
+        if prepared is not None:
+            return cast(_PreparedStep, prepared)
+        engine._kernel_plan = None
+    prepared, jobs, places, kernel_params = _build_step(engine)
+    engine._kernel_plan = _KernelPlan.make(engine, prepared, jobs, places, kernel_params)
+    return prepared
+
+
+def _build_step(
+    engine: Any,
+) -> tuple[_PreparedStep, list[Any], list[tuple[int, int]], list[torch.Tensor]]:
     """Route each param with a grad of a ``LadderAdamW8bit`` to the 8-bit CPU kernel or
     to bitsandbytes, and prepare the kernel's tables; record why each CPU param that
     is not on the kernel is not, in ``engine.eager_reasons`` (param index over all
-    groups -> reason)."""
+    groups -> reason).
+
+    Returns:
+        The prepared step; its kernel jobs, each job's ``(gindex, pindex)`` and param,
+        in table order (by group, then state format, then param order).
+    """
     from optladder.optimizers.kernels import cpu8bit
 
-    jobs: list[cpu8bit.Job] = []
-    states: list[dict[str, Any]] = []
-    checks: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any], int, torch.Tensor]] = []
+    entries: list[tuple[int, bool, int, Any, dict[str, Any], torch.Tensor]] = []
+    check_states: list[dict[str, Any]] = []
     others: list[tuple[dict[str, Any], torch.Tensor, int, int]] = []
     late: list[tuple[torch.Tensor, cpu8bit.Job, dict[str, Any]]] = []
     staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
     reasons: dict[int, str] = {}
+    jobs: list[cpu8bit.Job] = []
     index = -1
     for gindex, group in enumerate(engine.param_groups):
         for pindex, p in enumerate(group["params"]):
@@ -514,6 +761,7 @@ def _prepare_step(engine: Any) -> _PreparedStep:
             if p.device.type != "cpu" or len(state) == 0:
                 others.append((group, p, gindex, pindex))  # bitsandbytes' own kernel
                 continue
+            check_step_range(int(state["step"]), engine, p, f"param {pindex} of group {gindex}")
             config = engine.get_config(gindex, pindex, group)
             pair = _local_pair(p)
             copies = engine._contiguous.get(p)
@@ -562,23 +810,32 @@ def _prepare_step(engine: Any) -> _PreparedStep:
             if pair[1] is None:
                 late.append((p, jobs.pop(), state))
             else:
-                states.append(state)
-            checks.append((p, grad, state, state["step"], state["state1"]))
+                entries.append((gindex, quantized, pindex, jobs.pop(), state, p))
+            check_states.append(state)
+    entries.sort(key=lambda e: (e[0], e[1]))  # runs of one group and state format
+    jobs = [e[3] for e in entries]
+    states = [e[4] for e in entries]
     table = cpu8bit.prepare_table(jobs) if jobs else None
     for _, job, _ in late:
         cpu8bit.prepare_table([job])  # checks it now (its table is written in the commit)
     engine.eager_reasons = reasons
-    return _PreparedStep(
+    params = [p for g in engine.param_groups for p in g["params"]]
+    prepared = _PreparedStep(
         table=table,
         library=cpu8bit.load_library() if jobs or late else None,
         states=states,
-        checks=checks,
         others=others,
         late=late,
         staged=staged,
+        params=params,
+        grads=list(map(grad_of, params)),
+        state_seen=list(engine.state.values()),
+        check_states=check_states,
+        check_steps=list(map(_STEP, check_states)),
+        check_state1=list(map(_STATE1, check_states)),
         n_groups=len(engine.param_groups),
-        n_stepping=len(checks) + len(others),
     )
+    return prepared, jobs, [(e[0], e[2]) for e in entries], [e[5] for e in entries]
 
 
 def steps_noncontiguous(engine: torch.optim.Optimizer) -> bool:
@@ -632,10 +889,14 @@ def build_8bit(
         ValueError: for complex params, dtypes bitsandbytes does not take, or a
             bitsandbytes override it would fail on (``optim_bits`` not 8 or 32).
     """
-    for gi, group in enumerate(param_groups):
-        for pi, p in enumerate(group["params"]):
-            check_8bit_param(p, f"param {pi} of group {gi}")
-            quantized_8bit(p, f"param {pi} of group {gi}")
+    flat = [p for group in param_groups for p in group["params"]]
+    names = {str(d).removeprefix("torch.") for d in {p.dtype for p in flat}}
+    bulk = all_plain(flat) and no_overrides()  # then only dtypes can be refused
+    if not bulk or any(param_refusal("8bit", n, sharded=False) is not None for n in names):
+        for gi, group in enumerate(param_groups):
+            for pi, p in enumerate(group["params"]):
+                check_8bit_param(p, f"param {pi} of group {gi}")
+                quantized_8bit(p, f"param {pi} of group {gi}")
     try:
         engine: Any = ladder_adamw8bit_class()
     except ImportError as exc:

@@ -515,6 +515,9 @@ def migrate_engine(
         Whatever a conversion raised, otherwise (the state exactly as before).
     """
     sizes = global_numel or {}
+    release = getattr(source, "release_tables", None)
+    if release is not None:
+        release()  # kernel tables hold the old state's tensors: let them go as they drop
     target_groups = _group_of(target)
     source_groups = _group_of(source)
     todo = [p for g in source.param_groups for p in g["params"] if source.state.get(p)]

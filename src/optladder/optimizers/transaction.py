@@ -15,20 +15,28 @@ each engine allocates nothing that the dispatcher sees:
   still leave one param half-written.
 - ``torch.optim.AdamW(foreach=True)`` (complex params): the foreach ops allocate
   between in-place writes; no two-phase guarantee.
+
+The checks of a step run once per change, not once per step: with a
+:class:`~optladder.optimizers.stepmemo.StepMemo`, group options with the same values and
+grads that are the same tensors are not checked again, and state creation is skipped
+when every param with a grad already has its state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 import signal
 import threading
 from collections.abc import Iterator, Mapping
+from itertools import repeat
 from typing import Any
 
 import torch
 
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
 from optladder.optimizers.migrate import check_step_range, is_bnb_engine, read_step
+from optladder.optimizers.stepmemo import StepMemo, grad_of
 from optladder.optimizers.steps import STEP_DTYPE
 
 
@@ -50,7 +58,9 @@ def _torch_adam_init(group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
 
 
 def check_step_inputs(
-    engine: torch.optim.Optimizer, group_names: Mapping[int, str] | None = None
+    engine: torch.optim.Optimizer,
+    group_names: Mapping[int, str] | None = None,
+    memo: StepMemo | None = None,
 ) -> None:
     """Refuse, before anything is allocated or written, what would fail half-way:
     out-of-range group hyperparameters, sparse grads, grads of another shape, dtype or
@@ -65,6 +75,9 @@ def check_step_inputs(
         group_names: ``id(group) -> name`` for messages, e.g. ``"group 3"`` (the group's
             place among all of an optladder optimizer's groups); default ``"group {i}"``
             with ``i`` its place in ``engine.param_groups``.
+        memo: what passed these checks before (:class:`~.stepmemo.StepMemo`, updated
+            here): a group whose options have the same values is not checked again, nor
+            grads that are the same tensors. None: check everything.
 
     Raises:
         ValueError: naming the group or param, what was found and what is allowed.
@@ -72,43 +85,103 @@ def check_step_inputs(
     bnb = is_bnb_engine(engine)
     fused = not isinstance(engine, LadderAdamW) and not bnb
     names = group_names or {}
-    for gi, group in enumerate(engine.param_groups):
+    groups = engine.param_groups
+    if memo is not None:
+        memo.trim(len(groups))
+    for gi, group in enumerate(groups):
+        if memo is None or not memo.options_unchanged(gi, group):
+            try:
+                validate_group_hyperparams(group)
+            except ValueError as exc:
+                raise ValueError(f"param {names.get(id(group), f'group {gi}')}: {exc}") from None
+            if memo is not None:
+                memo.record_options(gi, group)
+        params = group["params"]
+        grads = list(map(grad_of, params))
+        strides = fused and bool(group.get("fused"))
+        if memo is not None and memo.grads_unchanged(gi, group, params, grads, strides):
+            continue
         name = names.get(id(group), f"group {gi}")
-        try:
-            validate_group_hyperparams(group)
-        except ValueError as exc:
-            raise ValueError(f"param {name}: {exc}") from None
-        for pi, p in enumerate(group["params"]):
-            g = p.grad
-            if g is None:
-                continue
-            where = f"param {pi} of {name}"
-            if g.is_sparse:
-                raise ValueError(f"{where} has a sparse grad; optladder's rungs need dense grads")
-            if g.shape != p.shape or g.device != p.device or g.dtype != p.dtype:
-                raise ValueError(
-                    f"{where} has a {g.dtype} grad of shape {tuple(g.shape)} on {g.device}; "
-                    f"the param is {p.dtype} of shape {tuple(p.shape)} on {p.device}"
-                )
-            st = engine.state.get(p) if bnb else None
-            if st and "step" in st:  # a Python int (LadderAdamW checks its own steps)
-                check_step_range(read_step(st), engine, p, where)
-            if fused and group.get("fused") and g.stride() != p.stride():
-                raise ValueError(
-                    f"{where} has a grad with strides {g.stride()} but the param has "
-                    f"{p.stride()}; torch's fused AdamW needs them laid out alike (autograd's "
-                    "grads are; set hand-made grads with torch.empty_like(param))"
-                )
+        if not _grads_match(params, grads, strides):
+            _check_grads(params, name, strides)  # raises, naming what is wrong
+        if bnb:
+            _check_bnb_steps(engine, params, name)
+        if memo is not None:
+            memo.record_grads(gi, group, params, grads, strides)
+
+
+_LAYOUT = operator.attrgetter("layout")
+_SHAPE = operator.attrgetter("shape")
+_DEVICE = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _grads_match(
+    params: list[torch.Tensor], grads: list[torch.Tensor | None], strides: bool
+) -> bool:
+    """Whether every grad is dense and has its param's shape, device and dtype (and
+    strides, with ``strides``): the checks of :func:`_check_grads` as loops in C, for
+    the common case where all pass."""
+    present = [g for g in grads if g is not None]
+    if len(present) != len(params):
+        params = [p for p, g in zip(params, grads) if g is not None]
+    return (
+        all(map(operator.is_, map(_LAYOUT, present), repeat(torch.strided)))
+        and list(map(_SHAPE, present)) == list(map(_SHAPE, params))
+        and list(map(_DEVICE, present)) == list(map(_DEVICE, params))
+        and list(map(_DTYPE, present)) == list(map(_DTYPE, params))
+        and (
+            not strides
+            or list(map(torch.Tensor.stride, present)) == list(map(torch.Tensor.stride, params))
+        )
+    )
+
+
+def _check_bnb_steps(engine: torch.optim.Optimizer, params: list[torch.Tensor], name: str) -> None:
+    """Refuse a bitsandbytes step count (a Python int) its CUDA kernel cannot step from
+    (:func:`~optladder.optimizers.migrate.step_limit`; on the CPU the limit is float64's
+    integer range, which stepping cannot pass and loads check)."""
+    for pi, p in enumerate(params):
+        if p.grad is None or p.is_cpu:
+            continue
+        st = engine.state.get(p)
+        if st and "step" in st:
+            check_step_range(read_step(st), engine, p, f"param {pi} of {name}")
+
+
+def _check_grads(params: list[torch.Tensor], name: str, strides: bool) -> None:
+    """The grad checks of :func:`check_step_inputs` for one group, param by param."""
+    for pi, p in enumerate(params):
+        g = p.grad
+        if g is None:
+            continue
+        where = f"param {pi} of {name}"
+        if g.is_sparse:
+            raise ValueError(f"{where} has a sparse grad; optladder's rungs need dense grads")
+        if g.shape != p.shape or g.device != p.device or g.dtype != p.dtype:
+            raise ValueError(
+                f"{where} has a {g.dtype} grad of shape {tuple(g.shape)} on {g.device}; "
+                f"the param is {p.dtype} of shape {tuple(p.shape)} on {p.device}"
+            )
+        if strides and g.stride() != p.stride():
+            raise ValueError(
+                f"{where} has a grad with strides {g.stride()} but the param has "
+                f"{p.stride()}; torch's fused AdamW needs them laid out alike (autograd's "
+                "grads are; set hand-made grads with torch.empty_like(param))"
+            )
 
 
 def prepare_step(
-    engine: torch.optim.Optimizer, group_names: Mapping[int, str] | None = None
+    engine: torch.optim.Optimizer,
+    group_names: Mapping[int, str] | None = None,
+    memo: StepMemo | None = None,
 ) -> list[torch.Tensor]:
     """Allocate the state the engine's next step needs, before anything is written.
 
     Args:
         engine: the rung's optimizer.
         group_names: names of its groups in messages (see :func:`check_step_inputs`).
+        memo: what passed the checks before (see :func:`check_step_inputs`).
 
     Returns:
         The params whose state this call created (for :func:`rollback_step`).
@@ -118,27 +191,32 @@ def prepare_step(
         Whatever the allocation raised (an OOM); the state created so far is dropped
         first, so the engine is as it was.
     """
-    check_step_inputs(engine, group_names)
+    check_step_inputs(engine, group_names, memo)
     created: list[torch.Tensor] = []
     try:
         if isinstance(engine, LadderAdamW):
             return engine.prepare_step()  # rolls back its own state on failure
         if is_bnb_engine(engine) or isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
             bnb = is_bnb_engine(engine)
-            for gi, group in enumerate(engine.param_groups):
-                for pi, p in enumerate(group["params"]):
-                    if p.grad is None or len(engine.state[p]) != 0:
-                        continue
-                    created.append(p)
-                    if bnb:
-                        engine.init_state(group, p, gi, pi)  # type: ignore[attr-defined]
-                    else:
-                        engine.state[p].update(_torch_adam_init(group, p))
+            state = engine.state
+            params = [p for group in engine.param_groups for p in group["params"]]
+            if memo is None or not memo.states_exist(state, params):
+                for gi, group in enumerate(engine.param_groups):
+                    for pi, p in enumerate(group["params"]):
+                        if p.grad is None or (p in state and len(state[p]) != 0):
+                            continue
+                        created.append(p)
+                        if bnb:
+                            engine.init_state(group, p, gi, pi)  # type: ignore[attr-defined]
+                        else:
+                            state[p].update(_torch_adam_init(group, p))
             if bnb and hasattr(engine, "prepare_contiguous"):
                 engine.prepare_contiguous()  # copies of non-contiguous params, see eightbit
             prepare_kernel = getattr(engine, "prepare_kernel_step", None)
             if prepare_kernel is not None:
                 prepare_kernel()  # the 8-bit CPU kernel's tables
+            if memo is not None:
+                memo.record_states(state, params)
     except BaseException:
         rollback_step(engine, created)
         raise

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
+from collections import Counter
 from collections.abc import Iterable, Mapping
+from itertools import repeat
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from optladder.bnb_overrides import quantized_8bit
+from optladder.bnb_overrides import no_overrides, quantized_8bit
 from optladder.rungs import (
     BNB_BLOCKSIZE,
     BNB_MIN_8BIT_SIZE,
@@ -18,7 +22,7 @@ from optladder.rungs import (
     Rung,
     group_pin,
 )
-from optladder.sharding import is_dtensor, local_numel, local_tensor
+from optladder.sharding import all_plain, is_dtensor, local_numel, local_tensor
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -251,6 +255,10 @@ def storage_key(p: torch.Tensor) -> tuple[Any, ...] | None:
     return (*key, p.dtype)
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_DTYPE = operator.attrgetter("dtype")
+
+
 def trainable_params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
     """The distinct trainable params of ``groups``, in order of first appearance.
 
@@ -258,6 +266,14 @@ def trainable_params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
     Parameter objects that are the same view of the same storage are merged too (for
     DTensors: the same view of the same local shard, with the same global layout).
     """
+    groups = list(groups)
+    flat = [p for g in groups for p in g["params"]]
+    if all_plain(flat):  # in bulk: distinct element pointers mean distinct memory
+        trainable = list(itertools.compress(flat, map(_REQUIRES_GRAD, flat)))
+        distinct = list({id(p): p for p in trainable}.values())  # first places, in order
+        ptrs = set(map(torch.Tensor.data_ptr, distinct))
+        if len(ptrs) == len(distinct) and len({p.device for p in distinct}) <= 1:
+            return distinct
     seen_ids: set[int] = set()
     seen_storage: set[tuple[Any, ...]] = set()
     out = []
@@ -278,7 +294,15 @@ def trainable_params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
 def _state_bytes(params: list[torch.Tensor], rung: Rung) -> int:
     """State bytes ``params`` need on ``rung`` in one engine (its code books included)."""
     if rung != "8bit":
+        if all_plain(params):  # once per distinct (elements, dtype)
+            counts = Counter(zip(map(torch.Tensor.numel, params), map(_DTYPE, params)))
+            return sum(k * rung_state_bytes(rung, n, d) for (n, d), k in counts.items())
         return sum(rung_state_bytes(rung, p.numel(), p.dtype, local_numel(p)) for p in params)
+    if all_plain(params) and no_overrides():  # the size rule alone, in bulk
+        counts = Counter(zip(map(torch.Tensor.numel, params), map(_DTYPE, params)))
+        total = sum(k * rung_state_bytes(rung, n, d) for (n, d), k in counts.items())
+        quantized = {p.device for p in params if p.numel() >= BNB_MIN_8BIT_SIZE}
+        return total + BNB_QMAP_BYTES * len(quantized)
     total = 0
     devices = set()
     for i, p in enumerate(params):
@@ -326,15 +350,16 @@ def measure_footprint(model_or_params: object) -> Footprint:
     groups = normalize_param_groups(model_or_params)
     params = trainable_params(groups)
     pin_of: dict[int, Rung | None] = {}
-    for gi, g in enumerate(groups):
-        pin = group_pin(g, f"param group {gi}")
-        for p in g["params"]:
-            pin_of.setdefault(id(p), pin)
+    for gi, g in enumerate(reversed(groups)):  # the first group listing a param wins
+        pin = group_pin(g, f"param group {len(groups) - 1 - gi}")
+        pin_of.update(zip(map(id, g["params"]), repeat(pin)))
     frozen_ids: set[int] = set()
     frozen = 0
     for g in groups:
-        for p in g["params"]:
-            if not p.requires_grad and id(p) not in frozen_ids:
+        for p in itertools.compress(
+            g["params"], map(operator.not_, map(_REQUIRES_GRAD, g["params"]))
+        ):
+            if id(p) not in frozen_ids:
                 frozen_ids.add(id(p))
                 frozen += p.numel()
     if not params:
@@ -342,18 +367,24 @@ def measure_footprint(model_or_params: object) -> Footprint:
             "model_or_params has no trainable parameters (none with requires_grad=True); "
             "unfreeze some or pass the ones to optimize"
         )
-    following = [p for p in params if pin_of[id(p)] is None]
-    pinned = sum(_state_bytes([p for p in params if pin_of[id(p)] == rung], rung) for rung in RUNGS)
+    pins = [pin_of[i] for i in map(id, params)]
+    following = [p for p, pin in zip(params, pins) if pin is None]
+    pinned = sum(
+        _state_bytes([p for p, pin in zip(params, pins) if pin == rung], rung)
+        for rung in RUNGS
+        if rung in pins
+    )
+    numels = list(map(torch.Tensor.numel, params))
     return Footprint(
-        trainable_params=sum(p.numel() for p in params),
+        trainable_params=sum(numels),
         param_tensors=len(params),
         frozen_params=frozen,
-        largest_param=max(p.numel() for p in params),
-        devices=tuple(sorted({str(p.device) for p in params})),
-        dtypes=tuple(sorted({str(p.dtype).removeprefix("torch.") for p in following})),
-        has_complex=any(p.is_complex() for p in following),
+        largest_param=max(numels),
+        devices=tuple(sorted({str(d) for d in {p.device for p in params}})),
+        dtypes=tuple(sorted({str(d).removeprefix("torch.") for d in set(map(_DTYPE, following))})),
+        has_complex=any(d.is_complex for d in set(map(_DTYPE, following))),
         state_bytes={rung: _state_bytes(following, rung) + pinned for rung in RUNGS},
-        sharded=any(is_dtensor(p) for p in params),
-        pinned_params=sum(p.numel() for p in params if pin_of[id(p)] is not None),
+        sharded=not all_plain(params) and any(is_dtensor(p) for p in params),
+        pinned_params=sum(n for n, pin in zip(numels, pins) if pin is not None),
         pinned_state_bytes=pinned,
     )

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -21,8 +23,8 @@ from optladder.rungs import (
     group_pin,
     param_refusal,
 )
-from optladder.selector.overlap import first_shared_memory, self_overlaps
-from optladder.sharding import is_dtensor, local_tensor
+from optladder.selector.overlap import disjoint_dense, first_shared_memory, self_overlaps
+from optladder.sharding import all_plain, is_dtensor, local_tensor
 
 
 def check_group_options(group: Mapping[str, Any]) -> None:
@@ -117,8 +119,6 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
     Raises:
         ValueError: naming the group or param, what was found and what is allowed.
     """
-    seen: dict[int, str] = {}
-    named: list[tuple[torch.Tensor, str]] = []
     for gi, group in enumerate(groups):
         if group.get("decoupled_weight_decay", decoupled_weight_decay) != decoupled_weight_decay:
             raise ValueError(
@@ -131,6 +131,12 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
             check_group_options(group)
         except ValueError as exc:
             raise ValueError(f"param group {gi}: {exc}") from None
+    flat = [p for group in groups for p in group["params"]]
+    if _params_pass(flat):
+        return
+    seen: dict[int, str] = {}
+    named: list[tuple[torch.Tensor, str]] = []
+    for gi, group in enumerate(groups):
         for pi, p in enumerate(group["params"]):
             where = f"param {pi} of group {gi}"
             if id(p) in seen:
@@ -166,6 +172,31 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
     clash = first_shared_memory(named)
     if clash is not None:
         raise ValueError(clash)
+
+
+def _params_pass(params: list[torch.Tensor]) -> bool:
+    """Whether the param checks of :func:`check_groups` pass for ``params``, read in
+    bulk (loops in C; the memory check sorts byte ranges, O(n log n)) for the common
+    case: plain dense contiguous leaf tensors of allowed dtypes, each listed once, whose
+    memory does not overlap. False means "check param by param" (which names what is
+    wrong), not that a check failed."""
+    if not all_plain(params) or len({id(p) for p in params}) != len(params):
+        return False
+    if not all(map(operator.is_, map(_LAYOUT, params), repeat(torch.strided))):
+        return False
+    if not all(map(operator.or_, map(_IS_LEAF, params), map(_RETAINS_GRAD, params))):
+        return False
+    if not all(str(d).removeprefix("torch.") in PARAM_DTYPES for d in set(map(_DTYPE, params))):
+        return False
+    if not all(map(torch.Tensor.is_contiguous, params)):  # strides to check one by one
+        return False
+    return disjoint_dense(params)
+
+
+_LAYOUT = operator.attrgetter("layout")
+_IS_LEAF = operator.attrgetter("is_leaf")
+_RETAINS_GRAD = operator.attrgetter("retains_grad")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def decoupled_mode(engine: torch.optim.Optimizer) -> bool:
@@ -289,6 +320,8 @@ def check_params_for_rung(
     Raises:
         ValueError: naming the param, its dtype and what is allowed.
     """
+    if all_plain(params) and _rung_takes(params, rung, engine):
+        return  # read in bulk; else param by param, naming the first refused
     for pi, p in enumerate(params):
         name = f"param {pi} of {group}"
         where = f"{name} ({p.dtype})"
@@ -322,6 +355,28 @@ def check_params_for_rung(
                 "params (its 8bit engine then steps a contiguous copy in place), or add "
                 "a contiguous param"
             )
+
+
+def _rung_takes(
+    params: list[torch.Tensor], rung: Rung, engine: torch.optim.Optimizer | None
+) -> bool:
+    """The rules of :func:`check_params_for_rung` for plain params, once per distinct
+    dtype: True when all pass (False: check param by param)."""
+    names = {str(d).removeprefix("torch.") for d in set(map(_DTYPE, params))}
+    if any(param_refusal(rung, name, sharded=False) is not None for name in names):
+        return False
+    if engine is None:
+        return True
+    if isinstance(engine, LadderAdamW):
+        return not names & set(FP32_WIDE_DTYPES)
+    if rung == "fp32":
+        if names & {"bfloat16", "float16"}:
+            return False
+        if engine.defaults.get("fused") and names & {"complex64", "complex128"}:
+            return False
+    if rung == "8bit" and not steps_noncontiguous(engine):
+        return all(map(torch.Tensor.is_contiguous, params))
+    return True
 
 
 def _contiguous(p: torch.Tensor) -> bool:

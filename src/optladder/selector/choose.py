@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -31,7 +31,6 @@ from optladder.policies import (
     normalize_param_groups,
     probe_free_memory,
     read_overrides,
-    trainable_params,
 )
 from optladder.policies.decision import allowed_rungs
 from optladder.rungs import RUNGS, Rung, group_pin
@@ -76,6 +75,10 @@ class InsufficientMemoryError(RuntimeError):
         )
 
 
+def _params_of(group: dict[str, object]) -> list[torch.Tensor]:
+    return cast(list[torch.Tensor], group["params"])
+
+
 def _target_device(
     groups: list[dict[str, object]], device: torch.device | str | None
 ) -> torch.device:
@@ -84,7 +87,9 @@ def _target_device(
             return torch.device(device)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"device={device!r} is not a torch device ({exc})") from None
-    devices = sorted({str(p.device) for p in trainable_params(groups)})
+    devices = sorted(
+        {str(d) for d in {p.device for g in groups for p in _params_of(g) if p.requires_grad}}
+    )
     if len(devices) > 1:
         raise ValueError(
             f"the trainable params span devices {devices}; pass device= to name the one whose "

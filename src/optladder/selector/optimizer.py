@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from optladder.optimizers.migrate import (
     unwrap_bnb_state,
     wrap_bnb_state,
 )
+from optladder.optimizers.stepmemo import StepMemo
 from optladder.optimizers.transaction import (
     commit_step,
     deferred_interrupts,
@@ -265,6 +267,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._zero_grad_calls = 0
         self.partial_step: PartialStepError | None = None
         self._warned: set[tuple[Rung, str]] = set()
+        # per engine, what passed the step checks (weak: a replaced engine's goes with it)
+        self._memos: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepMemo] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._names: tuple[tuple[int, ...], dict[int, str]] = ((), {})
         order = list(engine.param_groups if param_groups is None else param_groups)
         held = {id(g) for g in engine.param_groups}
         if not held <= {id(g) for g in order}:
@@ -486,12 +493,15 @@ class LadderOptimizer(torch.optim.Optimizer):
 
     def _two_phase_step(self, retries: int, grad_scale: torch.Tensor | None = None) -> str | None:
         engines = self._engines()
-        names = {id(g): f"group {gi}" for gi, g in enumerate(self.param_groups)}
+        names = self._group_names()
         prepared: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
         error: BaseException | None = None
         try:
             for engine in engines:
-                prepared.append((engine, prepare_step(engine, names)))
+                memo = self._memos.get(engine)
+                if memo is None:
+                    memo = self._memos[engine] = StepMemo()
+                prepared.append((engine, prepare_step(engine, names, memo)))
         except BaseException as exc:
             for engine, created in prepared:  # the failing engine rolled itself back
                 rollback_step(engine, created)
@@ -521,6 +531,13 @@ class LadderOptimizer(torch.optim.Optimizer):
             error.__traceback__ = None
         del error
         return message
+
+    def _group_names(self) -> dict[int, str]:
+        """``id(group) -> "group {place}"`` for messages, kept while the groups are."""
+        key = tuple(map(id, self.param_groups))
+        if self._names[0] != key:
+            self._names = (key, {gid: f"group {gi}" for gi, gid in enumerate(key)})
+        return self._names[1]
 
     def _commit(
         self, engines: list[torch.optim.Optimizer], grad_scale: torch.Tensor | None
@@ -685,6 +702,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             if id(group) in following:  # named by its place among all groups
                 check_params_for_rung(group["params"], rung, None, f"group {gi}")
         saved_groups = [dict(g) for g in old.param_groups]
+        self._memos.clear()  # they hold the state dicts the move drops
         try:
             fused = self._decision.capabilities.fused[rung]
             new = self._rebuild(rung, old.param_groups, fused)
@@ -901,6 +919,11 @@ class LadderOptimizer(torch.optim.Optimizer):
             for name, value in saved.items():
                 if name != "params" and name not in ENGINE_KEYS and name not in _LADDER_KEYS:
                     live[name] = value
+        self._memos.clear()  # they hold the state dicts being replaced
+        for held in self._engines():
+            release = getattr(held, "release_tables", None)
+            if release is not None:
+                release()  # their tables hold the state being replaced
         self.state.clear()
         self.state.update(new_state)
         if move_to is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import operator
 import os
 import shutil
 import subprocess
@@ -350,6 +351,9 @@ def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
     return None
 
 
+_DTYPE_OF = operator.attrgetter("dtype")
+
+
 def table_signature(
     params: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
@@ -369,9 +373,11 @@ class KernelTable:
     """The kernel's param table for a fixed list of params, built once and reused.
 
     Holds one C row per param (pointers, element count, dtypes, index) and the prefix
-    sums of the element counts, so a step allocates nothing: :meth:`set_step` rewrites
-    only what changes between steps (grad pointers and dtypes, the per-step scalars), and
-    :meth:`read_steps` / :meth:`bump_steps` read and bump every step count in one call.
+    sums of the element counts, so a step allocates nothing: :meth:`set_grads` and
+    :meth:`set_scalars` rewrite only what changes between steps (grad pointers and dtypes,
+    the per-step scalars; each one vectorized write of all rows), and :meth:`read_steps` /
+    :meth:`bump_steps` read and bump every step count in one call. It holds the params,
+    moments and step tensors it points into (``tensors``), so their memory outlives it.
 
     Args:
         params: float32/bfloat16/float16 CPU tensors, contiguous (see
@@ -434,6 +440,9 @@ class KernelTable:
             self.offsets[k + 1] = total
         self.n_params = n
         self.total = total
+        self._columns: dict[str, torch.Tensor] = {}
+        self._grad_dtypes: list[torch.dtype] = []
+        self.tensors = (list(params), list(exp_avgs), list(exp_avg_sqs), list(steps))
 
     def read_steps(self, library: ctypes.CDLL | None = None) -> list[float]:
         """Every param's step count (before this step), in one C call."""
@@ -446,13 +455,71 @@ class KernelTable:
         lib = load_library() if library is None else library
         lib.ol_bump_steps(self.rows, self.n_params)
 
+    def _column(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Field ``name`` of every row, as a strided ``dtype`` view of the rows' memory
+        (for writing one field of all rows in one torch call)."""
+        if name not in self._columns:
+            offset = getattr(_Param, name).offset
+            width = ctypes.sizeof(_Param) // dtype.itemsize
+            rows = torch.frombuffer(self.rows, dtype=torch.uint8)[
+                : self.n_params * width * dtype.itemsize
+            ]
+            self._columns[name] = rows.view(dtype).view(self.n_params, width)[
+                :, offset // dtype.itemsize
+            ]
+        return self._columns[name]
+
+    def set_grads(self, grads: Sequence[torch.Tensor], ptrs: Sequence[int] | None = None) -> None:
+        """Point every row at its param's grad (one vectorized write of the pointers).
+
+        Args:
+            grads: each param's grad, in row order (float32/bfloat16/float16, contiguous,
+                its param's shape and device: :func:`param_unsupported_reason`).
+            ptrs: their ``data_ptr()``s, when the caller has them.
+        """
+        if not self.n_params:
+            return
+        if ptrs is None:
+            ptrs = list(map(torch.Tensor.data_ptr, grads))
+        self._column("grad", torch.int64).copy_(torch.tensor(ptrs, dtype=torch.int64))
+        dtypes = list(map(_DTYPE_OF, grads))
+        if dtypes != self._grad_dtypes:
+            codes = [DTYPE_CODES[d] for d in dtypes]
+            self._column("grad_dtype", torch.int32).copy_(torch.tensor(codes, dtype=torch.int32))
+            self._grad_dtypes = dtypes
+
+    def set_scalars(
+        self, steps: Sequence[float], scalars: dict[float, tuple[int, float, float]]
+    ) -> None:
+        """Write this step's per-param scalars; one write of all rows when every param
+        takes the same step (the common case), else row by row.
+
+        Args:
+            steps: each param's new (1-based) step count, in row order.
+            scalars: for each distinct step, ``(step_key, step_size, bc2_sqrt)`` (see
+                :meth:`set_step`).
+        """
+        if not self.n_params:
+            return
+        if len(scalars) == 1:
+            key, step_size, bc2_sqrt = next(iter(scalars.values()))
+            # the uint32 key as the int32 of the same bits
+            self._column("step_key", torch.int32).fill_(key - (1 << 32) if key >= 1 << 31 else key)
+            self._column("step_size", torch.float32).fill_(step_size)
+            self._column("bc2_sqrt", torch.float32).fill_(bc2_sqrt)
+            return
+        rows = self.rows
+        for k, step in enumerate(steps):
+            row = rows[k]
+            row.step_key, row.step_size, row.bc2_sqrt = scalars[step]
+
     def set_step(
         self,
         grads: Sequence[torch.Tensor],
         steps: Sequence[float],
         scalars: dict[float, tuple[int, float, float]],
     ) -> None:
-        """Write this step's per-param fields.
+        """Write this step's per-param fields: :meth:`set_grads` and :meth:`set_scalars`.
 
         Args:
             grads: each param's grad (float32/bfloat16/float16, contiguous, its shape).
@@ -461,12 +528,12 @@ class KernelTable:
                 :func:`~optladder.optimizers.rounding.step_key`, ``-lr /
                 bias_correction1`` and ``sqrt(bias_correction2)``.
         """
-        rows = self.rows
-        for k, (g, step) in enumerate(zip(grads, steps, strict=True)):
-            row = rows[k]
-            row.grad = g.data_ptr()
-            row.grad_dtype = DTYPE_CODES[g.dtype]
-            row.step_key, row.step_size, row.bc2_sqrt = scalars[step]
+        if len(grads) != self.n_params or len(steps) != self.n_params:
+            raise ValueError(
+                f"set_step needs {self.n_params} grads and steps, got {len(grads)} and {len(steps)}"
+            )
+        self.set_grads(grads)
+        self.set_scalars(steps, scalars)
 
 
 def adamw_step(

@@ -1,0 +1,201 @@
+"""What a step's inputs were when they were last checked, so a step can skip checking
+them again.
+
+A step checks its inputs (group options, grads) before anything is written. Most steps
+see the same groups and options as the one before, and often the same grad tensors, so
+each check is done once per change instead of once per step: the param-group option
+values are compared with a snapshot (one tuple per group), and params and grads by
+identity, element by element in C (``map(operator.is_, ...)``), which costs a few
+nanoseconds a param against the microseconds of checking one.
+
+What counts as a change (and so is checked again): another group list or group dict, a
+group option of another value (an lr set by a scheduler, betas, weight decay, ...; a
+tensor-valued option is checked at every step, since it can change in place), another
+params list, and another grad tensor (``zero_grad()`` with ``set_to_none=True`` makes
+new ones at every backward, so those are checked at every step, as torch checks them).
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Any
+
+import torch
+
+grad_of = operator.attrgetter("grad")
+"""``p -> p.grad``, for ``list(map(grad_of, params))`` (a loop in C)."""
+
+_NO_GRAD = type(None)  # called, returns None: the "reference" of a missing grad
+_call: Callable[[Callable[[], Any]], Any] = getattr(operator, "call", lambda f: f())
+
+GradRefs = list[Callable[[], "torch.Tensor | None"]]
+"""Weak references to grads (None where a param has none): a memo must not keep a grad
+alive after ``zero_grad(set_to_none=True)`` (that would double the grads' memory)."""
+
+
+def grad_refs(grads: Sequence[torch.Tensor | None]) -> GradRefs:
+    """Weak references to ``grads`` (see :data:`GradRefs`)."""
+    return [_NO_GRAD if g is None else weakref.ref(g) for g in grads]
+
+
+def same_grads(refs: GradRefs, grads: Sequence[torch.Tensor | None]) -> bool:
+    """Whether ``refs`` (from :func:`grad_refs`) still point at exactly ``grads`` (a
+    reference to a grad that died reads as None: the missing grads must be the same)."""
+    return (
+        len(refs) == len(grads)
+        and all(map(operator.is_, map(_call, refs), grads))
+        and list(map(operator.is_, grads, repeat(None)))
+        == list(map(operator.is_, refs, repeat(_NO_GRAD)))
+    )
+
+
+def same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
+    """Whether ``a`` and ``b`` hold the same objects in the same order (identity, not
+    ``==``: tensors compare elementwise)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def options_snapshot(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...] | None:
+    """The group's options (every key but ``params`` and ``param_names``) as a tuple to
+    compare with ``==``, or None when one is a tensor (a tensor lr can change in place:
+    never taken as unchanged)."""
+    items = tuple((k, v) for k, v in group.items() if k != "params" and k != "param_names")
+    if any(isinstance(v, torch.Tensor) for _, v in items):
+        return None
+    return items
+
+
+@dataclass
+class GroupMemo:
+    """One param group as it was when its checks last passed.
+
+    Attributes:
+        group: the group dict (identity).
+        options: :func:`options_snapshot` of the group when its options were checked,
+            or None (check again).
+        params: its params when its grads were checked, in order (identity).
+        grads: weak references to their grads then (see :data:`GradRefs`).
+        context: whatever else the grad checks read (e.g. the group's ``fused`` flag).
+    """
+
+    group: dict[str, Any]
+    options: tuple[tuple[str, Any], ...] | None = None
+    params: list[torch.Tensor] = field(default_factory=list)
+    grads: GradRefs = field(default_factory=list)
+    context: object = None
+
+
+@dataclass
+class StepMemo:
+    """The groups of one optimizer as they were when their checks last passed, by place
+    in ``param_groups``. Owned by whoever runs the checks (the optladder optimizer keeps
+    one per engine); dropping it only makes the next step check everything.
+
+    It holds the params and the state dicts (not the grads): drop it before the state
+    moves to another format, so the old state can be freed as it goes.
+
+    Attributes:
+        groups: place in ``param_groups`` -> :class:`GroupMemo`.
+        states_ready: after :meth:`record_states`, the state dicts then (in order) and
+            which params had no grad.
+    """
+
+    groups: dict[int, GroupMemo] = field(default_factory=dict)
+    states_ready: tuple[list[Any], list[bool]] | None = None
+
+    def states_exist(self, state: Mapping[Any, Any], params: list[torch.Tensor]) -> bool:
+        """Whether every param of ``params`` (all groups' params) with a grad had its
+        state the last time :meth:`record_states` ran, with the same state dicts now and
+        the same params without a grad (so no state needs creating)."""
+        if self.states_ready is None:
+            return False
+        seen, missing = self.states_ready
+        return same_objects(list(state.values()), seen) and missing == list(
+            map(operator.is_, map(grad_of, params), repeat(None))
+        )
+
+    def record_states(self, state: Mapping[Any, Any], params: list[torch.Tensor]) -> None:
+        """Remember that every param of ``params`` with a grad now has its state."""
+        self.states_ready = (
+            list(state.values()),
+            list(map(operator.is_, map(grad_of, params), repeat(None))),
+        )
+
+    def _memo(self, gi: int, group: dict[str, Any]) -> GroupMemo:
+        memo = self.groups.get(gi)
+        if memo is None or memo.group is not group:
+            memo = self.groups[gi] = GroupMemo(group)
+        return memo
+
+    def options_unchanged(self, gi: int, group: dict[str, Any]) -> bool:
+        """Whether group ``gi`` is the same dict with the same option values as when its
+        options were last checked (:meth:`record_options`)."""
+        memo = self.groups.get(gi)
+        if memo is None or memo.group is not group or memo.options is None:
+            return False
+        return memo.options == options_snapshot(group)
+
+    def record_options(self, gi: int, group: dict[str, Any]) -> None:
+        """Remember group ``gi``'s options as they are now (their checks passed)."""
+        self._memo(gi, group).options = options_snapshot(group)
+
+    def grads_unchanged(
+        self,
+        gi: int,
+        group: dict[str, Any],
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+        context: object = None,
+    ) -> bool:
+        """Whether group ``gi`` is the same dict holding the same params with the same
+        grad tensors, and ``context`` is equal, as when its grads were last checked
+        (:meth:`record_grads`)."""
+        memo = self.groups.get(gi)
+        return (
+            memo is not None
+            and memo.group is group
+            and memo.context == context
+            and same_objects(params, memo.params)
+            and same_grads(memo.grads, grads)
+        )
+
+    def record_grads(
+        self,
+        gi: int,
+        group: dict[str, Any],
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+        context: object = None,
+    ) -> None:
+        """Remember group ``gi``'s params and grads as they are now (their checks
+        passed)."""
+        memo = self._memo(gi, group)
+        memo.params, memo.grads, memo.context = list(params), grad_refs(grads), context
+
+    def trim(self, n_groups: int) -> None:
+        """Forget groups at places ``>= n_groups`` (the optimizer has fewer groups)."""
+        for gi in [gi for gi in self.groups if gi >= n_groups]:
+            del self.groups[gi]
+
+
+_DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
+
+
+def grad_kinds(grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+    """What a kernel's routing reads of a group's grads, to compare with ``==``: which
+    are None, and the others' dtypes, contiguity, element counts, devices and whether
+    all are dense (loops in C)."""
+    present = [g for g in grads if g is not None]
+    return (
+        list(map(operator.is_, grads, repeat(None))),
+        list(map(_DTYPE, present)),
+        list(map(torch.Tensor.is_contiguous, present)),
+        list(map(torch.Tensor.numel, present)),
+        list(map(torch.Tensor.get_device, present)),
+        all(map(operator.is_, map(_LAYOUT, present), repeat(torch.strided))),
+    )
