@@ -589,4 +589,5 @@ int ol_quantize_blockwise(const void *src, int32_t dtype, int64_t n, const int32
 
 int64_t ol_adamw8bit_param_size(void) { return (int64_t)sizeof(ol8_param_t); }
 int64_t ol_adamw8bit_item_size(void) { return (int64_t)sizeof(ol8_item_t); }
+int ol_adamw8bit_simd(void) { return ol8_avx512_ok(); }
 """
