@@ -1,7 +1,7 @@
 """The CPU kernel of the 8bit rung: AdamW on bitsandbytes' block-wise 8-bit state.
 
 The C loop (:mod:`._cpu8bit_source`) is compiled into a shared object of its own on the
-first 8-bit CPU step (about 20-25 seconds with gcc 12 on a 2-core machine: a scalar loop
+first 8-bit CPU step (about 17 seconds with gcc 12 on one core: a scalar loop
 per instruction set and the AVX-512 path, for each param/grad dtype pair), by
 :func:`optladder.optimizers.kernels.cpu.load_source` (the bf16 kernel's compiler, flags,
 private cache and loader). A step is two calls:
