@@ -546,14 +546,14 @@ def _kernel_jobs(dtype: torch.dtype, grad_dtype: torch.dtype, seed: int, coupled
 def test_the_simd_path_writes_the_scalar_loops_bits(
     dtype: torch.dtype, grad_dtype: torch.dtype, coupled: bool
 ) -> None:
-    """The AVX-512 path (whole blocks, where the CPU has it) writes bit for bit what the
-    scalar loops write: params, codes, absmax and float32 state, for every param and grad
-    dtype, with NaN grads, over two steps. Skipped on a CPU without AVX-512, where both
-    runs would take the scalar loops."""
+    """The SIMD path (AVX-512 for whole blocks, or the AVX2 encode, whichever the CPU
+    has) writes bit for bit what the scalar loops write: params, codes, absmax and
+    float32 state, for every param and grad dtype, with NaN grads, over two steps.
+    Skipped on a CPU without AVX2, where both runs would take the scalar loops."""
     from optladder.optimizers.kernels import cpu8bit
 
     if not cpu8bit.simd_available():
-        pytest.skip("this CPU has no AVX-512: the 8-bit kernel runs its scalar loops only")
+        pytest.skip("this CPU has no AVX2: the 8-bit kernel runs its scalar loops only")
 
     for seed in (0, 1):
         runs = []
@@ -572,7 +572,7 @@ def test_the_simd_path_writes_the_scalar_loops_bits(
 def test_the_start_table_encodes_as_the_binary_search_and_the_reference(
     dtype: torch.dtype,
 ) -> None:
-    """``quantize_blockwise`` with the step's start table (scalar and AVX-512) gives the
+    """``quantize_blockwise`` with the step's start table (scalar and SIMD) gives the
     codes and absmax of the binary search, and both equal bitsandbytes' reference rule
     (``_reference_encode``) wherever the values are finite, on both books: midpoints and
     the floats either side of each, zeros of both signs, tiny values under the smallest

@@ -1,4 +1,4 @@
-"""C source of the CPU kernel of the 8bit rung (compiled with the bf16 kernel by :mod:`.cpu`).
+"""C source of the CPU kernel of the 8bit rung (a library of its own, built by :mod:`.cpu8bit`).
 
 The kernel steps AdamW on params whose moments are kept in bitsandbytes' block-wise 8-bit
 format (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", ICLR 2022), so
@@ -25,8 +25,7 @@ to a small non-zero code).
 
 Nothing is allocated: work items (runs of whole blocks of one param) are listed by the
 caller, and handed out to ``n_threads`` threads of torch's OpenMP pool (or pthreads).
-Symbols carry the ``ol8_`` prefix: this source is compiled in one file after the bf16
-kernel's.
+Symbols carry the ``ol8_`` prefix (``ol8v_`` for AVX-512, ``ol8a_`` for AVX2).
 """
 
 SOURCE = r"""
@@ -118,17 +117,20 @@ static inline __attribute__((always_inline)) void ol8_store(
    comparison never counts it). A NaN is encoded as 255 (torch.bucketize, bitsandbytes'
    reference, sorts NaN last). */
 static inline __attribute__((always_inline)) uint8_t ol8_encode(
-        const int32_t *table, const float *bounds, int32_t u, float x) {
-    (void)bounds;
-    if (x != x) return 255;  /* NaN: last, as torch.bucketize sorts it */
-    const int32_t lo = table[0], w = table[1];
+        const int32_t *restrict entries, int32_t lo, int32_t w, uint32_t t2, int32_t t3,
+        int32_t u, float x) {
+    /* branch-free: signs and bucket-0 hits are data-dependent (mispredicted branches
+       cost more than the whole lookup) */
     int32_t j = ((u >> 16) & 0x7FFF) - lo + 1;
     j = j < 0 ? 0 : j;
     j = j > w - 1 ? w - 1 : j;
-    const int32_t e = table[4 + (u < 0 ? w + (j & table[3]) : j)];
-    float bound = ol8_u2f(((uint32_t)u & 0xFFFF0000u) | ((uint32_t)e >> 8));
-    if (j == 0) bound = u < 0 ? ol8_u2f(0x7F800000u) : ol8_u2f((uint32_t)table[2]);
-    return (uint8_t)((e & 0xFF) + (bound < x));
+    const int32_t neg = u >> 31;                         /* -1 for x <= -0, else 0 */
+    const int32_t e = entries[j + (neg & (w + (j & t3) - j))];
+    uint32_t bu = ((uint32_t)u & 0xFFFF0000u) | ((uint32_t)e >> 8);
+    const uint32_t b0 = (0x7F800000u & (uint32_t)neg) | (t2 & ~(uint32_t)neg);
+    bu = j == 0 ? b0 : bu;
+    const int32_t k = (e & 0xFF) + (ol8_u2f(bu) < x);
+    return (uint8_t)(x != x ? 255 : k);  /* NaN: last, as torch.bucketize sorts it */
 }
 
 /* The same count by binary search on the bounds alone (conversions: no table needed). */
@@ -179,12 +181,68 @@ static inline __attribute__((always_inline)) void ol8_narrow(
     }
 }
 
+/* ---- AVX2 encode: ol8_encode on 8 lanes, one gather from the start table per 8 values
+   (integer operations and one ordered float comparison: the same codes as the scalar
+   loop, tested). Used wherever the CPU has AVX2, for the encode only: the update loop
+   is plain C that gcc vectorizes. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define OL8_AVX2 __attribute__((target("avx2")))
+
+static int ol8_avx2_ok(void) {
+    static int ok = -1;  /* a fact of the CPU, not configuration: computed once */
+    if (ok < 0) {
+        __builtin_cpu_init();
+        ok = __builtin_cpu_supports("avx2");
+    }
+    return ok;
+}
+
+/* Codes of x[0 .. n - n % 8) into out; returns how many were written. */
+OL8_AVX2 __attribute__((noinline)) static int64_t ol8a_encode(
+        const int32_t *table, const float *x, int64_t n, uint8_t *out) {
+    const __m256i lo1 = _mm256_set1_epi32(table[0] - 1), w = _mm256_set1_epi32(table[1]);
+    const __m256i wm1 = _mm256_set1_epi32(table[1] - 1), t3 = _mm256_set1_epi32(table[3]);
+    const __m256i t2 = _mm256_set1_epi32(table[2]), inf = _mm256_set1_epi32(0x7F800000);
+    const __m256i zero = _mm256_setzero_si256(), low8 = _mm256_set1_epi32(0xFF);
+    const __m256i top16 = _mm256_set1_epi32((int32_t)0xFFFF0000u);
+    const int64_t whole = n - n % 8;
+    for (int64_t i = 0; i < whole; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + i);
+        const __m256i u = _mm256_castps_si256(xv);
+        __m256i j = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x7FFF));
+        j = _mm256_min_epi32(_mm256_max_epi32(_mm256_sub_epi32(j, lo1), zero), wm1);
+        const __m256i neg = _mm256_srai_epi32(u, 31);
+        const __m256i jn = _mm256_add_epi32(w, _mm256_and_si256(j, t3));
+        const __m256i idx = _mm256_blendv_epi8(j, jn, neg);
+        const __m256i e = _mm256_i32gather_epi32(table + 4, idx, 4);
+        __m256i bound = _mm256_or_si256(_mm256_and_si256(u, top16), _mm256_srli_epi32(e, 8));
+        bound = _mm256_blendv_epi8(bound, _mm256_blendv_epi8(t2, inf, neg),
+                                   _mm256_cmpeq_epi32(j, zero));
+        const __m256 below = _mm256_cmp_ps(_mm256_castsi256_ps(bound), xv, _CMP_LT_OQ);
+        __m256i k = _mm256_sub_epi32(_mm256_and_si256(e, low8), _mm256_castps_si256(below));
+        k = _mm256_blendv_epi8(k, low8, _mm256_castps_si256(_mm256_cmp_ps(xv, xv, _CMP_UNORD_Q)));
+        const __m128i k16 = _mm_packus_epi32(_mm256_castsi256_si128(k),
+                                             _mm256_extracti128_si256(k, 1));
+        _mm_storel_epi64((__m128i *)(out + i), _mm_packus_epi16(k16, k16));
+    }
+    return whole;
+}
+#else
+static int ol8_avx2_ok(void) { return 0; }
+static int64_t ol8a_encode(const int32_t *t, const float *x, int64_t n, uint8_t *o) {
+    (void)t; (void)x; (void)n; (void)o;
+    return 0;
+}
+#endif
+
 /* absmax = max |x| of n values by their bits (a NaN wins, as torch's max), then each
    value scaled by 1 / max(absmax, 1e-38), clamped to [-1, 1] and encoded in place
-   (with the start table, or by binary search where table is NULL). */
+   (with the start table, or by binary search where table is NULL; avx2: the start
+   table's encode on 8 lanes, for a CPU with AVX2). */
 static inline __attribute__((always_inline)) float ol8_quantize(
         float *restrict x, int64_t n, const int32_t *table, const float *bounds,
-        uint8_t *restrict out) {
+        uint8_t *restrict out, int avx2) {
     const uint32_t *restrict xu = (const uint32_t *)x;
     uint32_t top = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -196,7 +254,12 @@ static inline __attribute__((always_inline)) float ol8_quantize(
     for (int64_t i = 0; i < n; i++) x[i] = ol8_clamp1(x[i] * r);
     const int32_t *restrict xi = (const int32_t *)x;
     if (table != NULL) {
-        for (int64_t i = 0; i < n; i++) out[i] = ol8_encode(table, bounds, xi[i], x[i]);
+        const int32_t lo = table[0], w = table[1], t3 = table[3];
+        const uint32_t t2 = (uint32_t)table[2];
+        const int32_t *restrict entries = table + 4;
+        const int64_t done = avx2 ? ol8a_encode(table, x, n, out) : 0;
+        for (int64_t i = done; i < n; i++)
+            out[i] = ol8_encode(entries, lo, w, t2, t3, xi[i], x[i]);
     } else {
         for (int64_t i = 0; i < n; i++) out[i] = ol8_search(bounds, x[i]);
     }
@@ -205,7 +268,8 @@ static inline __attribute__((always_inline)) float ol8_quantize(
 
 /* One block of an 8-bit param: elements [lo, lo + n) of block b. */
 static inline __attribute__((always_inline)) void ol8_block_q(
-        const ol8_param_t *P, int64_t b, int pd, int gd, int coupled, int decoupled) {
+        const ol8_param_t *P, int64_t b, int pd, int gd, int coupled, int decoupled,
+        int avx2) {
     const int64_t lo = b * OL8_BLOCK;
     const int64_t n = P->numel - lo < OL8_BLOCK ? P->numel - lo : OL8_BLOCK;
     uint8_t *restrict c1 = (uint8_t *)P->state1 + lo;
@@ -223,12 +287,19 @@ static inline __attribute__((always_inline)) void ol8_block_q(
     else ol8_widen(P->grad, gd, lo, n, gbuf);
     if (pd == OL8_F32) ps = (float *)P->param + lo;
     else ol8_widen(P->param, pd, lo, n, pbuf);
+    /* decode first (table loads), then the update over plain arrays: a loop without
+       lookups, which gcc vectorizes (one loop with both ran scalar, its divisions and
+       square root one element at a time) */
+    for (int64_t i = 0; i < n; i++) {
+        m[i] = q1[c1[i]] * a1;
+        v[i] = q2[c2[i]] * a2;
+    }
     for (int64_t i = 0; i < n; i++) {
         float g = gs[i];
         float p = ps[i];
         if (coupled) g = fmaf(p, wd, g);
-        float mi = q1[c1[i]] * a1;
-        float vi = q2[c2[i]] * a2;
+        float mi = m[i];
+        float vi = v[i];
         mi = fmaf(g, omb1, mi * b1);            /* mul_(beta1).add_(g, alpha=1-beta1) */
         vi = fmaf(omb2 * g, g, vi * b2);        /* mul_(beta2).addcmul_(g, g, 1-beta2) */
         float denom = sqrtf(vi) / bc2 + eps;
@@ -238,8 +309,8 @@ static inline __attribute__((always_inline)) void ol8_block_q(
         v[i] = vi;
     }
     if (pd != OL8_F32) ol8_narrow(P->param, pd, lo, n, pbuf);
-    P->absmax1[b] = ol8_quantize(m, n, P->table1, P->bounds1, c1);
-    P->absmax2[b] = ol8_quantize(v, n, P->table2, P->bounds2, c2);
+    P->absmax1[b] = ol8_quantize(m, n, P->table1, P->bounds1, c1, avx2);
+    P->absmax2[b] = ol8_quantize(v, n, P->table2, P->bounds2, c2, avx2);
 }
 
 /* Elements [lo, hi) of a param with float32 state: bitsandbytes' 32-bit Adam update. */
@@ -420,7 +491,7 @@ OL8_AVX512_INLINE void ol8v_blocks_wd(
         int decoupled) {
     for (int64_t b = first; b < end; b++) {
         if ((b + 1) * OL8_BLOCK <= P->numel) ol8v_block_q(P, b, pd, gd, coupled, decoupled);
-        else ol8_block_q(P, b, pd, gd, coupled, decoupled);
+        else ol8_block_q(P, b, pd, gd, coupled, decoupled, 1);
     }
 }
 
@@ -465,10 +536,10 @@ static int ol8_avx512_ok(void) { return 0; }
 
 static inline __attribute__((always_inline)) void ol8_item_wd(
         const ol8_param_t *P, const ol8_item_t *it, int pd, int gd, int coupled,
-        int decoupled) {
+        int decoupled, int avx2) {
     if (P->quantized) {
         for (int64_t b = it->first_block; b < it->first_block + it->n_blocks; b++)
-            ol8_block_q(P, b, pd, gd, coupled, decoupled);
+            ol8_block_q(P, b, pd, gd, coupled, decoupled, avx2);
     } else {
         int64_t lo = it->first_block * OL8_BLOCK;
         int64_t hi = (it->first_block + it->n_blocks) * OL8_BLOCK;
@@ -479,27 +550,28 @@ static inline __attribute__((always_inline)) void ol8_item_wd(
 
 /* The weight-decay form as a constant, so that each loop body is branch-free. */
 static inline __attribute__((always_inline)) void ol8_item_typed(
-        const ol8_param_t *P, const ol8_item_t *it, int pd, int gd) {
-    if (P->coupled) ol8_item_wd(P, it, pd, gd, 1, 0);
-    else if (P->decoupled) ol8_item_wd(P, it, pd, gd, 0, 1);
-    else ol8_item_wd(P, it, pd, gd, 0, 0);
+        const ol8_param_t *P, const ol8_item_t *it, int pd, int gd, int avx2) {
+    if (P->coupled) ol8_item_wd(P, it, pd, gd, 1, 0, avx2);
+    else if (P->decoupled) ol8_item_wd(P, it, pd, gd, 0, 1, avx2);
+    else ol8_item_wd(P, it, pd, gd, 0, 0, avx2);
 }
 
 OL8_CLONES
 static void ol8_item(const ol8_param_t *params, const ol8_item_t *it, int simd) {
     const ol8_param_t *P = &params[it->param];
 #ifdef OL8_HAVE_AVX512
-    if (simd && P->quantized && P->table1 != NULL && P->table2 != NULL) {
+    if (simd == 2 && P->quantized && P->table1 != NULL && P->table2 != NULL) {
         ol8v_blocks(P, it->first_block, it->first_block + it->n_blocks);
         return;
     }
 #endif
     const int pd = P->param_dtype, gd = P->grad_dtype;
     /* grads of the param's own dtype are the common case: specialize those */
-    if (pd == OL8_F32 && gd == OL8_F32) ol8_item_typed(P, it, OL8_F32, OL8_F32);
-    else if (pd == OL8_BF16 && gd == OL8_BF16) ol8_item_typed(P, it, OL8_BF16, OL8_BF16);
-    else if (pd == OL8_F16 && gd == OL8_F16) ol8_item_typed(P, it, OL8_F16, OL8_F16);
-    else ol8_item_typed(P, it, pd, gd);
+    const int avx2 = simd >= 1;
+    if (pd == OL8_F32 && gd == OL8_F32) ol8_item_typed(P, it, OL8_F32, OL8_F32, avx2);
+    else if (pd == OL8_BF16 && gd == OL8_BF16) ol8_item_typed(P, it, OL8_BF16, OL8_BF16, avx2);
+    else if (pd == OL8_F16 && gd == OL8_F16) ol8_item_typed(P, it, OL8_F16, OL8_F16, avx2);
+    else ol8_item_typed(P, it, pd, gd, avx2);
 }
 
 #define OL8_MAX_THREADS 256
@@ -519,14 +591,18 @@ static void *ol8_run(void *arg) {
     return NULL;
 }
 
+/* The SIMD paths this CPU runs: 2 = AVX-512 (whole blocks), 1 = AVX2 (the encode), 0 =
+   none. */
+static int ol8_simd_level(void) { return ol8_avx512_ok() ? 2 : ol8_avx2_ok() ? 1 : 0; }
+
 /* Step every listed item. simd = 0 keeps to the scalar loops (tests compare both
-   paths); otherwise AVX-512 where the CPU has it. Returns 0, or -1 if a worker thread
+   paths); otherwise AVX-512 or AVX2 where the CPU has it. Returns 0, or -1 if a worker thread
    could not start (then the items ran on fewer threads: the result is the same).
    Allocates nothing. */
 int ol_adamw8bit_step(const ol8_param_t *params, const ol8_item_t *items, int64_t n_items,
                       int32_t n_threads, int32_t simd) {
     if (n_items <= 0) return 0;
-    simd = simd && ol8_avx512_ok();
+    simd = simd ? ol8_simd_level() : 0;
     if (n_threads < 1) n_threads = 1;
     if (n_threads > OL8_MAX_THREADS) n_threads = OL8_MAX_THREADS;
     if (n_threads > n_items) n_threads = (int32_t)n_items;
@@ -567,13 +643,13 @@ int ol_quantize_blockwise(const void *src, int32_t dtype, int64_t n, const int32
                           int32_t simd) {
     const int64_t blocks = (n + OL8_BLOCK - 1) / OL8_BLOCK;
     if (n_threads < 1) n_threads = 1;
-    simd = simd && table != NULL && ol8_avx512_ok();
+    simd = simd && table != NULL ? ol8_simd_level() : 0;
     #pragma omp parallel for schedule(static) num_threads(n_threads) if (n_threads > 1)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t lo = b * OL8_BLOCK;
         const int64_t len = n - lo < OL8_BLOCK ? n - lo : OL8_BLOCK;
 #ifdef OL8_HAVE_AVX512
-        if (simd && len == OL8_BLOCK) {
+        if (simd == 2 && len == OL8_BLOCK) {
             absmax[b] = ol8v_quantize_block(src, dtype, lo, table, bounds, out + lo);
             continue;
         }
@@ -585,12 +661,12 @@ int ol_quantize_blockwise(const void *src, int32_t dtype, int64_t n, const int32
         } else {
             ol8_widen(src, dtype, lo, len, x);
         }
-        absmax[b] = ol8_quantize(x, len, table, bounds, out + lo);
+        absmax[b] = ol8_quantize(x, len, table, bounds, out + lo, simd >= 1);
     }
     return 0;
 }
 
 int64_t ol_adamw8bit_param_size(void) { return (int64_t)sizeof(ol8_param_t); }
 int64_t ol_adamw8bit_item_size(void) { return (int64_t)sizeof(ol8_item_t); }
-int ol_adamw8bit_simd(void) { return ol8_avx512_ok(); }
+int ol_adamw8bit_simd(void) { return ol8_simd_level(); }
 """

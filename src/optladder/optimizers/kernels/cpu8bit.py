@@ -160,9 +160,10 @@ def load_library() -> ctypes.CDLL:
 
 
 def simd_available(library: ctypes.CDLL | None = None) -> bool:
-    """Whether this CPU runs the 8-bit kernel's AVX-512 path (avx512f/bw/dq/vl, read by
-    the kernel itself with gcc's ``__builtin_cpu_supports``); without it every block takes
-    the scalar loops, about 2x slower per element.
+    """Whether this CPU runs a SIMD path of the 8-bit kernel, as the kernel reads it with
+    gcc's ``__builtin_cpu_supports``: with AVX-512 (f/bw/dq/vl) whole 256-element blocks
+    run on 16 lanes, with AVX2 only the encode runs on 8 lanes (one gather per 8 values);
+    without either every block takes the scalar loops. Every path writes the same bits.
 
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
@@ -192,8 +193,8 @@ def quantize_blockwise(
         qmap: the code book (see :func:`code_bounds`).
         library: from :func:`load_library`; default :func:`load_library`.
         start_table: :func:`code_table` of ``code_bounds(qmap)``, to encode as the step
-            does (a table lookup and one comparison, on AVX-512 lanes where the CPU has
-            them); default None: a binary search on the bounds. Same codes either way.
+            does (a table lookup and one comparison, on AVX-512 or AVX2 lanes where the
+            CPU has them); default None: a binary search on the bounds. Same codes either way.
         simd: False keeps to the scalar loop (same codes; for tests).
 
     Returns:
@@ -580,8 +581,8 @@ def run_table(table: Table, library: ctypes.CDLL | None = None, *, simd: bool = 
         table: from :func:`prepare_table`, for tensors not changed since.
         library: from :func:`load_library`; default :func:`load_library` (cached).
         simd: False keeps to the scalar loops; by default whole blocks of 8-bit state run
-            on AVX-512 lanes where the CPU has them (the same bits: the same IEEE
-            operations in the same order; tested).
+            on AVX-512 lanes (or their encode on AVX2 lanes) where the CPU has them (the
+            same bits: the same IEEE operations in the same order; tested).
 
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
