@@ -23,6 +23,8 @@ import sys
 
 import torch
 
+from snapshots import flat_state
+
 LAYERS, WIDTH, VOCAB = 8, 768, 2048
 
 
@@ -125,8 +127,10 @@ def main() -> int:
     out["groups_equal"] = a["param_groups"] == b["param_groups"]
     same = a["state"].keys() == b["state"].keys()
     for k in a["state"]:
-        for name, va in a["state"][k].items():
-            vb = b["state"][k][name]
+        flat_a, flat_b = flat_state(a["state"][k]), flat_state(b["state"][k])
+        same = same and flat_a.keys() == flat_b.keys()
+        for name, va in flat_a.items():
+            vb = flat_b[name]
             if isinstance(va, torch.Tensor):
                 same = same and va.dtype == vb.dtype and torch.equal(va, vb)
             else:

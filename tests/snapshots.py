@@ -29,8 +29,8 @@ def assert_same(
     assert sd_a["param_groups"] == sd_b["param_groups"]
     assert sd_a["state"].keys() == sd_b["state"].keys()
     for k in sd_a["state"]:
-        flat_a = _flat(sd_a["state"][k])
-        flat_b = _flat(sd_b["state"][k])
+        flat_a = flat_state(sd_a["state"][k])
+        flat_b = flat_state(sd_b["state"][k])
         assert flat_a.keys() == flat_b.keys()
         for name in flat_a:
             va, vb = flat_a[name], flat_b[name]
@@ -40,7 +40,7 @@ def assert_same(
                 assert va == vb, name
 
 
-def _flat(state: dict[str, Any]) -> dict[str, Any]:
+def flat_state(state: dict[str, Any]) -> dict[str, Any]:
     """One param's state with nested dicts (bitsandbytes' wrapped state) merged in."""
     out: dict[str, Any] = {}
     for k, v in state.items():

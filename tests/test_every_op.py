@@ -31,7 +31,7 @@ import torch
 from memtools import FailNthOp
 from optladder import Ladder, OptimizerOutOfMemoryError, choose_optimizer
 from optladder.selector.optimizer import PartialStepError
-from snapshots import assert_same, snapshot
+from snapshots import assert_same, flat_state, snapshot
 
 Snap = tuple[list[torch.Tensor], dict[str, Any]]
 
@@ -149,7 +149,7 @@ def _group_params(snap: Snap, opt: Any, groups: list[int]) -> list[int]:
 def _state(snap: Snap, i: int) -> dict[str, Any]:
     """Param ``i``'s state; a zero state with ``step`` 0 (saved for a param that has
     not stepped) as no state."""
-    st = snap[1]["state"].get(i, {})
+    st = flat_state(snap[1]["state"].get(i, {}))
     return {} if st and float(st["step"]) == 0 else st
 
 

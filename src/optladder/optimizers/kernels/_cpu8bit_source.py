@@ -458,7 +458,10 @@ OL8_AVX512 __attribute__((noinline)) static float ol8v_quantize_block(
 static int ol8_avx512_ok(void) { return 0; }
 #endif
 
-#define OL8_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+/* The scalar loops for AVX2 CPUs (their main path) and a baseline; on AVX-512 CPUs they
+   step only partial blocks and float32-state params, so no AVX-512 clone (it would add
+   a third of the library's compile time). */
+#define OL8_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 
 static inline __attribute__((always_inline)) void ol8_item_wd(
         const ol8_param_t *P, const ol8_item_t *it, int pd, int gd, int coupled,
@@ -589,4 +592,5 @@ int ol_quantize_blockwise(const void *src, int32_t dtype, int64_t n, const int32
 
 int64_t ol_adamw8bit_param_size(void) { return (int64_t)sizeof(ol8_param_t); }
 int64_t ol_adamw8bit_item_size(void) { return (int64_t)sizeof(ol8_item_t); }
+int ol_adamw8bit_simd(void) { return ol8_avx512_ok(); }
 """

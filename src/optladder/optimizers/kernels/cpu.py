@@ -1,7 +1,7 @@
 """The CPU kernel of optladder's AdamW: a C loop compiled with the system gcc, loaded by ctypes.
 
 Nothing happens at import. The first call of :func:`load_library` (the first fused CPU
-step) compiles :data:`~optladder.optimizers.kernels._cpu_source.SOURCE` once, about 4
+step) compiles :data:`~optladder.optimizers.kernels._cpu_source.SOURCE` once, about 5
 seconds with gcc 12 (one loop per dtype and rounding combination), into a shared object
 cached under ``$XDG_CACHE_HOME/optladder/kernels`` (``~/.cache/optladder/kernels`` when
 unset or relative), named by the hash of the source and the compiler command; later
@@ -38,12 +38,13 @@ from pathlib import Path
 import torch
 
 from optladder.optimizers.kernels import cache
-from optladder.optimizers.kernels._cpu8bit_source import SOURCE as _EIGHTBIT_SOURCE
 from optladder.optimizers.kernels._cpu_source import SOURCE as _BF16_SOURCE
 
-SOURCE = _BF16_SOURCE + _EIGHTBIT_SOURCE
-"""The C source of the CPU kernels' library: the bf16 rung's kernel, then the 8bit rung's
-(:mod:`.cpu8bit`), compiled into one shared object."""
+SOURCE = _BF16_SOURCE
+"""The C source of the bf16 rung's kernel library (also the fp32 rung's, for bfloat16 and
+float16 params). The 8bit rung's kernel (:mod:`.cpu8bit`) is a library of its own, built
+through the same cache (:func:`load_source`) only when an 8-bit CPU step first needs it:
+it takes several times longer to compile."""
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 0,
@@ -145,12 +146,12 @@ def cache_dir() -> Path:
     return cache.cache_root() / "optladder" / "kernels"
 
 
-def _library_path(cc: str) -> Path:
+def _library_path(cc: str, source: str = SOURCE, stem: str = "adamw_bf16") -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     digest = hashlib.sha256()
-    for part in (SOURCE, " ".join(_CFLAGS), cc, version.stdout, str(_uses_gnu_openmp())):
+    for part in (source, " ".join(_CFLAGS), cc, version.stdout, str(_uses_gnu_openmp())):
         digest.update(part.encode())
-    return cache_dir() / f"adamw_bf16_{digest.hexdigest()[:16]}.so"
+    return cache_dir() / f"{stem}_{digest.hexdigest()[:16]}.so"
 
 
 def _compile(cc: str, src: Path, out: Path, openmp: bool) -> subprocess.CompletedProcess[str]:
@@ -183,14 +184,15 @@ def build(force: bool = False) -> Path:
     return _build(force)[0]
 
 
-def _build(force: bool) -> tuple[Path, bytes]:
-    """:func:`build`, also returning the verified bytes of the library (read once)."""
+def _build(force: bool, source: str = SOURCE, stem: str = "adamw_bf16") -> tuple[Path, bytes]:
+    """:func:`build` of ``source`` (cached as ``<stem>_<hash>.so``), also returning the
+    verified bytes of the library (read once)."""
     reason = unavailable_reason()
     if reason is not None:
         raise KernelBuildError(reason)
     cc = compiler()
     assert cc is not None
-    path = _library_path(cc)
+    path = _library_path(cc, source, stem)
     try:
         cache.ensure_private_dir(path.parent, cache.cache_root())
     except cache.CacheError as exc:
@@ -202,10 +204,10 @@ def _build(force: bool) -> tuple[Path, bytes]:
             pass  # missing, or not a build of ours: build it
     try:
         with tempfile.TemporaryDirectory(dir=path.parent, prefix=".build-") as tmp:
-            src = Path(tmp) / "adamw_bf16.c"
+            src = Path(tmp) / f"{stem}.c"
             fd = os.open(src, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
-                f.write(SOURCE)
+                f.write(source)
             out = Path(tmp) / path.name
             proc = _compile(cc, src, out, openmp=_uses_gnu_openmp())
             if proc.returncode != 0:
@@ -248,6 +250,22 @@ def load_library() -> ctypes.CDLL:
     """
     path, data = _build(force=False)
     return _declare(_load_bytes(data, path), path)
+
+
+def load_source(stem: str, source: str) -> ctypes.CDLL:
+    """Build (first use only) and load another C library of this package's kernels, with
+    the same compiler, flags, private cache and checks as the bf16 kernel's (:func:`build`).
+    Its C signatures are the caller's to declare. Not cached here: callers keep the result.
+
+    Args:
+        stem: the cached file's name before the source's hash, e.g. ``"adamw8bit"``.
+        source: the C source.
+
+    Raises:
+        KernelBuildError: if the library cannot be built or loaded.
+    """
+    path, data = _build(False, source, stem)
+    return _load_bytes(data, path)
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -597,3 +615,6 @@ def adamw_step(
 
 if __name__ == "__main__":
     print(build())
+    from optladder.optimizers.kernels import cpu8bit  # the 8-bit kernel's library too
+
+    cpu8bit.load_library()

@@ -1,8 +1,10 @@
 """The CPU kernel of the 8bit rung: AdamW on bitsandbytes' block-wise 8-bit state.
 
-The C loop (:mod:`._cpu8bit_source`) is compiled into the same shared object as the bf16
-kernel, by :func:`optladder.optimizers.kernels.cpu.load_library` (same compiler, flags,
-cache and loader). A step is two calls:
+The C loop (:mod:`._cpu8bit_source`) is compiled into a shared object of its own on the
+first 8-bit CPU step (about 17 seconds with gcc 12 on one core: a scalar loop
+per instruction set and the AVX-512 path, for each param/grad dtype pair), by
+:func:`optladder.optimizers.kernels.cpu.load_source` (the bf16 kernel's compiler, flags,
+private cache and loader). A step is two calls:
 
 - :func:`prepare_table` (the prepare phase): checks every param's state, and writes the
   ctypes tables the C loop reads (one row per param: pointers and the scalars of its
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from optladder.optimizers.kernels import cpu
+from optladder.optimizers.kernels._cpu8bit_source import SOURCE
 
 BLOCK_SIZE = 256
 """Elements per quantization block (bitsandbytes' optimizer block size)."""
@@ -120,7 +123,7 @@ def load_library() -> ctypes.CDLL:
         KernelBuildError: if the library cannot be built or loaded, or its 8-bit kernel's
             tables have another layout than this module's (a stale build).
     """
-    lib = cpu.load_library()
+    lib = cpu.load_source("adamw8bit", SOURCE)
     try:
         step = lib.ol_adamw8bit_step
         sizes = (lib.ol_adamw8bit_param_size(), lib.ol_adamw8bit_item_size())
@@ -151,7 +154,21 @@ def load_library() -> ctypes.CDLL:
         ctypes.c_int32,
     )
     lib.ol_quantize_blockwise.restype = ctypes.c_int
+    lib.ol_adamw8bit_simd.argtypes = ()
+    lib.ol_adamw8bit_simd.restype = ctypes.c_int
     return lib
+
+
+def simd_available(library: ctypes.CDLL | None = None) -> bool:
+    """Whether this CPU runs the 8-bit kernel's AVX-512 path (avx512f/bw/dq/vl, read by
+    the kernel itself with gcc's ``__builtin_cpu_supports``); without it every block takes
+    the scalar loops, about 2x slower per element.
+
+    Raises:
+        KernelBuildError: if the kernel cannot be built or loaded.
+    """
+    lib = load_library() if library is None else library
+    return bool(lib.ol_adamw8bit_simd())
 
 
 def quantize_blockwise(
