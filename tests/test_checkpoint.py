@@ -279,3 +279,102 @@ def test_numpy_scalar_steps_load_in_the_engines_own_form(rung: str) -> None:
     with pytest.raises(ValueError, match="'step' must be a finite whole number >= 0"):
         opt.load_state_dict(sd)
     assert_same(snapshot(opt), before)
+
+
+TENSOR_STEPS = {
+    "python int": int,
+    "python float": float,
+    "0-d float32 (torch's own)": lambda n: torch.tensor(float(n)),
+    "shape (1,) (older capturable AdamW)": lambda n: torch.tensor([float(n)]),
+    "0-d float64": lambda n: torch.tensor(float(n), dtype=torch.float64),
+    "0-d int64": lambda n: torch.tensor(int(n)),
+    "0-d bfloat16": lambda n: torch.tensor(float(n), dtype=torch.bfloat16),
+    "0-d float16": lambda n: torch.tensor(float(n), dtype=torch.float16),
+}
+
+
+@pytest.mark.parametrize("source", ["fused", "foreach"])
+@pytest.mark.parametrize("rung", RUNGS)
+def test_a_torch_adamw_checkpoint_with_any_step_form_resumes_in_the_rungs_own_form(
+    source: str, rung: str
+) -> None:
+    """bug-01 (pytorch#103256) and bug-23 (ray#61937): a checkpoint written by plain
+    ``torch.optim.AdamW`` (fused or foreach), through ``torch.save``/``torch.load(
+    map_location="cpu")``, whose ``step`` is then in any form a round trip makes (Python
+    int/float, 0-d float32/float64/int64/bfloat16/float16, shape (1,)), loads into every
+    rung with ``step`` in the rung's own form: a 0-d :data:`~.steps.STEP_DTYPE` tensor (on
+    the param's device for the fused fp32 engine, else the CPU), an int on 8bit; the
+    engine's own ``fused``/``foreach`` flags stay. The next 3 steps are bit-identical to
+    a resume from torch's untouched checkpoint, and on fp32 from a torch fused source
+    bit-identical to ``torch.optim.AdamW(fused=True)`` continuing itself; the count reads
+    6. Steps 3..6 are exact in every form (bfloat16 holds integers to 256)."""
+    import io
+
+    from optladder.optimizers.steps import STEP_DTYPE
+
+    def grads(m: nn.Module, s: int) -> None:
+        for i, p in enumerate(m.parameters()):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * s + i))
+
+    def fresh() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Linear(80, 64)  # 5,120 weight elements: quantized on the 8-bit rung
+
+    model = fresh()
+    flags = {"fused": True} if source == "fused" else {"foreach": True}
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **flags)  # type: ignore[arg-type]
+    for s in range(3):
+        grads(model, s)
+        torch_opt.step()
+    buf = io.BytesIO()
+    torch.save(torch_opt.state_dict(), buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, map_location="cpu", weights_only=True)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def resume(sd: dict) -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = fresh()
+        m.load_state_dict(weights)
+        opt = choose_optimizer(m, lr=1e-2, rung=rung, free_memory="64GiB", environ={})
+        opt.load_state_dict(sd)
+        return m, opt
+
+    def check_form(m: nn.Module, opt: torch.optim.Optimizer, name: str) -> None:
+        fused = opt.engine.param_groups[0].get("fused")  # type: ignore[attr-defined]
+        for p in m.parameters():
+            step = opt.state[p]["step"]
+            if rung == "8bit":
+                assert type(step) is int, (name, step)
+            else:
+                device = p.device if fused else torch.device("cpu")
+                assert isinstance(step, torch.Tensor) and step.dim() == 0, (name, step)
+                assert (step.dtype, step.device) == (STEP_DTYPE, device), (name, step)
+
+    ref_m, ref = resume(copy.deepcopy(ckpt))
+    for s in range(3, 6):
+        grads(ref_m, s)
+        ref.step()
+    if rung == "fp32" and source == "fused":
+        for s in range(3, 6):
+            grads(model, s)
+            torch_opt.step()
+        for p, q in zip(ref_m.parameters(), model.parameters(), strict=True):
+            assert torch.equal(p, q)  # torch's own continuation, bit for bit
+    for name, form in TENSOR_STEPS.items():
+        sd = copy.deepcopy(ckpt)
+        for st in sd["state"].values():
+            st["step"] = form(3)
+        m, opt = resume(sd)
+        engine_group = opt.engine.param_groups[0]
+        if rung == "fp32":
+            assert engine_group.get("fused") is True and not engine_group.get("foreach"), name
+        else:
+            assert not any(engine_group.get(k) for k in ("fused", "foreach", "capturable")), name
+        check_form(m, opt, name)
+        for s in range(3, 6):
+            grads(m, s)
+            opt.step()
+        check_form(m, opt, name)
+        for p, q in zip(m.parameters(), ref_m.parameters(), strict=True):
+            assert float(opt.state[p]["step"]) == 6.0, name
+            assert torch.equal(p, q), name

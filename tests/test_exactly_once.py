@@ -368,13 +368,16 @@ def test_bf16_steps_past_2_24_use_new_random_bits() -> None:
         ("bf16", 2**32 - 2, True),
         ("fp32", 5e9, True),
         ("fp32", 2.0**53, False),
+        ("8bit", 5e9, True),  # bitsandbytes' int step, on the CPU kernel exact to 2**53 - 1
+        ("8bit", 2.0**53, False),
     ],
 )
 def test_checkpoint_steps_outside_a_rungs_range_are_refused_at_load(
     rung: str, step: float, ok: bool
 ) -> None:
-    """rel-06: the bf16 rung's random bits take steps below 2**32, float64 counts to 2**53;
-    a checkpoint outside is refused at load and nothing changes, one inside continues."""
+    """rel-06: the bf16 rung's random bits take steps below 2**32, float64 (and the 8bit
+    rung's CPU path) counts to 2**53 - 1; a checkpoint outside is refused at load and
+    nothing changes, one inside continues."""
     torch.manual_seed(0)
     a, b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
     opt = choose_optimizer([{"params": a.parameters()}, {"params": b.parameters()}], rung=rung)
@@ -392,8 +395,8 @@ def test_checkpoint_steps_outside_a_rungs_range_are_refused_at_load(
         return
     opt.load_state_dict(sd)
     opt.step()
-    assert opt.state[b.weight]["step"].item() == step + 1
-    assert opt.state[a.weight]["step"].item() == 2
+    assert float(opt.state[b.weight]["step"]) == step + 1
+    assert float(opt.state[a.weight]["step"]) == 2
 
 
 # ------------------------------------------------------------ probe, migration, load
