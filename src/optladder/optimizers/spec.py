@@ -235,26 +235,22 @@ class FusedOptimizerConfig(BaseModel):
     """An optimizer configuration that runs on a fused kernel, as plain data.
 
     Attributes:
-        kind: ``"adam"`` (coupled weight decay: ``grad += wd * param``), ``"adamw"``
-            (decoupled: ``param *= 1 - lr * wd``) or ``"sgd"``.
+        kind: ``"adam"`` (coupled weight decay: ``grad += wd * param``) or ``"adamw"``
+            (decoupled: ``param *= 1 - lr * wd``).
         lr: the default learning rate (per-group values stay in the param groups).
-        betas: Adam's ``(beta1, beta2)``; None for SGD.
-        eps: Adam's denominator term; None for SGD.
+        betas: ``(beta1, beta2)``.
+        eps: the denominator term.
         weight_decay: the default decay coefficient.
-        momentum, dampening, nesterov: SGD's; None/0/False for Adam.
         use_bf16_moments: the moments are stored in bfloat16 (optladder's bf16 rung).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    kind: Literal["adam", "adamw", "sgd"]
+    kind: Literal["adam", "adamw"]
     lr: float
-    betas: tuple[float, float] | None = None
-    eps: float | None = None
+    betas: tuple[float, float]
+    eps: float
     weight_decay: float = 0.0
-    momentum: float | None = None
-    dampening: float = 0.0
-    nesterov: bool = False
     use_bf16_moments: bool = False
 
 
@@ -284,10 +280,6 @@ _ADAM_FLAGS = {
     "maximize": "bitsandbytes' 8-bit rung only descends",
     "differentiable": "fused kernels do not record the update for autograd",
 }
-_SGD_FLAGS = {
-    "maximize": "optladder maps descending SGD only",
-    "differentiable": "fused kernels do not record the update for autograd",
-}
 
 
 def to_fused_config(
@@ -295,7 +287,7 @@ def to_fused_config(
 ) -> tuple[FusedOptimizerConfig | None, str | None]:
     """Map an optimizer to the fused configuration it runs as, or say why it does not.
 
-    Maps plain ``torch.optim.Adam``, ``torch.optim.AdamW`` and ``torch.optim.SGD``, and
+    Maps plain ``torch.optim.Adam`` and ``torch.optim.AdamW``, and
     optladder's :class:`~optladder.optimizers.adamw.LadderAdamW` (``use_bf16_moments``
     when its moments are bfloat16); an optladder optimizer maps as its current engine.
     Each unmappable case has its own reason: amsgrad, maximize, differentiable, sparse or
@@ -345,19 +337,7 @@ def to_fused_config(
             ),
             None,
         )
-    if isinstance(optimizer, torch.optim.SGD):
-        miss = _flag_misses(optimizer, _SGD_FLAGS) or _param_misses(optimizer)
-        if miss is not None:
-            return None, f"{name}: {miss}"
-        return (
-            FusedOptimizerConfig(
-                kind="sgd",
-                lr=float(d["lr"]),
-                weight_decay=float(d["weight_decay"]),
-                momentum=float(d["momentum"]),
-                dampening=float(d["dampening"]),
-                nesterov=bool(d["nesterov"]),
-            ),
-            None,
-        )
-    return None, f"{name} is not Adam, AdamW or SGD: no fused mapping"
+    return None, (
+        f"{name} is not Adam or AdamW: no fused mapping (optladder's rungs store Adam's two "
+        "moments)"
+    )

@@ -34,8 +34,8 @@ def adopt(optimizer: torch.optim.Optimizer, **kwargs: Any) -> LadderOptimizer:
 
     Raises:
         ValueError: if the optimizer does not map (the reason is in the message: amsgrad,
-            maximize, differentiable, sparse or complex params, 8-bit state, SGD, another
-            class), or ``kwargs`` name a hyperparameter.
+            maximize, differentiable, sparse or complex params, 8-bit state, another
+            class such as SGD), or ``kwargs`` name a hyperparameter.
     """
     if isinstance(optimizer, LadderOptimizer):
         return optimizer
@@ -52,12 +52,6 @@ def adopt(optimizer: torch.optim.Optimizer, **kwargs: Any) -> LadderOptimizer:
     config, why = to_fused_config(optimizer)
     if config is None:
         raise ValueError(f"cannot adopt this optimizer: {why}")
-    if config.kind == "sgd":
-        raise ValueError(
-            "cannot adopt SGD: optladder's rungs store Adam's two moments, and SGD keeps at "
-            "most one momentum buffer; there is no state to shrink"
-        )
-    assert config.betas is not None and config.eps is not None
     groups = [
         {k: v for k, v in g.items() if k not in ENGINE_KEYS and k != "params"}
         | {"params": list(g["params"])}
