@@ -1,4 +1,4 @@
-"""The C kernel against the eager oracle (``LadderAdamW._step_param`` and the eager path).
+"""The C kernel against the eager path (the per-param oracle, ``_step_param``: test_oracle.py).
 
 Params, moments and step counts must match bit for bit: the kernel repeats torch's
 float32 operations in torch's order, with the same fused multiply-adds, the IEEE square
