@@ -623,3 +623,36 @@ def test_a_book_denser_than_the_start_table_takes_is_refused() -> None:
     code, _ = code.sort()
     with pytest.raises(ValueError, match="top 16 bits"):
         cpu8bit.code_table(cpu8bit.code_bounds(code))
+
+
+def test_a_partial_block_is_scaled_as_bitsandbytes_scales_it() -> None:
+    """bitsandbytes' torch backend scales a full block by ``x * (1 / absmax)`` but the
+    partial last block by ``x / absmax`` (and returns that block's absmax clamped to
+    1e-38). The two differ by one float32 step for some values; here, values whose two
+    scalings fall on either side of a midpoint, in a partial block: the codes (every
+    path) and absmax equal the torch backend's; an all-zero partial block's absmax too."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    for code in _books():
+        mids = (code[:-1] + code[1:]) / 2
+        am = torch.tensor([0.7481])
+        x = mids * am
+        x = torch.cat([x, torch.nextafter(x, torch.tensor(2.0)), torch.nextafter(x, -x - 1)])
+        x = x[x.abs() < am]
+        straddle = torch.bucketize(x / am, mids) != torch.bucketize(x * (1.0 / am), mids)
+        assert 20 <= int(straddle.sum()) < 255  # the case is exercised, in one block
+        partial = torch.cat([x[straddle], am])
+        table = cpu8bit.code_table(cpu8bit.code_bounds(code))
+        for values in (
+            torch.cat([torch.ones(256), torch.zeros(256), partial]),
+            torch.cat([torch.ones(256), torch.zeros(7)]),  # an all-zero partial block
+        ):
+            want_codes, want_absmax = _reference_encode(values, code)
+            for start_table in (None, table):
+                for simd in (False, True):
+                    codes, absmax = cpu8bit.quantize_blockwise(
+                        values, code, start_table=start_table, simd=simd
+                    )
+                    assert torch.equal(codes, want_codes), (start_table is None, simd)
+                    assert torch.equal(absmax.view(torch.int32), want_absmax.view(torch.int32))
+        assert want_absmax[-1] == torch.tensor(1e-38)  # clamped, as the torch backend does

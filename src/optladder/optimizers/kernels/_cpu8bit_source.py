@@ -13,11 +13,13 @@ absmax (``qmap[code] * absmax``), update ``exp_avg``, ``exp_avg_sq`` and the par
 float32 as bitsandbytes' CPU fallback (``backends/cpu/ops.py``) writes it, keep the block's
 new moments in a 1 KiB stack buffer each, take the new absmax (``max |.|``), and encode
 each value as the nearest code of the book. "Nearest" is bitsandbytes' reference rule
-(its torch backend's ``quantize_blockwise``: ``x * (1 / max(absmax, 1e-38))`` clamped to
-[-1, 1], then the number of midpoints between adjacent codes that lie below it, so a tie
-goes to the lower code); the midpoints (``bounds``, 255 values and a +inf) are computed in
-Python when the step is prepared, with a ~21 KiB table per book that gives the count
-from a float's top 16 bits and one comparison (``cpu8bit.code_table``); the unsigned
+(its torch backend's ``quantize_blockwise``: ``x * (1 / max(absmax, 1e-38))``, or ``x /
+max(absmax, 1e-38)`` in a partial last block, whose absmax is then written clamped to
+1e-38 too, clamped to [-1, 1], then the number of midpoints between adjacent codes that
+lie below it, so a tie goes to the lower code); the midpoints (``bounds``, 255 values
+and a +inf) are computed in Python when the step is prepared, with a ~21 KiB table per
+book that gives the count from a float's top 16 bits and one comparison
+(``cpu8bit.code_table``); the unsigned
 book's first bound is set to 0 so that a positive ``exp_avg_sq`` never becomes 0 (see
 ``cpu8bit.code_bounds``). Zero is a code of both books, so a moment that is exactly 0
 stays exactly 0 (bitsandbytes' native CPU quantizer, an approximate table search, maps it
@@ -237,9 +239,12 @@ static int64_t ol8a_encode(const int32_t *t, const float *x, int64_t n, uint8_t 
 #endif
 
 /* absmax = max |x| of n values by their bits (a NaN wins, as torch's max), then each
-   value scaled by 1 / max(absmax, 1e-38), clamped to [-1, 1] and encoded in place
-   (with the start table, or by binary search where table is NULL; avx2: the start
-   table's encode on 8 lanes, for a CPU with AVX2). */
+   value scaled, clamped to [-1, 1] and encoded in place (with the start table, or by
+   binary search where table is NULL; avx2: the start table's encode on 8 lanes, for a
+   CPU with AVX2). The scaling is the torch backend's: a whole block by
+   x * (1 / max(absmax, 1e-38)), a partial (last) block by x / max(absmax, 1e-38) (one
+   float32 step apart for some x, which can change a code), whose absmax it also returns
+   clamped to 1e-38 (a NaN stays NaN). Returns the block's absmax. */
 static inline __attribute__((always_inline)) float ol8_quantize(
         float *restrict x, int64_t n, const int32_t *table, const float *bounds,
         uint8_t *restrict out, int avx2) {
@@ -250,8 +255,13 @@ static inline __attribute__((always_inline)) float ol8_quantize(
         top = a > top ? a : top;
     }
     const float absmax = ol8_u2f(top);
-    const float r = 1.0f / (absmax > 1e-38f ? absmax : 1e-38f);
-    for (int64_t i = 0; i < n; i++) x[i] = ol8_clamp1(x[i] * r);
+    const float d = absmax > 1e-38f ? absmax : 1e-38f;
+    const float r = 1.0f / d;
+    if (n == OL8_BLOCK) {
+        for (int64_t i = 0; i < n; i++) x[i] = ol8_clamp1(x[i] * r);
+    } else {
+        for (int64_t i = 0; i < n; i++) x[i] = ol8_clamp1(x[i] / d);
+    }
     const int32_t *restrict xi = (const int32_t *)x;
     if (table != NULL) {
         const int32_t lo = table[0], w = table[1], t3 = table[3];
@@ -263,7 +273,7 @@ static inline __attribute__((always_inline)) float ol8_quantize(
     } else {
         for (int64_t i = 0; i < n; i++) out[i] = ol8_search(bounds, x[i]);
     }
-    return absmax;
+    return n == OL8_BLOCK || absmax != absmax ? absmax : d;
 }
 
 /* One block of an 8-bit param: elements [lo, lo + n) of block b. */
