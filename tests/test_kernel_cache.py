@@ -306,3 +306,65 @@ def test_concurrent_builds_leave_one_verified_library(private_cache: Path) -> No
     path = cpu.build()
     assert cache.read_trusted(path) == path.read_bytes()
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name, path.name + ".sha256"]
+
+
+PROBE_SOURCE = "int ol_probe(void) { return 42; }\n"
+"""A library of another stem, built by :func:`cpu.load_source` as the 8-bit kernel is
+(same private cache and checks, compiled in a fraction of a second)."""
+
+
+@pytest.mark.parametrize("attack", ["planted", "truncated", pytest.param("foreign", marks=as_root)])
+def test_a_library_of_another_stem_is_checked_as_the_bf16_one(
+    private_cache: Path, planted: tuple[bytes, Path], attack: str
+) -> None:
+    """:func:`cpu.load_source` (the 8-bit kernel's loader) maps a cached library only if
+    it is this user's build: a planted one (own, mode 0500, other bytes), a truncated
+    one, or one owned by another user (even with a matching record) is rebuilt, never
+    mapped: the planted constructor does not run and the loaded library is the source's."""
+    assert cpu.load_source("probe", PROBE_SOURCE).ol_probe() == 42
+    cc = cpu.compiler()
+    assert cc is not None
+    path = cpu._library_path(cc, PROBE_SOURCE, "probe")
+    good = path.read_bytes()
+    planted_bytes, marker = planted
+    if attack == "truncated":
+        _overwrite(path, good[: len(good) // 2])
+    else:
+        _overwrite(path, planted_bytes)
+    if attack == "foreign":
+        cache.record_path(path).write_text(hashlib.sha256(planted_bytes).hexdigest() + "\n")
+        os.chown(path, NOBODY, NOBODY)
+    with pytest.raises(cache.UntrustedFileError):
+        cache.read_trusted(path)
+    assert cpu.load_source("probe", PROBE_SOURCE).ol_probe() == 42
+    assert not marker.exists()
+    assert path.read_bytes() == good and os.stat(path).st_uid == os.geteuid()
+
+
+def test_a_failed_8bit_build_falls_back_to_bitsandbytes_naming_the_8bit_kernel(
+    private_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiler that is found but fails (``CC=/bin/false``): the 8bit rung steps with
+    bitsandbytes' own CPU update (bit for bit plain ``AdamW8bit``) and its reason names
+    the 8-bit kernel's build, not the bf16 kernel's."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from optladder.optimizers.eightbit import ladder_adamw8bit_class
+    from optladder.optimizers.kernels import cpu8bit
+
+    monkeypatch.setenv("CC", "/bin/false")
+    cpu8bit.load_library.cache_clear()
+    try:
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(5000))
+        q = torch.nn.Parameter(p.detach().clone())
+        p.grad = torch.randn(5000)
+        q.grad = p.grad.clone()
+        opt = ladder_adamw8bit_class()([p], lr=1e-3)
+        opt.step()
+        bnb.optim.AdamW8bit([q], lr=1e-3).step()
+    finally:
+        cpu8bit.load_library.cache_clear()
+    reason = opt.eager_reasons[0]
+    assert "building the 8-bit CPU kernel with /bin/false failed" in reason, reason
+    assert "bf16" not in reason
+    assert torch.equal(p.detach(), q.detach())

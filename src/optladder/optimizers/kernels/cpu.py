@@ -132,7 +132,7 @@ def unavailable_reason() -> str | None:
     if compiler() is None:
         return (
             f"no C compiler: {os.environ.get('CC', 'gcc')!r} is not on PATH; install gcc "
-            "(apt-get install gcc) or set CC to build the bf16 CPU kernel"
+            "(apt-get install gcc) or set CC to build the CPU kernels"
         )
     return None
 
@@ -184,9 +184,18 @@ def build(force: bool = False) -> Path:
     return _build(force)[0]
 
 
+_KERNEL_NAMES = {"adamw_bf16": "the bf16 CPU kernel", "adamw8bit": "the 8-bit CPU kernel"}
+"""What errors call the library of each stem."""
+
+
+def _kernel_name(stem: str) -> str:
+    return _KERNEL_NAMES.get(stem, f"the CPU kernel library {stem!r}")
+
+
 def _build(force: bool, source: str = SOURCE, stem: str = "adamw_bf16") -> tuple[Path, bytes]:
     """:func:`build` of ``source`` (cached as ``<stem>_<hash>.so``), also returning the
     verified bytes of the library (read once)."""
+    name = _kernel_name(stem)
     reason = unavailable_reason()
     if reason is not None:
         raise KernelBuildError(reason)
@@ -196,7 +205,7 @@ def _build(force: bool, source: str = SOURCE, stem: str = "adamw_bf16") -> tuple
     try:
         cache.ensure_private_dir(path.parent, cache.cache_root())
     except cache.CacheError as exc:
-        raise KernelBuildError(f"the bf16 CPU kernel's cache is not used: {exc}") from exc
+        raise KernelBuildError(f"{name}'s cache is not used: {exc}") from exc
     if not force:
         try:
             return path, cache.read_trusted(path)
@@ -214,13 +223,13 @@ def _build(force: bool, source: str = SOURCE, stem: str = "adamw_bf16") -> tuple
                 proc = _compile(cc, src, out, openmp=False)
             if proc.returncode != 0:
                 raise KernelBuildError(
-                    f"building the bf16 CPU kernel with {cc} failed (exit {proc.returncode}):\n"
+                    f"building {name} with {cc} failed (exit {proc.returncode}):\n"
                     f"{proc.stderr[-4000:]}"
                 )
             data = cache.install(out, path)
     except OSError as exc:
         raise KernelBuildError(
-            f"the bf16 CPU kernel could not be written to its cache {path.parent} ({exc}); set "
+            f"{name} could not be written to its cache {path.parent} ({exc}); set "
             "XDG_CACHE_HOME to a writable folder"
         ) from exc
     return path, data
@@ -265,7 +274,7 @@ def load_source(stem: str, source: str) -> ctypes.CDLL:
         KernelBuildError: if the library cannot be built or loaded.
     """
     path, data = _build(False, source, stem)
-    return _load_bytes(data, path)
+    return _load_bytes(data, path, _kernel_name(stem))
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -323,7 +332,7 @@ def _declare_signature(lib: ctypes.CDLL) -> None:
     lib.ol_bump_steps.restype = None
 
 
-def _load_bytes(data: bytes, path: Path) -> ctypes.CDLL:
+def _load_bytes(data: bytes, path: Path, name: str = "the bf16 CPU kernel") -> ctypes.CDLL:
     """dlopen ``data`` (the checked bytes of ``path``) from a memory file."""
     try:
         fd = os.memfd_create(path.name, os.MFD_CLOEXEC)
@@ -345,7 +354,7 @@ def _load_bytes(data: bytes, path: Path) -> ctypes.CDLL:
     try:
         return ctypes.CDLL(str(path))
     except OSError as exc:
-        raise KernelBuildError(f"loading the bf16 CPU kernel {path} failed: {exc}") from exc
+        raise KernelBuildError(f"loading {name} {path} failed: {exc}") from exc
 
 
 def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:

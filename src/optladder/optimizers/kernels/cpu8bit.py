@@ -102,7 +102,7 @@ def unavailable_reason() -> str | None:
     """Why the 8-bit CPU kernel cannot run here, or None (it may still need building).
 
     The same as the bf16 CPU kernel's (:func:`optladder.optimizers.kernels.cpu.
-    unavailable_reason`): both are compiled into one shared object.
+    unavailable_reason`): both libraries are built with the same compiler and cache.
     """
     return cpu.unavailable_reason()
 
