@@ -656,3 +656,24 @@ def test_a_partial_block_is_scaled_as_bitsandbytes_scales_it() -> None:
                     assert torch.equal(codes, want_codes), (start_table is None, simd)
                     assert torch.equal(absmax.view(torch.int32), want_absmax.view(torch.int32))
         assert want_absmax[-1] == torch.tensor(1e-38)  # clamped, as the torch backend does
+
+
+def test_a_book_with_several_zero_midpoints_is_refused() -> None:
+    """bitsandbytes' dynamic map with fewer than 8 bits (``total_bits=7``) is padded with
+    zeros: 128 midpoints equal 0, which the start table's one comparison cannot count (it
+    gave tiny positive values the code after the first zero, not after the last).
+    ``code_table`` raises (the engine then steps such a param with bitsandbytes' own path);
+    the binary search still encodes such a book as the reference rule does."""
+    from bitsandbytes import functional as F
+
+    from optladder.optimizers.kernels import cpu8bit
+
+    code = F.create_dynamic_map(signed=True, total_bits=7).float()
+    bounds = cpu8bit.code_bounds(code)
+    assert int((bounds == 0).sum()) > 1
+    with pytest.raises(ValueError, match="midpoints equal to 0"):
+        cpu8bit.code_table(bounds)
+    values = torch.tensor([1e-30, -1e-30, 0.0, -0.0, 0.3, -0.3, 1.0])
+    codes, _ = cpu8bit.quantize_blockwise(values, code)
+    want, _ = _reference_encode(values, code)
+    assert torch.equal(codes, want)

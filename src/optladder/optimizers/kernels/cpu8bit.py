@@ -301,8 +301,9 @@ def code_table(bounds: torch.Tensor) -> torch.Tensor:
 
     Raises:
         ValueError: if a bucket holds more than one bound (a code book denser than
-            bitsandbytes' dynamic maps, which have at most one per bucket): such books are
-            stepped by bitsandbytes' own per-tensor path.
+            bitsandbytes' 8-bit dynamic maps, which have at most one per bucket), e.g.
+            two or more bounds equal to 0 (a book with repeated zero codes): such books
+            are stepped by bitsandbytes' own per-tensor path.
     """
     edges = bounds[:255]
     bits = edges.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -334,6 +335,13 @@ def code_table(bounds: torch.Tensor) -> torch.Tensor:
         )
     if bool((edges[(mags < lo)] != 0).any()):  # only 0 may lie in bucket 0 (lo's definition)
         raise ValueError("a code book has a non-zero midpoint under its smallest prefix")
+    zeros = int((edges == 0).sum())
+    if zeros > 1:  # bucket 0's one comparison counts one of them
+        raise ValueError(
+            f"a code book has {zeros} midpoints equal to 0 (repeated zero codes, as in "
+            "bitsandbytes' maps of fewer than 8 bits); the 8-bit CPU kernel takes books "
+            "with at most one"
+        )
     # the low 16 bits of the bound inside each bucket, else of its largest float
     low = torch.where(
         inside > 0, bits[start.clamp(max=254)] & 0xFFFF, torch.cat([pos_hi, neg_hi]) & 0xFFFF
