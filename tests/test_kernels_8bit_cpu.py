@@ -677,3 +677,96 @@ def test_a_book_with_several_zero_midpoints_is_refused() -> None:
     codes, _ = cpu8bit.quantize_blockwise(values, code)
     want, _ = _reference_encode(values, code)
     assert torch.equal(codes, want)
+
+
+def _sized_jobs(sizes: tuple[int, ...], dtype: torch.dtype, seed: int, extreme: bool) -> Any:
+    """8-bit jobs of the given sizes (AdamW, float32 grads with NaN/Inf/±0/denormals);
+    ``extreme``: absmax near float32's largest (exp_avg) and smallest (exp_avg_sq)."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    gen = torch.Generator().manual_seed(seed)
+    q1, q2 = _books()
+    b1, b2 = cpu8bit.code_bounds(q1), cpu8bit.code_bounds(q2)
+    books = dict(bounds1=b1, bounds2=b2, qmap1=q1, qmap2=q2)
+    books.update(table1=cpu8bit.code_table(b1), table2=cpu8bit.code_table(b2))
+    jobs = []
+    for n in sizes:
+        g = _special_values(n, seed + n)
+        g[1::17] = 1e-41
+        blocks = -(-n // 256)
+        if extreme:
+            a1, a2 = torch.full((blocks,), 3e38), torch.full((blocks,), 1e-45)
+        else:
+            a1, a2 = torch.rand(blocks, generator=gen), torch.rand(blocks, generator=gen)
+        jobs.append(
+            cpu8bit.Job(
+                param=torch.randn(n, generator=gen).to(dtype),
+                grad=g,
+                state1=torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
+                state2=torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
+                absmax1=a1,
+                absmax2=a2,
+                step=2,
+                lr=1e-2,
+                betas=(0.9, 0.99),
+                eps=1e-8,
+                weight_decay=0.1,
+                **books,
+            )
+        )
+    return jobs
+
+
+def _state_bits(jobs: Any) -> list[torch.Tensor]:
+    return [
+        getattr(j, name).view(torch.uint8).clone()
+        for j in jobs
+        for name in ("param", "state1", "state2", "absmax1", "absmax2")
+    ]
+
+
+@pytest.mark.parametrize("extreme", [False, True], ids=["absmax", "extreme-absmax"])
+def test_the_simd_path_writes_the_scalar_bits_at_lane_and_block_edges(extreme: bool) -> None:
+    """Sizes on either side of the SIMD width (8 lanes on AVX2, 16 on AVX-512) and of the
+    256-element block, so every tail length of the lane loops runs: the SIMD path writes
+    the scalar loops' bits (params, codes, absmax), also with absmax near float32's
+    largest and smallest values."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    if not cpu8bit.simd_available():
+        pytest.skip("this CPU has no AVX2: the 8-bit kernel runs its scalar loops only")
+    sizes = (1, 7, 8, 9, 15, 17, 255, 256, 257, 263, 4095, 4097)
+    for dtype in (torch.float32, torch.bfloat16):
+        runs = []
+        for simd in (False, True):
+            jobs = _sized_jobs(sizes, dtype, 4, extreme)
+            for _ in range(2):
+                cpu8bit.run_table(cpu8bit.prepare_table(jobs), simd=simd)
+            runs.append(_state_bits(jobs))
+        for k, (a, b) in enumerate(zip(*runs)):
+            assert torch.equal(a, b), (dtype, sizes[k // 5], k % 5)
+
+
+def test_one_and_two_threads_write_the_same_bits() -> None:
+    """A step split into several work items (a 300,000-element param: three items of up
+    to 512 blocks) on one thread and on two, and ``quantize_blockwise`` under
+    ``torch.set_num_threads(1)`` and ``(2)``: the same bits (each block is written by one
+    thread, from its own inputs only)."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    runs = []
+    for threads in (1, 2):
+        jobs = _sized_jobs((300_000, 4097, 1), torch.bfloat16, 5, False)
+        table = cpu8bit.prepare_table(jobs, num_threads=threads)
+        assert (table.threads, table.n_items) == (threads, 5)
+        cpu8bit.run_table(table)
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            values = torch.randn(300_000, generator=torch.Generator().manual_seed(6))
+            codes = cpu8bit.quantize_blockwise(values, jobs[0].qmap1)
+        finally:
+            torch.set_num_threads(old)
+        runs.append([*_state_bits(jobs), codes[0], codes[1].view(torch.uint8)])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
