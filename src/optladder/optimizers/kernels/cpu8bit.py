@@ -199,7 +199,9 @@ def quantize_blockwise(
 
     Returns:
         ``(codes, absmax)``: uint8 codes of ``values``' shape, float32 absmax with one
-        value per started 256-element block.
+        value per started 256-element block. As in bitsandbytes' torch backend, a whole
+        block is scaled by ``x * (1 / max(absmax, 1e-38))`` and a partial last block by
+        ``x / max(absmax, 1e-38)``, whose absmax is written clamped to 1e-38.
 
     Raises:
         ValueError: for another dtype or device, or a bad code book.
