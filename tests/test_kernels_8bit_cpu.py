@@ -770,3 +770,26 @@ def test_one_and_two_threads_write_the_same_bits() -> None:
         runs.append([*_state_bits(jobs), codes[0], codes[1].view(torch.uint8)])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_the_prebuild_command_builds_both_cpu_kernels() -> None:
+    """``python -m optladder.optimizers.kernels`` (README) builds or verifies the bf16 and
+    the 8-bit kernels' libraries and prints their paths: the ones this process loads from
+    the same cache, each a file of its own stem."""
+    import subprocess
+    import sys
+
+    from optladder.optimizers.kernels import cpu, cpu8bit
+
+    out = subprocess.run(
+        [sys.executable, "-m", "optladder.optimizers.kernels"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert "RuntimeWarning" not in out.stderr
+    printed = out.stdout.split()
+    assert printed == [str(cpu.build()), str(cpu8bit.build())]
+    assert printed[0].split("/")[-1].startswith("adamw_bf16_")
+    assert printed[1].split("/")[-1].startswith("adamw8bit_")

@@ -9,7 +9,7 @@ processes load it in milliseconds. The cache is private and checked (:mod:`.cach
 library is mapped only if it is this user's and its bytes match the SHA-256 recorded when
 it was built, else it is rebuilt; the verified bytes are loaded from an anonymous
 in-memory copy, so a file changed on disk afterwards cannot reach the process.
-``python -m optladder.optimizers.kernels.cpu`` builds it ahead of time.
+``python -m optladder.optimizers.kernels`` builds it (and the 8-bit kernel's) ahead of time.
 
 One call updates every param of a group in one pass over memory: read the param and the
 grad (float32, bfloat16 or float16) and the two moments (bfloat16 on the bf16 rung,
@@ -259,6 +259,17 @@ def load_library() -> ctypes.CDLL:
     """
     path, data = _build(force=False)
     return _declare(_load_bytes(data, path), path)
+
+
+def build_source(stem: str, source: str) -> Path:
+    """:func:`build` for another C library of this package's kernels (see
+    :func:`load_source`): compile it into the private cache unless a verified build is
+    there, and return its path.
+
+    Raises:
+        KernelBuildError: if the library cannot be built or its cache used.
+    """
+    return _build(False, source, stem)[0]
 
 
 def load_source(stem: str, source: str) -> ctypes.CDLL:
@@ -620,10 +631,3 @@ def adamw_step(
     threads = max(1, min(threads, table.total // _MIN_ELEMENTS_PER_THREAD))
     lib = load_library() if library is None else library
     lib.ol_adamw_step(table.rows, table.n_params, table.offsets, ctypes.byref(hyper), threads)
-
-
-if __name__ == "__main__":
-    print(build())
-    from optladder.optimizers.kernels import cpu8bit  # the 8-bit kernel's library too
-
-    cpu8bit.load_library()

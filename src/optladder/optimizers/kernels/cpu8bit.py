@@ -35,6 +35,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -114,6 +115,24 @@ def fallback_reason(why: str) -> str:
     return f"{why}; the 8bit rung runs bitsandbytes' per-tensor CPU fallback"
 
 
+STEM = "adamw8bit"
+"""The 8-bit kernel library's file name in the cache, before the source's hash."""
+
+
+def build() -> Path:
+    """Compile the 8-bit kernel's library into the private cache unless a verified build
+    is there (as :func:`optladder.optimizers.kernels.cpu.build` does for the bf16 kernel).
+
+    Returns:
+        Path of the shared object.
+
+    Raises:
+        KernelBuildError: with the compiler's message when the build fails, or when the
+            cache folder cannot be used safely.
+    """
+    return cpu.build_source(STEM, SOURCE)
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """Build (first use only) and load the CPU kernels' library, declaring the 8-bit
@@ -123,7 +142,7 @@ def load_library() -> ctypes.CDLL:
         KernelBuildError: if the library cannot be built or loaded, or its 8-bit kernel's
             tables have another layout than this module's (a stale build).
     """
-    lib = cpu.load_source("adamw8bit", SOURCE)
+    lib = cpu.load_source(STEM, SOURCE)
     try:
         step = lib.ol_adamw8bit_step
         sizes = (lib.ol_adamw8bit_param_size(), lib.ol_adamw8bit_item_size())
