@@ -184,18 +184,14 @@ def build(force: bool = False) -> Path:
     return _build(force)[0]
 
 
-_KERNEL_NAMES = {"adamw_bf16": "the bf16 CPU kernel", "adamw8bit": "the 8-bit CPU kernel"}
-"""What errors call the library of each stem."""
+_BF16_NAME = "the bf16 CPU kernel"
 
 
-def _kernel_name(stem: str) -> str:
-    return _KERNEL_NAMES.get(stem, f"the CPU kernel library {stem!r}")
-
-
-def _build(force: bool, source: str = SOURCE, stem: str = "adamw_bf16") -> tuple[Path, bytes]:
-    """:func:`build` of ``source`` (cached as ``<stem>_<hash>.so``), also returning the
-    verified bytes of the library (read once)."""
-    name = _kernel_name(stem)
+def _build(
+    force: bool, source: str = SOURCE, stem: str = "adamw_bf16", name: str = _BF16_NAME
+) -> tuple[Path, bytes]:
+    """:func:`build` of ``source`` (cached as ``<stem>_<hash>.so``; errors call it
+    ``name``), also returning the verified bytes of the library (read once)."""
     reason = unavailable_reason()
     if reason is not None:
         raise KernelBuildError(reason)
@@ -261,18 +257,18 @@ def load_library() -> ctypes.CDLL:
     return _declare(_load_bytes(data, path), path)
 
 
-def build_source(stem: str, source: str) -> Path:
-    """:func:`build` for another C library of this package's kernels (see
+def build_source(stem: str, source: str, name: str | None = None) -> Path:
+    """:func:`build` for another C library of this package's kernels (arguments as
     :func:`load_source`): compile it into the private cache unless a verified build is
     there, and return its path.
 
     Raises:
         KernelBuildError: if the library cannot be built or its cache used.
     """
-    return _build(False, source, stem)[0]
+    return _build(False, source, stem, name or f"the CPU kernel library {stem!r}")[0]
 
 
-def load_source(stem: str, source: str) -> ctypes.CDLL:
+def load_source(stem: str, source: str, name: str | None = None) -> ctypes.CDLL:
     """Build (first use only) and load another C library of this package's kernels, with
     the same compiler, flags, private cache and checks as the bf16 kernel's (:func:`build`).
     Its C signatures are the caller's to declare. Not cached here: callers keep the result.
@@ -280,12 +276,14 @@ def load_source(stem: str, source: str) -> ctypes.CDLL:
     Args:
         stem: the cached file's name before the source's hash, e.g. ``"adamw8bit"``.
         source: the C source.
+        name: what errors call the library; default ``the CPU kernel library '<stem>'``.
 
     Raises:
         KernelBuildError: if the library cannot be built or loaded.
     """
-    path, data = _build(False, source, stem)
-    return _load_bytes(data, path, _kernel_name(stem))
+    name = name or f"the CPU kernel library {stem!r}"
+    path, data = _build(False, source, stem, name)
+    return _load_bytes(data, path, name)
 
 
 def load(path: Path) -> ctypes.CDLL:
@@ -343,7 +341,7 @@ def _declare_signature(lib: ctypes.CDLL) -> None:
     lib.ol_bump_steps.restype = None
 
 
-def _load_bytes(data: bytes, path: Path, name: str = "the bf16 CPU kernel") -> ctypes.CDLL:
+def _load_bytes(data: bytes, path: Path, name: str = _BF16_NAME) -> ctypes.CDLL:
     """dlopen ``data`` (the checked bytes of ``path``) from a memory file."""
     try:
         fd = os.memfd_create(path.name, os.MFD_CLOEXEC)

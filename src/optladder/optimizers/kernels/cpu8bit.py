@@ -117,6 +117,7 @@ def fallback_reason(why: str) -> str:
 
 STEM = "adamw8bit"
 """The 8-bit kernel library's file name in the cache, before the source's hash."""
+_NAME = "the 8-bit CPU kernel"  # in build and load errors
 
 
 def build() -> Path:
@@ -130,7 +131,7 @@ def build() -> Path:
         KernelBuildError: with the compiler's message when the build fails, or when the
             cache folder cannot be used safely.
     """
-    return cpu.build_source(STEM, SOURCE)
+    return cpu.build_source(STEM, SOURCE, _NAME)
 
 
 @functools.cache
@@ -142,7 +143,7 @@ def load_library() -> ctypes.CDLL:
         KernelBuildError: if the library cannot be built or loaded, or its 8-bit kernel's
             tables have another layout than this module's (a stale build).
     """
-    lib = cpu.load_source(STEM, SOURCE)
+    lib = cpu.load_source(STEM, SOURCE, _NAME)
     try:
         step = lib.ol_adamw8bit_step
         sizes = (lib.ol_adamw8bit_param_size(), lib.ol_adamw8bit_item_size())
