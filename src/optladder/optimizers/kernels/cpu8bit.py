@@ -349,14 +349,6 @@ def code_table(bounds: torch.Tensor) -> torch.Tensor:
     largest = as_float(torch.cat([pos_hi, neg_hi]))
     start = torch.searchsorted(edges, smallest, side="left")
     inside = torch.searchsorted(edges, largest, side="right") - start
-    zero_buckets = torch.tensor([0, width])
-    if int(inside.max()) > 1 and not bool((inside.index_fill(0, zero_buckets, 0) <= 1).all()):
-        raise ValueError(
-            "a code book has 2 or more midpoints among floats sharing their top 16 bits; "
-            "the 8-bit CPU kernel takes books as sparse as bitsandbytes' dynamic maps"
-        )
-    if bool((edges[(mags < lo)] != 0).any()):  # only 0 may lie in bucket 0 (lo's definition)
-        raise ValueError("a code book has a non-zero midpoint under its smallest prefix")
     zeros = int((edges == 0).sum())
     if zeros > 1:  # bucket 0's one comparison counts one of them
         raise ValueError(
@@ -364,6 +356,14 @@ def code_table(bounds: torch.Tensor) -> torch.Tensor:
             "bitsandbytes' maps of fewer than 8 bits); the 8-bit CPU kernel takes books "
             "with at most one"
         )
+    if int(inside.max()) > 1:
+        raise ValueError(
+            "a code book has 2 or more midpoints among floats sharing their top 16 bits; "
+            "the 8-bit CPU kernel takes books as sparse as bitsandbytes' dynamic maps"
+        )
+    if bool((edges[(mags < lo)] != 0).any()):  # only 0 may lie in bucket 0 (lo's definition)
+        raise ValueError("a code book has a non-zero midpoint under its smallest prefix")
+    zero_buckets = torch.tensor([0, width])
     # the low 16 bits of the bound inside each bucket, else of its largest float
     low = torch.where(
         inside > 0, bits[start.clamp(max=254)] & 0xFFFF, torch.cat([pos_hi, neg_hi]) & 0xFFFF
