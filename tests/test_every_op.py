@@ -91,6 +91,11 @@ def _step(net: _Tiny, opt: Any, i: int) -> None:
     opt.step()
 
 
+def _guarded_step(net: _Tiny, opt: Any) -> None:
+    """Train step 1 under a fresh ``Ladder`` (made inside the faulted call)."""
+    Ladder(opt).run(_step, net, opt, 1)
+
+
 def _plain(snap: Snap) -> Snap:
     """A snapshot without the groups' ``rung_reason`` (its words quote the fault) and
     ``rung_origin`` (a move there and back is recorded as an escalation)."""
@@ -144,6 +149,19 @@ def _group_params(snap: Snap, opt: Any, groups: list[int]) -> list[int]:
                 out.append(index)
             index += 1
     return out
+
+
+def _faulted(
+    k: int, call: Any, caught: tuple[type[BaseException], ...]
+) -> tuple[FailNthOp, BaseException | None]:
+    """Run ``call()`` with its ``k``-th dispatched op failing: the fault (``reached``:
+    whether the call got that far) and what it raised of ``caught`` (None if nothing)."""
+    with FailNthOp(k) as fault:
+        try:
+            call()
+        except caught as exc:
+            return fault, exc
+    return fault, None
 
 
 def _state(snap: Snap, i: int) -> dict[str, Any]:
@@ -219,12 +237,7 @@ def test_a_fault_at_any_op_of_a_step_neither_loses_nor_doubles_it(
         opt.zero_grad()
         net(_batch(at)).backward()
         before = snapshot(opt)
-        with FailNthOp(k) as fault:
-            try:
-                opt.step()
-                raised: BaseException | None = None
-            except (torch.OutOfMemoryError, PartialStepError) as exc:
-                raised = exc
+        fault, raised = _faulted(k, opt.step, (torch.OutOfMemoryError, PartialStepError))
         if not fault.reached:
             assert raised is None
             break
@@ -257,12 +270,11 @@ def test_a_fault_at_any_op_of_a_guarded_train_step_neither_loses_nor_doubles_it(
         net, opt = _build(rung, pin)
         _step(net, opt, 0)
         before = snapshot(opt)
-        with FailNthOp(k) as fault:
-            try:
-                Ladder(opt).run(_step, net, opt, 1)
-                raised: BaseException | None = None
-            except (torch.OutOfMemoryError, PartialStepError) as exc:
-                raised = exc
+        fault, raised = _faulted(
+            k,
+            functools.partial(_guarded_step, net, opt),
+            (torch.OutOfMemoryError, PartialStepError),
+        )
         if not fault.reached:
             assert raised is None
             break
@@ -384,12 +396,9 @@ def test_a_fault_at_any_op_of_a_load_changes_nothing(src: str, dst: str, pin: st
         _step(net, opt, 0)
         before = snapshot(opt)
         sd = copy.deepcopy(saved)
-        with FailNthOp(k) as fault:
-            try:
-                opt.load_state_dict(sd)
-                raised: BaseException | None = None
-            except torch.OutOfMemoryError as exc:
-                raised = exc
+        fault, raised = _faulted(
+            k, functools.partial(opt.load_state_dict, sd), (torch.OutOfMemoryError,)
+        )
         if not fault.reached:
             assert raised is None
             break
