@@ -6,7 +6,11 @@ Tasks (``--tasks``, comma-separated; each runs alone):
         scratch on the source of Python's own standard library (the ``.py`` files next
         to ``os.py``), evaluated on a held-out tail of that text.
     lm-bf16-params: the same language model with its params in bfloat16
-        (``model.to(torch.bfloat16)``, forward and backward in bfloat16, loss in float32).
+        (``model.to(torch.bfloat16)``, grads in bfloat16, loss in float32). Forward and
+        backward run in ``--bf16-compute``: bfloat16 (as on a GPU), or float32 (default:
+        each bfloat16 param is cast to float32 where it is used and its grad rounded back
+        to bfloat16, so only the params' storage and the optimizer's writes differ from the
+        float32 run; CPUs without native bfloat16 matmul take hours for the bfloat16 form).
 
 Optimizers of digits and stdlib-lm, same seed (same init, same batches): torch's AdamW
 with float32 moments, optladder's AdamW with bf16 moments and stochastic rounding, and
@@ -191,13 +195,16 @@ def run_lm(
     data: torch.Tensor,
     *,
     param_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
     task: str = "stdlib-lm",
 ) -> Run:
     """Train on the first 90% of the bytes, batch 32 x 128; eval on the last 10%.
 
     The model is built in float32 from ``seed`` and then cast to ``param_dtype`` (so every
     dtype starts from the same init, rounded to nearest once); the loss is taken in
-    float32 from the logits.
+    float32 from the logits. With ``compute_dtype`` (another dtype than ``param_dtype``)
+    the forward runs on the params cast to it (``torch.func.functional_call``); the
+    cast's backward rounds each grad back to ``param_dtype`` (round to nearest).
     """
     context, batch = 128, 32
     cut = int(len(data) * 0.9)
@@ -205,6 +212,13 @@ def run_lm(
     torch.manual_seed(seed)
     model = ByteLM(context=context).to(param_dtype)
     opt = make(list(model.parameters()))
+
+    def forward(xb: torch.Tensor) -> torch.Tensor:
+        if compute_dtype is None or compute_dtype == param_dtype:
+            return model(xb)
+        cast = {n: p.to(compute_dtype) for n, p in model.named_parameters()}
+        return torch.func.functional_call(model, cast, (xb,))
+
     gen = torch.Generator().manual_seed(seed)
     run = Run(task, name)
     t0 = time.perf_counter()
@@ -213,7 +227,7 @@ def run_lm(
         starts = torch.randint(0, len(train) - context - 1, (batch,), generator=gen)
         xb = torch.stack([train[s : s + context] for s in starts])
         yb = torch.stack([train[s + 1 : s + context + 1] for s in starts])
-        loss = F.cross_entropy(model(xb).float().reshape(-1, 256), yb.reshape(-1))
+        loss = F.cross_entropy(forward(xb).float().reshape(-1, 256), yb.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -226,7 +240,7 @@ def run_lm(
         starts = torch.arange(0, len(held) - context - 1, context)[:64]
         xb = torch.stack([held[s : s + context] for s in starts])
         yb = torch.stack([held[s + 1 : s + context + 1] for s in starts])
-        logits = model(xb).float().reshape(-1, 256)
+        logits = forward(xb).float().reshape(-1, 256)
         run.final_eval = F.cross_entropy(logits, yb.reshape(-1)).item()
     run.seconds = time.perf_counter() - t0
     return run
@@ -288,6 +302,12 @@ def main(argv: list[str] | None = None) -> list[Run]:
     ap.add_argument("--lm-bytes", type=int, default=4_000_000, help="stdlib text to use")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--bf16-compute",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="lm-bf16-params: the dtype forward/backward run in (default float32)",
+    )
+    ap.add_argument(
         "--tasks",
         default=",".join(TASKS),
         help=f"comma-separated, from {', '.join(TASKS)} (default: all)",
@@ -328,10 +348,15 @@ def main(argv: list[str] | None = None) -> list[Run]:
                     args.seed,
                     data,
                     param_dtype=dtype,
+                    compute_dtype=getattr(torch, args.bf16_compute),
                     task="lm-bf16-params",
                 )
             )
-            print(f"lm-bf16-params {name:<21} done in {runs[-1].seconds:.1f}s", flush=True)
+            print(
+                f"lm-bf16-params {name:<21} done in {runs[-1].seconds:.1f}s "
+                f"(compute {args.bf16_compute})",
+                flush=True,
+            )
     print(report(runs))
     if args.png:
         try:
