@@ -17,7 +17,8 @@ import torch
 from optladder.optimizers.rounding import Rounding
 from optladder.policies import Policy
 from optladder.selector.choose import decide_and_build
-from optladder.selector.optimizer import Escalation, LadderOptimizer
+from optladder.selector.escalation import Escalation
+from optladder.selector.optimizer import LadderOptimizer
 
 __all__ = ["AdamW", "choose_optimizer"]
 
