@@ -200,7 +200,7 @@ def checkpoint_rung(opt: LadderOptimizer, groups: list[dict[str, Any]]) -> Rung 
     """The rung to move to before loading a checkpoint with these param groups: the
     rung its decided groups (the first that does not pin its rung) had reached, when
     they had escalated (or followed a checkpoint), this optimizer's rung was not
-    pinned or forced, and the user allows that rung; otherwise None."""
+    fixed or forced, and the user allows that rung; otherwise None."""
     first = next((g for g in groups if g.get(ORIGIN_KEY) != GROUP_PIN_ORIGIN), {})
     saved = next((r for r in RUNGS if first.get(RUNG_KEY) == r), None)
     if (
@@ -254,8 +254,8 @@ def checkpoint_reason(opt: LadderOptimizer, rung: Rung) -> str:
             f" (the local policy chose {d.rung}: {rung} state {state:,} bytes "
             f"({format_bytes(state)}) against a gate of {gate:,} bytes "
             f"({format_bytes(gate)}){', over it' if state > gate else ''}; moved as the "
-            "checkpoint asks. To keep the local rung, build the optimizer with rung= "
-            "or load into a pinned one)"
+            "checkpoint asks. To keep the local rung, build the optimizer with rung=, "
+            "which fixes it)"
         )
         warnings.warn(
             f"optladder: loading moves the optimizer to {rung}: {reason}",

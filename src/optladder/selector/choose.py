@@ -190,7 +190,7 @@ def decide_and_build(
     refuse_meta_params(groups)
     footprint = measure_footprint(groups)
     overrides = read_overrides(rung, environ)
-    asked = overrides.pinned or overrides.forced
+    asked = overrides.fixed or overrides.forced
     if asked is not None:  # name the first param the asked rung cannot take
         for gi, g in enumerate(groups):
             if group_pin(g, f"param group {gi}") is None:

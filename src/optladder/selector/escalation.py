@@ -156,9 +156,9 @@ def switch(
 
 def move_refused(decision: Decision, rung: Rung) -> str | None:
     """Why the user's word forbids moving ``decision``'s optimizer to ``rung``, or None."""
-    if decision.overrides.pinned is not None:
+    if decision.overrides.fixed is not None:
         source = decision.overrides.sources[0] if decision.overrides.sources else "the user"
-        return f"the {decision.rung} rung is pinned by {source}"
+        return f"the {decision.rung} rung is fixed by {source}"
     allowed, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
     return None if allowed[rung] else excluded[rung]
 

@@ -78,8 +78,8 @@ on the fused kernel when ``fused`` (see :func:`optladder.optimizers.build_engine
 
 
 class OptimizerOutOfMemoryError(torch.OutOfMemoryError):
-    """Out of memory, and the ladder cannot move further down (last rung, pinned rung,
-    or retries used up). The original error is chained as ``__cause__``.
+    """Out of memory, and the ladder cannot move further down (last rung, a rung fixed
+    by ``rung=``, or retries used up). The original error is chained as ``__cause__``.
 
     Attributes:
         rung: the rung the optimizer is on.
@@ -427,7 +427,8 @@ class LadderOptimizer(torch.optim.Optimizer):
 
         Raises:
             OptimizerOutOfMemoryError: out of memory with no rung left to move to (the
-                original error chained), the rung pinned, or ``max_retries`` used up.
+                original error chained), the rung fixed by ``rung=``, or ``max_retries``
+                used up.
         """
         loss = None
         if closure is not None:
@@ -603,11 +604,11 @@ class LadderOptimizer(torch.optim.Optimizer):
             rung: the target rung.
             reason: why, in a sentence (recorded in the decision's reasons).
             origin: ``"escalated"`` or ``"checkpoint"`` (``Decision.origin``).
-            force: move even from a pinned rung or onto a rung the user disabled (``=0``)
-                or that is unavailable; without it those raise.
+            force: move even from a rung fixed by ``rung=`` or onto a rung the user
+                disabled (``=0``) or that is unavailable; without it those raise.
 
         Raises:
-            ValueError: an unknown rung or origin; a pinned rung or a disabled or
+            ValueError: an unknown rung or origin; a fixed rung or a disabled or
                 unavailable target without ``force``.
         """
         escalation.migrate(self, rung, reason, origin, force=force)
@@ -653,16 +654,16 @@ class LadderOptimizer(torch.optim.Optimizer):
 
         If this optimizer's rung was chosen by the policy and the checkpoint's rung was
         reached by escalation, the optimizer first moves to the checkpoint's rung (a
-        resumed run must not run out of memory again). Otherwise (a pinned rung, or a
-        checkpoint from a policy choice) the checkpoint's state is converted into this
-        optimizer's rung. Groups that pin their rung keep it: their state is converted
-        into it, whatever the checkpoint had. bf16 moments stay bfloat16, 8-bit state
-        stays uint8 codes with float32 absmax, ``step`` lands where the engine keeps it,
-        and this optimizer's engine flags (``fused``, ``foreach``) are kept. Sharded
-        8-bit state saved per row (by :meth:`state_dict` under FSDP2) loads exactly
-        when its blocks are this rank's blocks, and is requantized otherwise (another
-        world size; see :mod:`optladder.optimizers.checkpoint`). A saved state with
-        ``step`` 0 (a param that had not stepped) loads as no state.
+        resumed run must not run out of memory again). Otherwise (a rung fixed by
+        ``rung=``, or a checkpoint from a policy choice) the checkpoint's state is
+        converted into this optimizer's rung. Groups that pin their rung keep it: their
+        state is converted into it, whatever the checkpoint had. bf16 moments stay
+        bfloat16, 8-bit state stays uint8 codes with float32 absmax, ``step`` lands where
+        the engine keeps it, and this optimizer's engine flags (``fused``, ``foreach``)
+        are kept. Sharded 8-bit state saved per row (by :meth:`state_dict` under FSDP2)
+        loads exactly when its blocks are this rank's blocks, and is requantized
+        otherwise (another world size; see :mod:`optladder.optimizers.checkpoint`). A
+        saved state with ``step`` 0 (a param that had not stepped) loads as no state.
         Hyperparameters (lr, betas, eps, weight_decay, a scheduler's ``initial_lr``, the
         bf16 seed) come from the checkpoint.
 
