@@ -310,6 +310,15 @@ def decide(
     )
 
 
+def fixed_reason(decision: Decision) -> str | None:
+    """Why ``decision``'s rung may not move at all (``"the bf16 rung is fixed by
+    rung='bf16'"``: ``rung=`` or ``OPTLADDER_RUNG`` fixed it), or None."""
+    if decision.overrides.fixed is None:
+        return None
+    source = decision.overrides.sources[0] if decision.overrides.sources else "the user"
+    return f"the {decision.rung} rung is fixed by {source}"
+
+
 def escalation_target(decision: Decision) -> tuple[Rung | None, str]:
     """The next cheaper rung the ladder may move to from ``decision.rung``, and why.
 
@@ -319,9 +328,9 @@ def escalation_target(decision: Decision) -> tuple[Rung | None, str]:
     Returns:
         ``(rung, "")``, or ``(None, reason)`` when there is nowhere to go.
     """
-    if decision.overrides.fixed is not None:
-        source = decision.overrides.sources[0] if decision.overrides.sources else "the user"
-        return None, f"the {decision.rung} rung is fixed by {source}"
+    fixed = fixed_reason(decision)
+    if fixed is not None:
+        return None, fixed
     allowed, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
     skipped = []
     for rung in RUNGS[RUNGS.index(decision.rung) + 1 :]:

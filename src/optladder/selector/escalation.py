@@ -25,7 +25,12 @@ import torch
 
 from optladder.oom import describe_error, is_oom
 from optladder.optimizers.migrate import migrate_engine
-from optladder.policies.decision import Decision, allowed_rungs, escalation_target
+from optladder.policies.decision import (
+    Decision,
+    allowed_rungs,
+    escalation_target,
+    fixed_reason,
+)
 from optladder.rungs import RUNGS, Rung
 from optladder.selector.checks import check_params_for_rung
 
@@ -156,9 +161,9 @@ def switch(
 
 def move_refused(decision: Decision, rung: Rung) -> str | None:
     """Why the user's word forbids moving ``decision``'s optimizer to ``rung``, or None."""
-    if decision.overrides.fixed is not None:
-        source = decision.overrides.sources[0] if decision.overrides.sources else "the user"
-        return f"the {decision.rung} rung is fixed by {source}"
+    fixed = fixed_reason(decision)
+    if fixed is not None:
+        return fixed
     allowed, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
     return None if allowed[rung] else excluded[rung]
 
