@@ -155,7 +155,7 @@ def build_trainer(
         batch_size: blocks per step.
         lr: the peak learning rate. warmup_steps: linear warmup before the cosine decay.
         block_size: bytes per example.
-        rung: pin a rung; None lets the policy choose. free_memory: as in
+        rung: fix the rung; None lets the policy choose. free_memory: as in
             :func:`optladder.choose_optimizer`.
         model: the model (default :func:`make_model`).
         seed: model init and data order.

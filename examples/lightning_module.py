@@ -56,7 +56,7 @@ class DigitsModule(L.LightningModule):
     Args:
         lr: OneCycleLR's peak learning rate.
         total_steps: the schedule's length in optimizer steps.
-        rung: pin a rung (``"fp32"``, ``"bf16"``, ``"8bit"``); None lets the policy choose.
+        rung: fix the rung (``"fp32"``, ``"bf16"``, ``"8bit"``); None lets the policy choose.
         free_memory: bytes the run may use (e.g. ``"2MiB"``); None probes the device.
         seed: seeds the weights.
 

@@ -100,7 +100,7 @@ def train(
         lr: the peak learning rate (reached after ``warmup_steps``).
         warmup_steps: steps of linear warmup before the cosine decay.
         weight_decay: AdamW's decoupled weight decay.
-        rung: pin a rung (``"fp32"``, ``"bf16"``, ``"8bit"``); None lets the policy choose.
+        rung: fix the rung (``"fp32"``, ``"bf16"``, ``"8bit"``); None lets the policy choose.
         free_memory: bytes the run may use (e.g. ``"2MiB"``); None probes the device.
         model: the model to train (default :func:`make_model`); its forward gets a
             ``(batch, 64)`` float tensor and returns ``(batch, 10)`` logits.

@@ -57,7 +57,7 @@ def assert_failed_steps_change_nothing(
     expected: tuple[list[torch.Tensor], dict[str, Any]],
 ) -> None:
     """For every ``k`` in ``1..allocations``: an optimizer from ``prepared()`` (grads set,
-    one step to go, its rung pinned so an OOM is re-raised) whose step fails at the
+    one step to go, its rung fixed so an OOM is re-raised) whose step fails at the
     ``k``-th allocation raises ``OptimizerOutOfMemoryError`` and changes nothing, and its
     next step gives ``expected`` (a :func:`snapshot` of an optimizer that never failed)."""
     from memtools import FailNthAllocation
@@ -66,7 +66,7 @@ def assert_failed_steps_change_nothing(
     for k in range(1, allocations + 1):
         opt = prepared()
         before = snapshot(opt)
-        with pytest.raises(OptimizerOutOfMemoryError, match="pinned"), FailNthAllocation(k):
+        with pytest.raises(OptimizerOutOfMemoryError, match="fixed"), FailNthAllocation(k):
             opt.step()
         assert_same(snapshot(opt), before)
         opt.step()

@@ -210,7 +210,7 @@ def _linear_checkpoint(
             "weight_decay": 0.01,
             "params": [0, 1],
             "rung": "8bit",
-            "rung_origin": "pinned",
+            "rung_origin": "fixed",
             "rung_reason": "test",
         }
     ]

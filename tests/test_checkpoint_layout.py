@@ -122,8 +122,8 @@ def test_the_wrapped_keys_are_bitsandbytes_own() -> None:
 
 # ---------------------------------------------------------------- earlier layouts
 def _flat_layout_of_before(opt: Any) -> dict[str, Any]:
-    """What a pinned optimizer's state_dict() wrote before the layout was one (its code,
-    literally): torch's layout over every group, every param's state flat."""
+    """What an optimizer with a pinned group wrote in state_dict() before the layout was
+    one (its code, literally): torch's layout over every group, every param's state flat."""
     params = [p for g in opt.param_groups for p in g["params"]]
     index = {id(p): i for i, p in enumerate(params)}
     return copy.deepcopy(
@@ -183,6 +183,38 @@ def test_a_checkpoint_in_the_earlier_flat_layout_still_loads(dst: str) -> None:
         dcp.load(state, checkpoint_id=path, planner=DCPLoadPlanner())
         set_optimizer_state_dict(live_model, live, state["optim"])
     assert_same(snapshot(live), snapshot(ref))
+
+
+@pytest.mark.parametrize("dst", [None, "bf16", "8bit"])
+def test_a_checkpoint_with_the_old_origin_pinned_still_loads(dst: str | None) -> None:
+    """Before it was called "fixed", the groups of an optimizer whose rung was fixed by
+    rung= recorded the origin "pinned": such a checkpoint loads as today's does (a
+    policy-chosen optimizer does not move for it: that rung was fixed, not escalated),
+    and its pinned group ("group") stays pinned."""
+    model = _model()
+    opt = _build(model, "bf16", pin="fp32")
+    for s in range(2):
+        _step(model, opt, s)
+    new = opt.state_dict()
+    assert [g["rung_origin"] for g in new["param_groups"]] == ["group", "fixed"]
+    old = copy.deepcopy(new)
+    old["param_groups"][1]["rung_origin"] = "pinned"
+
+    ref = _build(_model(), dst, pin="fp32")
+    ref.load_state_dict(new)
+    via_old = _build(_model(), dst, pin="fp32")
+    via_old.load_state_dict(old)
+    assert_same(snapshot(via_old), snapshot(ref))
+    assert via_old.rung == (dst or "fp32")  # 1GiB free: the policy keeps fp32
+    assert [g["rung_origin"] for g in via_old.param_groups] == [
+        "group",
+        "fixed" if dst else "policy",
+    ]
+    assert [g["rung"] for g in via_old.param_groups] == ["fp32", dst or "fp32"]
+    misspelt = copy.deepcopy(old)  # the origin is checked: "pinned" is accepted, not skipped
+    misspelt["param_groups"][1]["rung_origin"] = "pined"
+    with pytest.raises(ValueError, match=r"\['rung_origin'\]='pined' is not an origin"):
+        _build(_model(), dst, pin="fp32").load_state_dict(misspelt)
 
 
 # ---------------------------------------------------------------- DCP across rungs

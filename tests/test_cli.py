@@ -109,8 +109,8 @@ def test_plan_exit_status_says_whether_it_fits(
     assert got == code and json.loads(out)["rung"] == rung
 
 
-def test_plan_pinned_rung_over_the_gate_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
-    # fp32 pinned: 8,000,000 bytes against a gate of 250,000,000 / 4 = 62,500,000: fits;
+def test_plan_fixed_rung_over_the_gate_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    # fp32 fixed: 8,000,000 bytes against a gate of 250,000,000 / 4 = 62,500,000: fits;
     # against 1,000,000 / 4 = 250,000 it does not, and the status says so
     base = ("plan", "--params", "1e6", "--device", "cpu", "--rung", "fp32", "--free-memory")
     assert run(capsys, *base, "250000000")[0] == EXIT_FITS

@@ -280,7 +280,7 @@ def test_asking_for_bf16_or_8bit_with_complex_params_raises(overrides: Overrides
         decide(COMPLEX_1M, HUGE, CPU, overrides=overrides)
 
 
-# --------------------------------------------------------------- pinned and forced
+# ---------------------------------------------------------------- fixed and forced
 
 
 @pytest.mark.parametrize(
@@ -291,16 +291,16 @@ def test_asking_for_bf16_or_8bit_with_complex_params_raises(overrides: Overrides
             0,
             "fp32",
             False,
-            "pinned",
-            "rung='fp32' pins the fp32 rung past the memory gate",
+            "fixed",
+            "rung='fp32' fixes the fp32 rung past the memory gate",
         ),
         (
             read_overrides(environ={"OPTLADDER_RUNG": "bf16"}),
             0,
             "bf16",
             False,
-            "pinned",
-            "OPTLADDER_RUNG=bf16 pins the bf16 rung past the memory gate",
+            "fixed",
+            "OPTLADDER_RUNG=bf16 fixes the bf16 rung past the memory gate",
         ),
         (
             read_overrides(environ={"OPTLADDER_BF16_ADAM": "1"}),
@@ -319,16 +319,16 @@ def test_asking_for_bf16_or_8bit_with_complex_params_raises(overrides: Overrides
             "OPTLADDER_8BIT_ADAM=on forces the 8bit rung past the memory gate",
         ),
         (
-            Overrides(pinned="bf16"),  # built by hand, without sources
+            Overrides(fixed="bf16"),  # built by hand, without sources
             HUGE,
             "bf16",
             True,
-            "pinned",
-            "the pinned override pins the bf16 rung past the memory gate",
+            "fixed",
+            "the fixed override fixes the bf16 rung past the memory gate",
         ),
     ],
 )
-def test_pinned_and_forced_bypass_the_gate(
+def test_fixed_and_forced_bypass_the_gate(
     overrides: Overrides, free: int, rung: str, fits: bool, origin: str, first: str
 ) -> None:
     d = decide(ONE_M, free, CPU, overrides=overrides)
@@ -338,7 +338,26 @@ def test_pinned_and_forced_bypass_the_gate(
     assert any(r.startswith(f"{rung} state") and f"is {verdict} the gate" in r for r in d.reasons)
 
 
-def test_pinned_fp32_beats_proactive_bf16() -> None:
+def test_a_decision_serialized_with_the_old_name_pinned_loads_as_fixed() -> None:
+    """Before it was called "fixed", a rung fixed by rung= had the origin "pinned" and sat
+    in ``Overrides.pinned``: a decision serialized then loads as today's."""
+    d = decide(ONE_M, HUGE, CPU, overrides=read_overrides(rung="bf16", environ={}))
+    assert (d.origin, d.overrides.fixed, d.overrides.origin) == ("fixed", "bf16", "fixed")
+    old = d.model_dump(mode="json")
+    old["origin"] = "pinned"
+    old["overrides"]["pinned"] = old["overrides"].pop("fixed")
+    assert Decision.model_validate(old) == d
+    assert Overrides(pinned="bf16") == Overrides(fixed="bf16")  # type: ignore[call-arg]
+    assert Overrides(pinned="bf16", fixed="bf16") == Overrides(fixed="bf16")  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="'pinned' is the old name of 'fixed'"):
+        Overrides(pinned="bf16", fixed="8bit")  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="origin"):
+        Decision.model_validate({**old, "origin": "pined"})
+    with pytest.warns(FutureWarning, match=r"Overrides\.pinned is now Overrides\.fixed"):
+        assert d.overrides.pinned == "bf16"
+
+
+def test_fixed_fp32_beats_proactive_bf16() -> None:
     d = decide(synthetic(FIFTY_M), HUGE, caps(bf16_fused=True), overrides=read_overrides("fp32"))
     assert d.rung == "fp32"
 
@@ -347,8 +366,8 @@ def test_reasons_name_the_overrides_that_acted() -> None:
     beaten = read_overrides(rung="fp32", environ={"OPTLADDER_BF16_ADAM": "1"})
     d = decide(ONE_M, HUGE, CPU, overrides=beaten)
     assert "note: rung='fp32' overrides OPTLADDER_BF16_ADAM=1" in d.reasons
-    pinned = read_overrides(environ={"OPTLADDER_RUNG": "bf16", "OPTLADDER_8BIT_ADAM": "0"})
-    d = decide(ONE_M, HUGE, CPU, overrides=pinned)
+    fixed = read_overrides(environ={"OPTLADDER_RUNG": "bf16", "OPTLADDER_8BIT_ADAM": "0"})
+    d = decide(ONE_M, HUGE, CPU, overrides=fixed)
     assert "note: OPTLADDER_8BIT_ADAM=0" in d.reasons
     disabled = read_overrides(environ={"OPTLADDER_8BIT_ADAM": "0"})
     d = decide(ONE_M, HUGE, CPU, overrides=disabled)  # fp32 fits; the override still shows

@@ -44,7 +44,7 @@ def test_ladder_budgets_make_the_policy_choose_each_rung() -> None:
 def test_cli_demo_pinned(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--rung", "bf16", "--epochs", "1", "--free-memory", "1GiB"]) == 0
     out = capsys.readouterr().out
-    assert "rung bf16 (pinned)" in out and "epoch  1" in out and "measured optimizer state" in out
+    assert "rung bf16 (fixed)" in out and "epoch  1" in out and "measured optimizer state" in out
 
 
 def test_cli_demo_bad_free_memory(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,7 @@ The cases:
   moments) makes both ranks roll back, escalate fp32 -> bf16 and retry; neither commits
   the failed step, and after more DDP-style steps (grads averaged by hand) the params,
   rungs and step counts are identical on both ranks.
-- ``pinned``: the same OOM on a pinned rung raises ``OptimizerOutOfMemoryError`` on both
+- ``fixed``: the same OOM on a rung fixed by ``rung=`` raises ``OptimizerOutOfMemoryError`` on both
   ranks (no hang), with nothing committed; both ranks then step on together.
 - ``fsdp``: FSDP2 (``fully_shard``) DTensor params. The footprint counts elements
   globally and state bytes per rank, and merges only true aliases; the 8bit rung steps
@@ -146,8 +146,8 @@ def test_oom_in_one_ranks_step_escalates_every_rank_without_committing(
     _check(outcomes, "oom_step")
 
 
-def test_oom_on_a_pinned_rung_raises_on_every_rank(outcomes: list[dict[str, str]]) -> None:
-    _check(outcomes, "pinned")
+def test_oom_on_a_fixed_rung_raises_on_every_rank(outcomes: list[dict[str, str]]) -> None:
+    _check(outcomes, "fixed")
 
 
 def test_oom_in_one_ranks_pinned_group_escalates_the_others_on_every_rank(
@@ -289,7 +289,7 @@ def _case_oom_step(rank: int) -> None:
     )
 
 
-def _case_pinned(rank: int) -> None:
+def _case_fixed(rank: int) -> None:
     params = _params((5_000, 300))
     opt = choose_optimizer(params, rung="fp32", free_memory="1GiB")
     _set_grads(params, _averaged_grads(params, 0, rank))
@@ -297,7 +297,7 @@ def _case_pinned(rank: int) -> None:
     with pytest.raises(OptimizerOutOfMemoryError) as info, _oom_on(rank, 1):
         opt.step()
     message = str(info.value)
-    assert "pinned" in message, message
+    assert "fixed by rung=" in message, message
     assert ("injected" if rank == 1 else "another rank ran out of memory") in message
     assert (info.value.__cause__ is not None) is (rank == 1)
     assert info.value.rung == "fp32" and opt.rung == "fp32" and not opt.escalations
@@ -447,18 +447,18 @@ def _case_fsdp(rank: int) -> None:
     assert_matches_reference()
     assert _steps(opt) == [4, 4]
 
-    # A state_dict round trip into a fresh optimizer pinned on 8bit, then one step with
+    # A state_dict round trip into a fresh optimizer fixed on 8bit, then one step with
     # FSDP's own forward/backward (grads reduce-scattered by FSDP).
-    pinned = choose_optimizer(model, rung="8bit", free_memory="1GiB")
-    pinned.load_state_dict(opt.state_dict())
-    assert pinned.state[params[0]]["state1"].shape == (32, 96)
+    fixed = choose_optimizer(model, rung="8bit", free_memory="1GiB")
+    fixed.load_state_dict(opt.state_dict())
+    assert fixed.state[params[0]]["state1"].shape == (32, 96)
     x = torch.randn(8, 96, generator=torch.Generator().manual_seed(rank))
-    pinned.zero_grad()
+    fixed.zero_grad()
     model(x).square().mean().backward()
-    pinned.step()
-    assert _steps(pinned) == [5, 5]
+    fixed.step()
+    assert _steps(fixed) == [5, 5]
     assert all(torch.isfinite(p.to_local()).all() for p in params)
-    assert _all_same((pinned.rung, _steps(pinned), measure_state_bytes(pinned)))
+    assert _all_same((fixed.rung, _steps(fixed), measure_state_bytes(fixed)))
 
     # A grad laid out unlike its param (Partial: summed over ranks, not yet reduced) is
     # reduced to the param's shards in the update: the same step as the reduced grad.
@@ -853,7 +853,7 @@ def _case_dcp_reshard(rank: int) -> None:
 CASES: dict[str, Callable[[int], None]] = {
     "decision": _case_decision,
     "oom_step": _case_oom_step,
-    "pinned": _case_pinned,
+    "fixed": _case_fixed,
     "pinned_group": _case_pinned_group,
     "fsdp": _case_fsdp,
     "dcp_same_world": _case_dcp_same_world,

@@ -78,9 +78,9 @@ def _build(rung: str, pin: str | None):  # type: ignore[no-untyped-def]
         free_memory="64GiB",
         environ={"OPTLADDER_RUNG": rung},
     )
-    # OPTLADDER_RUNG pins the rung; let the optimizer escalate like a policy's one
+    # OPTLADDER_RUNG fixes the rung; let the optimizer escalate like a policy's one
     opt._decision = opt.decision.model_copy(
-        update={"overrides": opt.decision.overrides.model_copy(update={"pinned": None})}
+        update={"overrides": opt.decision.overrides.model_copy(update={"fixed": None})}
     )
     return net, opt
 

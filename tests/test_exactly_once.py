@@ -51,9 +51,9 @@ def _build(rung: str, pin: str | None):  # type: ignore[no-untyped-def]
     opt = choose_optimizer(
         _groups(net, pin), lr=1e-2, free_memory="64GiB", environ={"OPTLADDER_RUNG": rung}
     )
-    # OPTLADDER_RUNG pins the rung; let the test's optimizer escalate like a policy one
+    # OPTLADDER_RUNG fixes the rung; let the test's optimizer escalate like a policy one
     opt._decision = opt.decision.model_copy(
-        update={"overrides": opt.decision.overrides.model_copy(update={"pinned": None})}
+        update={"overrides": opt.decision.overrides.model_copy(update={"fixed": None})}
     )
     return net, opt
 

@@ -258,7 +258,7 @@ def test_hf_trainer_runs_every_rung(hf: ModuleType, tmp_path: Path, rung: str) -
     trainer, history = hf.build_trainer(tmp_path, max_steps=3, batch_size=4, rung=rung)
     trainer.train()
     opt = trainer.ladder.optimizer
-    assert opt.rung == rung and opt.decision.origin == "pinned"
+    assert opt.rung == rung and opt.decision.origin == "fixed"
     assert trainer.optimizer.optimizer is opt
     assert _moment_dtypes(opt) == MOMENT_DTYPES[rung]
     assert [r for _, r in history.rungs] == [rung] * 3

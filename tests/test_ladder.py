@@ -272,7 +272,7 @@ def test_an_oom_at_any_allocation_changes_nothing(
 
     def prepared():  # type: ignore[no-untyped-def]
         params = _params(dtype=dtype)
-        opt = _opt(params, rung=rung)  # pinned: the OOM is re-raised, not escalated
+        opt = _opt(params, rung=rung)  # fixed: the OOM is re-raised, not escalated
         for s in range(steps_before):
             _set_grads(params, s)
             opt.step()
@@ -401,9 +401,9 @@ def test_retries_are_bounded_and_the_last_rung_reraises_with_bytes() -> None:
     assert f"{err.needed_bytes:,} bytes" in str(err) and f"{2**30:,} bytes" in str(err)
 
 
-def test_a_pinned_rung_never_moves() -> None:
+def test_a_fixed_rung_never_moves() -> None:
     _, opt, train_step, calls, *_ = _guarded_setup(oom_calls=1, rung="fp32")
-    with pytest.raises(OptimizerOutOfMemoryError, match="pinned by rung='fp32'"):
+    with pytest.raises(OptimizerOutOfMemoryError, match="fixed by rung='fp32'"):
         train_step(torch.randn(4, 64))
     assert opt.rung == "fp32" and calls["n"] == 1
 
@@ -445,7 +445,7 @@ def _trained(rung: str, escalated: bool = False):  # type: ignore[no-untyped-def
 
 @pytest.mark.parametrize("src", RUNGS)
 @pytest.mark.parametrize("dst", RUNGS)
-def test_any_rung_loads_into_any_pinned_rung(src: str, dst: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_any_rung_loads_into_any_fixed_rung(src: str, dst: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     params, opt = _trained(src)
     path = tmp_path / "ckpt.pt"
     torch.save(opt.state_dict(), path)
@@ -454,7 +454,7 @@ def test_any_rung_loads_into_any_pinned_rung(src: str, dst: str, tmp_path) -> No
     live = _opt(live_params, rung=dst)
     fused_before = [g.get("fused") for g in live.param_groups]
     live.load_state_dict(loaded)
-    assert live.rung == dst  # pinned: the checkpoint's state is converted into it
+    assert live.rung == dst  # fixed: the checkpoint's state is converted into it
     assert [g.get("fused") for g in live.param_groups] == fused_before
     for p, q in zip(params, live_params):
         m0, v0, step0 = _moments_fp32(opt, p)
@@ -492,7 +492,7 @@ def test_a_policy_optimizer_moves_to_the_rung_a_checkpoint_escalated_to() -> Non
 
 
 def test_a_policy_checkpoint_does_not_move_a_policy_optimizer() -> None:
-    params, opt = _trained("bf16")  # pinned bf16, not escalated
+    params, opt = _trained("bf16")  # fixed bf16, not escalated
     live = _opt([torch.nn.Parameter(p.detach().clone()) for p in params], rung=None)
     live.load_state_dict(opt.state_dict())
     assert live.rung == "fp32"
@@ -585,9 +585,9 @@ def test_follow_checkpoint_moves_only_where_load_state_dict_would() -> None:
     opt.escalate("test")
     assert live.follow_checkpoint(opt.state_dict()["param_groups"]) == "bf16"
     assert live.rung == "bf16" and live.decision.origin == "checkpoint"
-    pinned = _opt(_params(), rung="fp32")  # the user's word beats the checkpoint's
+    fixed = _opt(_params(), rung="fp32")  # the user's word beats the checkpoint's
     with pytest.warns(FutureWarning, match="DCPLoadPlanner"):
-        assert pinned.follow_checkpoint(opt.state_dict()["param_groups"]) is None
+        assert fixed.follow_checkpoint(opt.state_dict()["param_groups"]) is None
     with pytest.raises(ValueError, match="param_groups must be a list of dicts"):
         live.follow_checkpoint("bf16")  # type: ignore[arg-type]
     fresh = _opt(_params(), rung=None)
@@ -690,11 +690,11 @@ def test_a_real_oom_with_a_pinned_8bit_group_escalates_the_decided_groups_exactl
     assert out["params_equal"] and out["groups_equal"] and out["state_equal"]
 
 
-def test_migrate_to_honours_pins_and_disabled_rungs() -> None:
-    pinned = _opt(_params(), rung="fp32")
-    with pytest.raises(ValueError, match=r"pinned by rung='fp32' \(pass force=True"):
-        pinned.migrate_to("8bit", "test")
-    assert pinned.rung == "fp32"
+def test_migrate_to_honours_fixed_and_disabled_rungs() -> None:
+    fixed = _opt(_params(), rung="fp32")
+    with pytest.raises(ValueError, match=r"fixed by rung='fp32' \(pass force=True"):
+        fixed.migrate_to("8bit", "test")
+    assert fixed.rung == "fp32"
     no_bf16 = _opt(_params(), rung=None, environ={"OPTLADDER_BF16_ADAM": "0"})
     with pytest.raises(ValueError, match="disabled by OPTLADDER_BF16_ADAM=0"):
         no_bf16.migrate_to("bf16", "test")

@@ -27,7 +27,7 @@ def test_no_variables_means_the_policy_chooses() -> None:
     overrides = read_overrides(environ={"UNRELATED": "1"})
     assert overrides == Overrides()
     assert overrides.origin == "policy"
-    assert (overrides.pinned, overrides.forced, overrides.disabled) == (None, None, frozenset())
+    assert (overrides.fixed, overrides.forced, overrides.disabled) == (None, None, frozenset())
 
 
 @pytest.mark.parametrize(("var", "rung"), SWITCHES)
@@ -35,7 +35,7 @@ def test_no_variables_means_the_policy_chooses() -> None:
 def test_switch_on_forces_the_rung(var: str, rung: str, value: str) -> None:
     overrides = read_overrides(environ={var: value})
     assert overrides.forced == rung
-    assert overrides.pinned is None
+    assert overrides.fixed is None
     assert overrides.disabled == frozenset()
     assert overrides.origin == "forced"
     assert overrides.sources == (f"{var}={value}",)
@@ -46,7 +46,7 @@ def test_switch_on_forces_the_rung(var: str, rung: str, value: str) -> None:
 def test_switch_off_disables_the_rung(var: str, rung: str, value: str) -> None:
     overrides = read_overrides(environ={var: value})
     assert overrides.disabled == frozenset({rung})
-    assert overrides.forced is None and overrides.pinned is None
+    assert overrides.forced is None and overrides.fixed is None
     assert overrides.origin == "policy"
     assert overrides.sources == (f"{var}={value}",)
 
@@ -55,10 +55,10 @@ def test_switch_off_disables_the_rung(var: str, rung: str, value: str) -> None:
     ("value", "rung"),
     [("fp32", "fp32"), ("bf16", "bf16"), ("8bit", "8bit"), ("BF16", "bf16"), (" 8BIT ", "8bit")],
 )
-def test_rung_variable_pins(value: str, rung: str) -> None:
+def test_rung_variable_fixes_the_rung(value: str, rung: str) -> None:
     overrides = read_overrides(environ={RUNG: value})
-    assert overrides.pinned == rung
-    assert overrides.origin == "pinned"
+    assert overrides.fixed == rung
+    assert overrides.origin == "fixed"
     assert overrides.sources == (f"{RUNG}={value}",)
 
 
@@ -66,10 +66,10 @@ def test_rung_variable_pins(value: str, rung: str) -> None:
     ("env", "expected"),
     [
         # agreeing variables
-        ({RUNG: "bf16", BF16: "1"}, Overrides(pinned="bf16")),
-        ({RUNG: "8bit", EIGHT: "on"}, Overrides(pinned="8bit")),
-        ({RUNG: "fp32", EIGHT: "0"}, Overrides(pinned="fp32", disabled=frozenset({"8bit"}))),
-        ({RUNG: "fp32", BF16: "off"}, Overrides(pinned="fp32", disabled=frozenset({"bf16"}))),
+        ({RUNG: "bf16", BF16: "1"}, Overrides(fixed="bf16")),
+        ({RUNG: "8bit", EIGHT: "on"}, Overrides(fixed="8bit")),
+        ({RUNG: "fp32", EIGHT: "0"}, Overrides(fixed="fp32", disabled=frozenset({"8bit"}))),
+        ({RUNG: "fp32", BF16: "off"}, Overrides(fixed="fp32", disabled=frozenset({"bf16"}))),
         ({BF16: "1", EIGHT: "0"}, Overrides(forced="bf16", disabled=frozenset({"8bit"}))),
         ({BF16: "false", EIGHT: "true"}, Overrides(forced="8bit", disabled=frozenset({"bf16"}))),
         ({BF16: "0", EIGHT: "0"}, Overrides(disabled=frozenset({"bf16", "8bit"}))),
@@ -77,8 +77,8 @@ def test_rung_variable_pins(value: str, rung: str) -> None:
 )
 def test_variables_combine(env: dict[str, str], expected: Overrides) -> None:
     got = read_overrides(environ=env)
-    assert (got.pinned, got.forced, got.disabled) == (
-        expected.pinned,
+    assert (got.fixed, got.forced, got.disabled) == (
+        expected.fixed,
         expected.forced,
         expected.disabled,
     )
@@ -99,7 +99,7 @@ def test_variables_combine(env: dict[str, str], expected: Overrides) -> None:
 @pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit", "BF16"])
 def test_rung_argument_beats_every_variable(env: dict[str, str], rung: str) -> None:
     overrides = read_overrides(rung=rung, environ=env)
-    assert overrides.pinned == rung.lower()
+    assert overrides.fixed == rung.lower()
     assert overrides.forced is None
     assert overrides.disabled == frozenset()
     assert overrides.sources[0] == f"rung={rung.lower()!r}"
@@ -181,7 +181,7 @@ def test_environ_none_reads_os_environ_at_call_time(monkeypatch: pytest.MonkeyPa
     assert (got.forced, got.disabled) == ("bf16", frozenset({"8bit"}))
     assert set(got.sources) == {f"{BF16}= On ", f"{EIGHT}=0"}
     monkeypatch.setenv(RUNG, "bf16")
-    assert read_overrides().pinned == "bf16"
+    assert read_overrides().fixed == "bf16"
     monkeypatch.setenv(EIGHT, "bogus")
     with pytest.raises(OverrideError, match=f"{EIGHT}='bogus'"):
         read_overrides()

@@ -114,7 +114,7 @@ def test_a_pinned_group_runs_its_rung_and_the_rest_runs_the_decision() -> None:
         assert torch.equal(p, r)
         assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
     assert [g["rung"] for g in opt.param_groups] == ["fp32", "bf16"]
-    assert [g["rung_origin"] for g in opt.param_groups] == ["group", "pinned"]
+    assert [g["rung_origin"] for g in opt.param_groups] == ["group", "fixed"]
     assert opt.param_groups[0]["lr"] == 2e-3
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     opt.step()
@@ -151,8 +151,8 @@ def test_an_oom_escalates_only_the_groups_that_follow_the_decision() -> None:
         opt.escalate("again")  # the pinned fp32 group is not a rung to move to
 
 
-def _pinned_everywhere(model: torch.nn.ModuleDict):  # type: ignore[no-untyped-def]
-    # the rest pinned run-wide too, so an OOM is re-raised instead of escalated
+def _pinned_and_fixed(model: torch.nn.ModuleDict):  # type: ignore[no-untyped-def]
+    # the rest fixed by rung=, so an OOM is re-raised instead of escalated
     return choose_optimizer(_groups(model, "8bit"), rung="bf16", free_memory="1GiB")
 
 
@@ -161,7 +161,7 @@ def test_an_oom_at_any_allocation_of_any_engine_changes_nothing(steps_before: in
     """Fail the k-th allocation of a step over two engines (bf16 first, then the pinned
     8bit one) for every k; a clean step afterwards equals an unfailed run bit for bit."""
     clean_model = _model()
-    clean = _pinned_everywhere(clean_model)
+    clean = _pinned_and_fixed(clean_model)
     for s in range(steps_before):
         _set_grads(_params(clean_model), s)
         clean.step()
@@ -176,7 +176,7 @@ def test_an_oom_at_any_allocation_of_any_engine_changes_nothing(steps_before: in
 
     def prepared():  # type: ignore[no-untyped-def]
         model = _model()
-        opt = _pinned_everywhere(model)
+        opt = _pinned_and_fixed(model)
         _set_grads(_params(model), 0)
         return opt
 
@@ -333,7 +333,7 @@ def test_unfused_pinned_rung_warns_once(
             ],
             {},
             r"param group 1\['rung_origin'\]='user' is not an origin; accepted values: policy, "
-            "forced, pinned, escalated, checkpoint, group",
+            "forced, fixed, escalated, checkpoint, group",
         ),
         (  # named by the group's place in the user's list, not in its engine
             lambda m: [

@@ -211,7 +211,7 @@ def test_json_is_a_decision(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert code == 0
     decision = Decision.model_validate_json(out)  # stdout is the JSON and nothing else
-    assert decision.rung == "8bit" and decision.origin == "pinned"
+    assert decision.rung == "8bit" and decision.origin == "fixed"
     assert decision.state_bytes == {k: v for k, v in GPT2.items() if k != "params"}
     assert decision.free_memory == 2 * 2**30
     assert decision.capabilities.device == "cuda"
@@ -400,7 +400,7 @@ def test_override_variables_act(
 ) -> None:
     monkeypatch.setenv("OPTLADDER_RUNG", "bf16")
     code, out, _ = plan_cli(capsys, "--params", "1e6", "--free-memory", "1TiB", "--json")
-    assert code == 0 and Decision.model_validate_json(out).origin == "pinned"
+    assert code == 0 and Decision.model_validate_json(out).origin == "fixed"
     monkeypatch.setenv("OPTLADDER_RUNG", "fp64")
     code, _, err = plan_cli(capsys, "--params", "1e6", "--free-memory", "1TiB")
     assert code == 2 and "OPTLADDER_RUNG='fp64'" in err

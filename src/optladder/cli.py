@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         "Without options: once per rung, with a free memory that makes the policy choose "
         "it, then the OOM ladder demo (--oom).",
     )
-    demo.add_argument("--rung", type=str.lower, choices=RUNG_CHOICES, help="pin a rung")
+    demo.add_argument("--rung", type=str.lower, choices=RUNG_CHOICES, help="fix the rung")
     demo.add_argument(
         "--free-memory",
         help="memory the optimizer may assume free: bytes or e.g. '2MiB' (default: probed)",
@@ -185,7 +185,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "torch_dtype or dtype, else float32; --model: the factory's own; --params: float32)",
     )
     plan.add_argument(
-        "--rung", type=str.lower, choices=RUNG_CHOICES, help="pin a rung, past the memory gate"
+        "--rung", type=str.lower, choices=RUNG_CHOICES, help="fix the rung, past the memory gate"
     )
     plan.add_argument(
         "--policy-fraction", type=float, help="the memory gate's fraction, in (0, 1] (default 0.25)"

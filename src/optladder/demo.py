@@ -88,7 +88,7 @@ def train_digits(
     """Train the demo MLP through ``choose_optimizer`` and report what it reached.
 
     Args:
-        rung: pin a rung, or None to let the policy choose.
+        rung: fix the rung, or None to let the policy choose.
         free_memory: bytes (or ``"2MiB"``) the optimizer may assume free; None probes.
         epochs: passes over the training set, ``>= 1``.
         seed: seeds the split, the init, the batch order and the bf16 rounding.

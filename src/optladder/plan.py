@@ -446,7 +446,7 @@ def make_plan(
             (:func:`config_dtype`; float32 when it names none) for ``model_config``, the
             factory's own for ``model``.
         policy: the thresholds; default :class:`optladder.Policy()`.
-        rung: pin a rung, as ``choose_optimizer(rung=...)`` does.
+        rung: fix the rung, as ``choose_optimizer(rung=...)`` does.
         environ: where to read ``OPTLADDER_*`` overrides; None means ``os.environ``.
 
     Returns:

@@ -267,10 +267,20 @@ GROUP_PIN_ORIGIN = "group"
 """``ORIGIN_KEY`` of a group that pins its own rung."""
 
 
-Origin = Literal["policy", "forced", "pinned", "escalated", "checkpoint"]
-"""How a decision's rung was reached (``Decision.origin``)."""
+Origin = Literal["policy", "forced", "fixed", "escalated", "checkpoint"]
+"""How a decision's rung was reached (``Decision.origin``). ``"fixed"``: the whole
+optimizer's rung was fixed by ``rung=`` or ``OPTLADDER_RUNG``, and never moves (a *pinned*
+rung is a param group's own, :data:`GROUP_PIN_ORIGIN`)."""
 GROUP_ORIGINS: tuple[str, ...] = (*get_args(Origin), GROUP_PIN_ORIGIN)
-"""The values ``ORIGIN_KEY`` may hold in a param group."""
+"""The values ``ORIGIN_KEY`` may hold in a param group (besides :data:`OLD_ORIGINS`)."""
+OLD_ORIGINS: Mapping[str, Origin] = {"pinned": "fixed"}
+"""Origins written by earlier versions (checkpoints' param groups, serialized decisions),
+and what each is called now: ``"pinned"`` was the origin of a rung fixed by ``rung=``."""
+
+
+def current_origin(origin: object) -> object:
+    """``origin`` in today's spelling (:data:`OLD_ORIGINS`); anything else unchanged."""
+    return OLD_ORIGINS.get(origin, origin) if isinstance(origin, str) else origin
 
 
 def group_pin(group: Mapping[str, Any], where: str) -> Rung | None:
@@ -289,9 +299,10 @@ def group_pin(group: Mapping[str, Any], where: str) -> Rung | None:
 
     Raises:
         ValueError: if ``"rung"`` is not a rung (case-insensitive) or ``"rung_origin"``
-            is not one of :data:`GROUP_ORIGINS` (None counts as absent).
+            is not one of :data:`GROUP_ORIGINS` or :data:`OLD_ORIGINS` (None counts as
+            absent).
     """
-    origin = group.get(ORIGIN_KEY)
+    origin = current_origin(group.get(ORIGIN_KEY))
     if origin is not None and origin not in GROUP_ORIGINS:
         raise ValueError(
             f"{where}['{ORIGIN_KEY}']={origin!r} is not an origin; accepted values: "

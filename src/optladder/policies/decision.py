@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numbers
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from optladder.policies.footprint import Footprint
 from optladder.policies.overrides import Overrides
 from optladder.policies.policy import Policy
-from optladder.rungs import RUNGS, Capabilities, Origin, Rung, rung_refusal
+from optladder.rungs import RUNGS, Capabilities, Origin, Rung, current_origin, rung_refusal
 from optladder.units import format_bytes
 
 
@@ -19,9 +19,10 @@ class Decision(BaseModel):
     Attributes:
         rung: the chosen rung.
         origin: ``"policy"`` (chosen by the rules), ``"forced"`` (a ``=1`` variable),
-            ``"pinned"`` (``rung=`` or ``OPTLADDER_RUNG``), ``"escalated"`` (moved down
+            ``"fixed"`` (``rung=`` or ``OPTLADDER_RUNG``), ``"escalated"`` (moved down
             after an out-of-memory error) or ``"checkpoint"`` (moved to the rung a loaded
-            checkpoint had escalated to).
+            checkpoint had escalated to). ``"pinned"``, the name of ``"fixed"`` in
+            earlier versions, is read as ``"fixed"``.
         fits: whether the rung's state passes the memory gate.
         reasons: the steps of the choice, in sentences.
         state_bytes: per rung, estimated optimizer-state bytes (from the footprint).
@@ -49,6 +50,13 @@ class Decision(BaseModel):
     capabilities: Capabilities
     policy: Policy
     overrides: Overrides
+
+    @field_validator("origin", mode="before")
+    @classmethod
+    def _old_origin(cls, origin: object) -> object:
+        """An origin written by an earlier version in today's spelling
+        (:data:`optladder.rungs.OLD_ORIGINS`)."""
+        return current_origin(origin)
 
     def summary(self) -> str:
         """The decision in a few lines for a log or a terminal.
@@ -163,7 +171,7 @@ def decide(
 
     Rules, in order:
 
-    1. A pinned rung (``rung=`` / ``OPTLADDER_RUNG``) or a forced one (``=1``) is used as
+    1. A fixed rung (``rung=`` / ``OPTLADDER_RUNG``) or a forced one (``=1``) is used as
        asked, past the memory gate; ``fits`` still reports the gate.
     2. Otherwise the policy starts at ``fp32``, or at ``bf16`` when the model has at
        least ``policy.proactive_bf16_min_params`` trainable elements *and* the bf16 rung
@@ -187,7 +195,7 @@ def decide(
 
     Raises:
         ValueError: if ``free_memory`` is not an integer ``>= 0`` (NumPy integers are
-            accepted), or a pinned/forced rung cannot be built (disabled is impossible
+            accepted), or a fixed/forced rung cannot be built (disabled is impossible
             here; unavailable, or params it cannot take).
         TypeError: if ``footprint``, ``capabilities``, ``policy`` or ``overrides`` is not
             of its optladder type (a plain dict is not a :class:`Policy`).
@@ -227,7 +235,7 @@ def decide(
             f"{format_bytes(free_memory)} free)"
         )
 
-    asked = overrides.pinned or overrides.forced
+    asked = overrides.fixed or overrides.forced
     if asked is not None:
         # Overrides built by hand may carry no sources.
         asker = overrides.sources[0] if overrides.sources else f"the {overrides.origin} override"
@@ -236,7 +244,7 @@ def decide(
                 f"{asker} asks for the {asked} rung, which cannot be used: {excluded[asked]}"
             )
         rung: Rung = asked
-        verb = "pins" if overrides.pinned else "forces"
+        verb = "fixes" if overrides.fixed else "forces"
         reasons.append(f"{asker} {verb} the {rung} rung past the memory gate")
         reasons += [f"note: {s}" for s in overrides.sources[1:]]
         reasons.append(gate(rung))
@@ -302,18 +310,27 @@ def decide(
     )
 
 
+def fixed_reason(decision: Decision) -> str | None:
+    """Why ``decision``'s rung may not move at all (``"the bf16 rung is fixed by
+    rung='bf16'"``: ``rung=`` or ``OPTLADDER_RUNG`` fixed it), or None."""
+    if decision.overrides.fixed is None:
+        return None
+    source = decision.overrides.sources[0] if decision.overrides.sources else "the user"
+    return f"the {decision.rung} rung is fixed by {source}"
+
+
 def escalation_target(decision: Decision) -> tuple[Rung | None, str]:
     """The next cheaper rung the ladder may move to from ``decision.rung``, and why.
 
-    Pure, like :func:`decide`: a pinned rung never moves; rungs disabled by the user,
+    Pure, like :func:`decide`: a fixed rung (``rung=``) never moves; rungs disabled by the user,
     unavailable on the device, or unable to take the params (complex, float64) are skipped.
 
     Returns:
         ``(rung, "")``, or ``(None, reason)`` when there is nowhere to go.
     """
-    if decision.overrides.pinned is not None:
-        source = decision.overrides.sources[0] if decision.overrides.sources else "the user"
-        return None, f"the {decision.rung} rung is pinned by {source}"
+    fixed = fixed_reason(decision)
+    if fixed is not None:
+        return None, fixed
     allowed, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
     skipped = []
     for rung in RUNGS[RUNGS.index(decision.rung) + 1 :]:

@@ -5,7 +5,8 @@ Variables (read when :func:`read_overrides` is called, never at import):
 - ``OPTLADDER_BF16_ADAM``: ``1`` forces the bf16 rung past the memory gate; ``0`` removes
   it from the choices.
 - ``OPTLADDER_8BIT_ADAM``: the same for the 8-bit rung.
-- ``OPTLADDER_RUNG``: pins one rung (``fp32``, ``bf16`` or ``8bit``).
+- ``OPTLADDER_RUNG``: fixes the rung (``fp32``, ``bf16`` or ``8bit``): used past the
+  memory gate, never escalated.
 
 Booleans accept ``1/0/true/false/on/off`` in any case. The ``rung=`` argument beats every
 variable. The style follows the seed design's ``AIDOTNET_BF16_ADAM`` switch.
@@ -22,9 +23,9 @@ import difflib
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from optladder.errors import OptladderWarning, user_stacklevel
@@ -59,8 +60,10 @@ class Overrides(BaseModel):
     """What the user said about rungs, as plain data for :func:`optladder.decide`.
 
     Attributes:
-        pinned: a rung that must be used and never changed (``rung=`` or
-            ``OPTLADDER_RUNG``); it bypasses the memory gate.
+        fixed: a rung that must be used and never changed (``rung=`` or
+            ``OPTLADDER_RUNG``); it bypasses the memory gate. *Pinned* names a param
+            group's own rung, not this; ``pinned``, this field's name in earlier
+            versions, is still accepted on input, so the decisions they serialized load.
         forced: a rung asked for with ``=1``; it bypasses the memory gate.
         disabled: rungs removed from the choices with ``=0``.
         sources: per effective setting, where it came from, e.g.
@@ -69,16 +72,47 @@ class Overrides(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    pinned: Rung | None = None
+    fixed: Rung | None = None
     forced: Rung | None = None
     disabled: frozenset[Rung] = frozenset()
     sources: tuple[str, ...] = ()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_field_name(cls, data: Any) -> Any:
+        """Take ``pinned``, this model's name for :attr:`fixed` in earlier versions (a
+        serialized decision's ``overrides``), as ``fixed``.
+
+        Raises:
+            ValueError: both ``pinned`` and ``fixed`` given, with different values.
+        """
+        if not isinstance(data, Mapping) or "pinned" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("pinned")
+        if data.get("fixed", old) != old:
+            raise ValueError(
+                f"pinned={old!r} and fixed={data['fixed']!r} contradict: 'pinned' is the old "
+                "name of 'fixed'; give fixed only"
+            )
+        data["fixed"] = old
+        return data
+
     @property
-    def origin(self) -> Literal["pinned", "forced", "policy"]:
-        """``"pinned"``, ``"forced"`` or ``"policy"``: who chooses the rung."""
-        if self.pinned is not None:
-            return "pinned"
+    def pinned(self) -> Rung | None:
+        """Deprecated name of :attr:`fixed` (warns ``FutureWarning``)."""
+        warnings.warn(
+            "Overrides.pinned is now Overrides.fixed ('pinned' names a param group's own rung)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.fixed
+
+    @property
+    def origin(self) -> Literal["fixed", "forced", "policy"]:
+        """``"fixed"``, ``"forced"`` or ``"policy"``: who chooses the rung."""
+        if self.fixed is not None:
+            return "fixed"
         return "forced" if self.forced is not None else "policy"
 
 
@@ -138,7 +172,7 @@ def read_overrides(rung: str | None = None, environ: Mapping[str, str] | None = 
 
     Args:
         rung: the ``rung=`` argument of :func:`optladder.choose_optimizer`; when given it
-            pins that rung and the variables' choices are ignored (their values are
+            fixes that rung and the variables' choices are ignored (their values are
             still checked).
         environ: the environment to read; ``None`` means ``os.environ`` (read now).
 
@@ -179,7 +213,7 @@ def read_overrides(rung: str | None = None, environ: Mapping[str, str] | None = 
         sources = [f"rung={arg_rung!r}"]
         if ignored:
             sources.append(f"rung={arg_rung!r} overrides " + ", ".join(ignored))
-        return Overrides(pinned=arg_rung, sources=tuple(sources))
+        return Overrides(fixed=arg_rung, sources=tuple(sources))
 
     forced = [(r, src) for r, (src, on) in switches.items() if on is True]
     disabled = {r: src for r, (src, on) in switches.items() if on is False}
@@ -198,7 +232,7 @@ def read_overrides(rung: str | None = None, environ: Mapping[str, str] | None = 
                 f"{ENV_RUNG}={rung_raw} contradicts {disabled[env_rung]}; unset one of them"
             )
         return Overrides(
-            pinned=env_rung,
+            fixed=env_rung,
             disabled=frozenset(disabled),
             sources=(f"{ENV_RUNG}={rung_raw}", *sources),
         )

@@ -5,12 +5,12 @@ from optladder.oom import describe_error, is_oom
 from optladder.selector.adamw import AdamW, choose_optimizer
 from optladder.selector.adopt import adopt
 from optladder.selector.choose import InsufficientMemoryError, OptladderWarning
+from optladder.selector.escalation import Escalation
 from optladder.selector.ladder import Ladder
 from optladder.selector.optimizer import (
     ORIGIN_KEY,
     REASON_KEY,
     RUNG_KEY,
-    Escalation,
     LadderOptimizer,
     OptimizerOutOfMemoryError,
     PartialStepError,

@@ -17,7 +17,8 @@ import torch
 from optladder.optimizers.rounding import Rounding
 from optladder.policies import Policy
 from optladder.selector.choose import decide_and_build
-from optladder.selector.optimizer import Escalation, LadderOptimizer
+from optladder.selector.escalation import Escalation
+from optladder.selector.optimizer import LadderOptimizer
 
 __all__ = ["AdamW", "choose_optimizer"]
 
@@ -124,7 +125,8 @@ class AdamW(LadderOptimizer):
         eps: added to the denominator, ``>= 0``.
         weight_decay: decoupled (AdamW) decay, ``>= 0``.
         amsgrad: False only (see below).
-        rung: pin a rung (``"fp32"``, ``"bf16"``, ``"8bit"``), past the memory gate.
+        rung: fix the rung (``"fp32"``, ``"bf16"``, ``"8bit"``) of the groups that follow
+            the decision, past the memory gate; the ladder never moves a fixed rung.
         free_memory: bytes this run may still use on the device (an int, or a string
             such as ``"24GiB"``); probed when None.
         device: the device whose memory gates the choice; default the params' device.

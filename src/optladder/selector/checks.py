@@ -265,7 +265,7 @@ def check_checkpoint_groups(
 def check_pins(groups: list[dict[str, Any]], decision: Decision) -> None:
     """Refuse group pins the run cannot honour: a pinned rung the user disabled (``=0``)
     or the device cannot run, and pins that leave no trainable param to follow the
-    decision (pin the whole optimizer with ``rung=`` instead).
+    decision (fix the whole optimizer's rung with ``rung=`` instead).
 
     Args:
         groups: all param groups.
@@ -288,7 +288,7 @@ def check_pins(groups: list[dict[str, Any]], decision: Decision) -> None:
         raise ValueError(
             "every trainable param is in a param group that pins its rung "
             "(param_group['rung']), so none follows the decision; leave at least one group "
-            "of trainable params unpinned, or pin the whole optimizer with rung= / "
+            "of trainable params unpinned, or fix the whole optimizer's rung with rung= / "
             "OPTLADDER_RUNG"
         )
 

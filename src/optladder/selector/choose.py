@@ -24,7 +24,6 @@ from optladder.optimizers.rounding import (
 )
 from optladder.policies import (
     Decision,
-    Footprint,
     Policy,
     decide,
     measure_footprint,
@@ -33,7 +32,8 @@ from optladder.policies import (
     read_overrides,
 )
 from optladder.policies.decision import allowed_rungs
-from optladder.rungs import RUNGS, Rung, group_pin
+from optladder.rungs import Rung, group_pin
+from optladder.selector.agreement import largest_over_ranks, min_over_ranks, same_on_all_ranks
 from optladder.selector.checks import (
     check_groups,
     check_max_retries,
@@ -42,7 +42,8 @@ from optladder.selector.checks import (
     check_pins,
     refuse_meta_params,
 )
-from optladder.selector.optimizer import EngineBuilder, Escalation
+from optladder.selector.escalation import Escalation
+from optladder.selector.optimizer import EngineBuilder
 from optladder.units import format_bytes, parse_bytes
 
 logger = logging.getLogger("optladder")
@@ -189,7 +190,7 @@ def decide_and_build(
     refuse_meta_params(groups)
     footprint = measure_footprint(groups)
     overrides = read_overrides(rung, environ)
-    asked = overrides.pinned or overrides.forced
+    asked = overrides.fixed or overrides.forced
     if asked is not None:  # name the first param the asked rung cannot take
         for gi, g in enumerate(groups):
             if group_pin(g, f"param group {gi}") is None:
@@ -200,13 +201,13 @@ def decide_and_build(
         free, source = probe.free_bytes, probe.source
     else:
         free, source = parse_bytes(free_memory, "free_memory"), "given as free_memory"
-    free, source = _min_over_ranks(free, source, target)
-    footprint = _largest_over_ranks(footprint, target)
+    free, source = min_over_ranks(free, source, target)
+    footprint = largest_over_ranks(footprint, target)
     # Of the params that follow the decision: each pinned engine probes its own.
     capabilities = probe_capabilities(target, footprint.dtypes, footprint.has_complex)
     if footprint.sharded:
         capabilities = without_dtensor_unsupported(capabilities)
-    decision = _same_on_all_ranks(
+    decision = same_on_all_ranks(
         decide(
             footprint, free, capabilities, policy or Policy(), overrides, free_memory_source=source
         )
@@ -274,46 +275,3 @@ def _check_options(
             f"decoupled_weight_decay must be True (AdamW) or False (Adam), got "
             f"{decoupled_weight_decay!r}"
         )
-
-
-def _distributed() -> Any:
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _min_over_ranks(free: int, source: str, device: torch.device) -> tuple[int, str]:
-    """The least free memory over all ranks (every rank must fit the same rung)."""
-    dist = _distributed()
-    if dist is None or dist.get_world_size() == 1:
-        return free, source
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([free], dtype=torch.int64, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item()), f"{source}; minimum over {dist.get_world_size()} ranks"
-
-
-def _largest_over_ranks(footprint: Footprint, device: torch.device) -> Footprint:
-    """``footprint`` with each rung's state bytes replaced by the maximum over all ranks.
-
-    Sharded (DTensor) params can leave ranks with shards of different sizes; the rung
-    must fit the rank that needs the most. Replicated params need the same everywhere.
-    """
-    dist = _distributed()
-    if dist is None or dist.get_world_size() == 1:
-        return footprint
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([footprint.state_bytes[r] for r in RUNGS], dtype=torch.int64, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    largest = dict(zip(RUNGS, (int(b) for b in t.tolist())))
-    return footprint.model_copy(update={"state_bytes": largest})
-
-
-def _same_on_all_ranks(decision: Decision) -> Decision:
-    """Rank 0's decision, on every rank."""
-    dist = _distributed()
-    if dist is None or dist.get_world_size() == 1:
-        return decision
-    box: list[Any] = [decision.model_dump_json()]
-    dist.broadcast_object_list(box, src=0)
-    return Decision.model_validate_json(box[0])

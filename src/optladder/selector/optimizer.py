@@ -1,11 +1,17 @@
 """The optladder optimizer: one object per run that delegates to the current rung.
 
-It steps in two phases (prepare, then commit: see
+The class holds the torch contract (``step``, ``zero_grad``, ``add_param_group``,
+``state_dict``/``load_state_dict`` with their hooks, AMP's ``grad_scale``/``found_inf``)
+and the engines of the rungs. It steps in two phases (prepare, then commit: see
 :mod:`optladder.optimizers.transaction`), so an out-of-memory error in a step leaves
 params, moments and step counts as they were; it then moves its state to the next
-cheaper rung (:func:`optladder.optimizers.migrate.migrate_engine`) and retries the step,
-once per rung. Under ``torch.distributed`` every rank agrees on the OOM before any rank
-commits, so ranks never differ in rung or step count.
+cheaper rung and retries the step, once per rung. The rest sits in a module of its own:
+
+- :mod:`optladder.selector.escalation`: the ladder, the moves between rungs;
+- :mod:`optladder.selector.checkpointing`: ``state_dict`` and its loading, from any rung;
+- :mod:`optladder.selector.agreement`: every cross-rank agreement under
+  ``torch.distributed`` (every rank agrees on an OOM before any rank commits, so ranks
+  never differ in rung or step count).
 """
 
 from __future__ import annotations
@@ -14,27 +20,14 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from optladder.errors import OptladderWarning, user_stacklevel
 from optladder.oom import describe_error, is_oom
 from optladder.optimizers.adamw import unscale_grads_
-from optladder.optimizers.build import ENGINE_KEYS, dtype_names
+from optladder.optimizers.build import dtype_names
 from optladder.optimizers.capabilities import probe_capabilities
-from optladder.optimizers.checkpoint import from_checkpoint_form, to_checkpoint_form, zero_state
-from optladder.optimizers.migrate import (
-    check_param_state,
-    check_step_range,
-    convert_param_state,
-    migrate_engine,
-    read_step,
-    state_target,
-    unwrap_bnb_state,
-    wrap_bnb_state,
-)
 from optladder.optimizers.stepmemo import StepMemo
 from optladder.optimizers.transaction import (
     commit_step,
@@ -42,28 +35,27 @@ from optladder.optimizers.transaction import (
     prepare_step,
     rollback_step,
 )
-from optladder.policies.decision import Decision, allowed_rungs, escalation_target
+from optladder.policies.decision import Decision, escalation_target
 from optladder.policies.footprint import measure_footprint
 from optladder.rungs import (
     GROUP_PIN_ORIGIN,
     ORIGIN_KEY,
     REASON_KEY,
     RUNG_KEY,
-    RUNGS,
     Rung,
     group_pin,
 )
+from optladder.selector import checkpointing, escalation
+from optladder.selector.agreement import agree_any
 from optladder.selector.checks import (
-    check_checkpoint_groups,
     check_groups,
     check_max_retries,
     check_new_group,
     check_params_for_rung,
     check_pins,
-    decoupled_mode,
     refuse_meta_params,
 )
-from optladder.sharding import is_dtensor
+from optladder.selector.escalation import Escalation
 from optladder.units import format_bytes
 
 logger = logging.getLogger("optladder")
@@ -73,14 +65,12 @@ __all__ = [
     "REASON_KEY",
     "RUNG_KEY",
     "EngineBuilder",
-    "Escalation",
     "LadderOptimizer",
     "OptimizerOutOfMemoryError",
     "PartialStepError",
 ]
 
 _PIN_REASON = "pinned by its param group"
-_LADDER_KEYS = (RUNG_KEY, ORIGIN_KEY, REASON_KEY)
 
 EngineBuilder = Callable[[Rung, list[dict[str, Any]], bool], torch.optim.Optimizer]
 """``(rung, param_groups, fused)``: builds the engine of a rung over the param groups,
@@ -88,8 +78,8 @@ on the fused kernel when ``fused`` (see :func:`optladder.optimizers.build_engine
 
 
 class OptimizerOutOfMemoryError(torch.OutOfMemoryError):
-    """Out of memory, and the ladder cannot move further down (last rung, pinned rung,
-    or retries used up). The original error is chained as ``__cause__``.
+    """Out of memory, and the ladder cannot move further down (last rung, a rung fixed
+    by ``rung=``, or retries used up). The original error is chained as ``__cause__``.
 
     Attributes:
         rung: the rung the optimizer is on.
@@ -123,40 +113,6 @@ class PartialStepError(RuntimeError):
         self.stepped = stepped
         self.partly = partly
         self.not_stepped = not_stepped
-
-
-@dataclass(frozen=True)
-class Escalation:
-    """One move down the ladder.
-
-    Attributes:
-        from_rung: the rung left.
-        to_rung: the rung reached.
-        reason: why, in a sentence.
-        step: optimizer steps committed before the move.
-    """
-
-    from_rung: Rung
-    to_rung: Rung
-    reason: str
-    step: int
-
-
-def _empty_cache(device: str) -> None:
-    if device.startswith("cuda") and torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _agree_any(flag: bool, device: str) -> bool:
-    """True on every rank if ``flag`` is True on any rank (an all-reduce with MAX)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    on = device if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 class LadderOptimizer(torch.optim.Optimizer):
@@ -471,7 +427,8 @@ class LadderOptimizer(torch.optim.Optimizer):
 
         Raises:
             OptimizerOutOfMemoryError: out of memory with no rung left to move to (the
-                original error chained), the rung pinned, or ``max_retries`` used up.
+                original error chained), the rung fixed by ``rung=``, or ``max_retries``
+                used up.
         """
         loss = None
         if closure is not None:
@@ -509,7 +466,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             if not is_oom(exc):
                 raise
             error = exc
-        if not _agree_any(error is not None, self.device):
+        if not agree_any(error is not None, self.device):
             self._commit(engines, grad_scale)
             self._warn_unfused()
             return None
@@ -626,37 +583,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 ran out of memory (the message says so; the rung stays, and the state is
                 as before, or names the params an 8-bit move rounded).
         """
-        target, why_not = escalation_target(self._decision)
-        if target is None or self._rebuild is None:
-            raise self.out_of_memory_error(f"{reason}; {why_not or 'no rebuild function'}")
-        event = Escalation(self.rung, target, reason, self._steps)
-        try:
-            self.migrate_to(target, reason, origin="escalated")
-        except BaseException as exc:
-            if not is_oom(exc):
-                raise
-            rounded = getattr(exc, "rounded", None)
-            state = (
-                f"params {rounded} (index over the moved groups) were converted back with the "
-                f"{target} format's rounding"
-                if rounded
-                else "every param's state is exactly as before"
-            )
-            raise self.out_of_memory_error(
-                f"{reason}; escalating {self.rung} -> {target} ran out of memory too "
-                f"({describe_error(exc)}): the optimizer stays on {self.rung} and {state}"
-            ) from exc
-        self.escalations.append(event)
-        logger.warning(
-            "optladder: %s; escalated %s -> %s after %d steps",
-            reason,
-            event.from_rung,
-            event.to_rung,
-            event.step,
-        )
-        if self.on_escalate is not None:
-            self.on_escalate(event)
-        return event
+        return escalation.escalate(self, reason)
 
     def migrate_to(
         self, rung: Rung, reason: str, origin: str = "escalated", *, force: bool = False
@@ -677,59 +604,14 @@ class LadderOptimizer(torch.optim.Optimizer):
             rung: the target rung.
             reason: why, in a sentence (recorded in the decision's reasons).
             origin: ``"escalated"`` or ``"checkpoint"`` (``Decision.origin``).
-            force: move even from a pinned rung or onto a rung the user disabled (``=0``)
-                or that is unavailable; without it those raise.
+            force: move even from a rung fixed by ``rung=`` or onto a rung the user
+                disabled (``=0``) or that is unavailable; without it those raise.
 
         Raises:
-            ValueError: an unknown rung or origin; a pinned rung or a disabled or
+            ValueError: an unknown rung or origin; a fixed rung or a disabled or
                 unavailable target without ``force``.
         """
-        if rung not in RUNGS:
-            raise ValueError(f"rung={rung!r} is not a rung; accepted values: {', '.join(RUNGS)}")
-        if origin not in ("escalated", "checkpoint"):
-            raise ValueError(f"origin must be 'escalated' or 'checkpoint', got {origin!r}")
-        if self._rebuild is None:
-            raise RuntimeError("this optimizer was built without a rebuild function")
-        if rung == self.rung:
-            return
-        if not force:
-            why = _move_refused(self._decision, rung)
-            if why is not None:
-                raise ValueError(f"cannot move to {rung}: {why} (pass force=True to move anyway)")
-        old = self.engine
-        following = {id(g) for g in old.param_groups}
-        for gi, group in enumerate(self.param_groups):
-            if id(group) in following:  # named by its place among all groups
-                check_params_for_rung(group["params"], rung, None, f"group {gi}")
-        saved_groups = [dict(g) for g in old.param_groups]
-        self._memos.clear()  # they hold the state dicts the move drops
-        try:
-            fused = self._decision.capabilities.fused[rung]
-            new = self._rebuild(rung, old.param_groups, fused)
-            migrate_engine(old, new, keep_source=RUNGS.index(rung) < RUNGS.index(self.rung))
-        except BaseException:
-            _restore_groups(old.param_groups, saved_groups)
-            raise
-        self._switch(new, rung, reason, origin)
-
-    def _switch(self, new: torch.optim.Optimizer, rung: Rung, reason: str, origin: str) -> None:
-        """Make ``new`` (on ``rung``) the engine and record why in the decision."""
-        caps = self._decision.capabilities
-        fused = caps.fused.get(rung, False)
-        self._decision = self._decision.model_copy(
-            update={
-                "rung": rung,
-                "origin": origin,
-                "fits": self._decision.state_bytes[rung] <= self._decision.budget_bytes,
-                "reasons": (*self._decision.reasons, f"{reason}: moved to {rung}"),
-                "fused": fused,
-                "unfused_reason": None if fused else caps.unfused_reasons.get(rung),
-            }
-        )
-        self._mark_groups(new.param_groups, self._decision)
-        self._attach(new)
-        self._warn_unfused()
-        _empty_cache(self.device)
+        escalation.migrate(self, rung, reason, origin, force=force)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -760,63 +642,28 @@ class LadderOptimizer(torch.optim.Optimizer):
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
-        params = [p for g in self.param_groups for p in g["params"]]
-        index = {id(p): i for i, p in enumerate(params)}
-        state_dict: dict[str, Any] = {
-            "state": {index[id(p)]: st for p, st in self.state.items() if id(p) in index},
-            "param_groups": [
-                {
-                    **{k: v for k, v in g.items() if k != "params"},
-                    "params": [index[id(p)] for p in g["params"]],
-                }
-                for g in self.param_groups
-            ],
-        }
-        state_dict["state"] = self._checkpoint_states(state_dict["state"])
+        state_dict = checkpointing.state_dict(self)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
             if result is not None:
                 state_dict = result
         return state_dict
 
-    def _checkpoint_states(self, states: dict[Any, Any]) -> dict[Any, Any]:
-        """Each param's saved state in its checkpoint form
-        (:func:`optladder.optimizers.checkpoint.to_checkpoint_form`: sharded 8-bit state
-        as DTensors; a plain param's 8-bit state wrapped as bitsandbytes wraps it), and,
-        once any param has state, a zero state with ``step`` 0 for each trainable param
-        that has none yet (it never had a grad), so every checkpoint of the run has the
-        same keys."""
-        if not states:
-            return states
-        owner = {id(g): e for e in self._engines() for g in e.param_groups}
-        out: dict[Any, Any] = {}
-        index = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = states.get(index)
-                if not st and p.requires_grad:
-                    st = zero_state(state_target(owner[id(group)], group, p), p)
-                if st:
-                    form = to_checkpoint_form(st, p, f"param {index}")
-                    out[index] = form if is_dtensor(p) else wrap_bnb_state(form)
-                index += 1
-        return out
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict`` saved from any rung into this optimizer.
 
         If this optimizer's rung was chosen by the policy and the checkpoint's rung was
         reached by escalation, the optimizer first moves to the checkpoint's rung (a
-        resumed run must not run out of memory again). Otherwise (a pinned rung, or a
-        checkpoint from a policy choice) the checkpoint's state is converted into this
-        optimizer's rung. Groups that pin their rung keep it: their state is converted
-        into it, whatever the checkpoint had. bf16 moments stay bfloat16, 8-bit state
-        stays uint8 codes with float32 absmax, ``step`` lands where the engine keeps it,
-        and this optimizer's engine flags (``fused``, ``foreach``) are kept. Sharded
-        8-bit state saved per row (by :meth:`state_dict` under FSDP2) loads exactly
-        when its blocks are this rank's blocks, and is requantized otherwise (another
-        world size; see :mod:`optladder.optimizers.checkpoint`). A saved state with
-        ``step`` 0 (a param that had not stepped) loads as no state.
+        resumed run must not run out of memory again). Otherwise (a rung fixed by
+        ``rung=``, or a checkpoint from a policy choice) the checkpoint's state is
+        converted into this optimizer's rung. Groups that pin their rung keep it: their
+        state is converted into it, whatever the checkpoint had. bf16 moments stay
+        bfloat16, 8-bit state stays uint8 codes with float32 absmax, ``step`` lands where
+        the engine keeps it, and this optimizer's engine flags (``fused``, ``foreach``)
+        are kept. Sharded 8-bit state saved per row (by :meth:`state_dict` under FSDP2)
+        loads exactly when its blocks are this rank's blocks, and is requantized
+        otherwise (another world size; see :mod:`optladder.optimizers.checkpoint`). A
+        saved state with ``step`` 0 (a param that had not stepped) loads as no state.
         Hyperparameters (lr, betas, eps, weight_decay, a scheduler's ``initial_lr``, the
         bf16 seed) come from the checkpoint.
 
@@ -840,111 +687,9 @@ class LadderOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        self._load(state_dict)
+        checkpointing.load(self, state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
-
-    def _load(self, state_dict: dict[str, Any]) -> None:
-        if not isinstance(state_dict, dict):
-            raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        groups = state_dict.get("param_groups")
-        saved_state = state_dict.get("state")
-        if not isinstance(groups, list) or not isinstance(saved_state, dict):
-            raise ValueError("state_dict must have a 'param_groups' list and a 'state' dict")
-        check_checkpoint_groups(groups, decoupled_mode(self.engine))
-        live_groups = self.param_groups
-        if len(groups) != len(live_groups):
-            raise ValueError(
-                f"the state_dict has {len(groups)} param groups; this optimizer has "
-                f"{len(live_groups)}"
-            )
-        pairs: list[tuple[Any, torch.Tensor]] = []
-        for gi, (saved, live) in enumerate(zip(groups, live_groups)):
-            if len(saved["params"]) != len(live["params"]):
-                raise ValueError(
-                    f"param group {gi} of the state_dict has {len(saved['params'])} params; "
-                    f"this optimizer's has {len(live['params'])}"
-                )
-            pairs += zip(saved["params"], live["params"])
-        unknown = saved_state.keys() - {key for key, _ in pairs}
-        if unknown:
-            hint = (
-                " (torch.distributed.checkpoint puts the non-tensor values of an int-keyed "
-                "state, such as bitsandbytes' step, under string keys: save "
-                "get_optimizer_state_dict(model, opt) instead of opt.state_dict())"
-                if all(isinstance(k, str) and k.isdigit() for k in unknown)
-                else ""
-            )
-            raise ValueError(
-                f"the state_dict's state has entries for no param of its param groups: "
-                f"{sorted(map(repr, unknown))[:5]}{hint}"
-            )
-        loaded: dict[Any, dict[str, Any]] = {}  # key -> state in a layout convert reads
-        for pi, (key, p) in enumerate(pairs):
-            st = saved_state.get(key)
-            if st:
-                if not isinstance(st, dict):
-                    raise ValueError(
-                        f"param {pi}: its state must be a dict, got {type(st).__name__}"
-                    )
-                st = from_checkpoint_form(st, p, f"param {pi}")
-                check_param_state(st, p, f"param {pi}")
-                if read_step(st) > 0:  # step 0: saved for a param that never stepped
-                    loaded[key] = st
-        move_to = self._checkpoint_rung(groups)
-        engine = self.engine
-        saved_groups = [dict(g) for g in live_groups]
-        try:
-            if move_to is not None:  # the live state is replaced below: nothing to migrate
-                assert self._rebuild is not None
-                fused = self._decision.capabilities.fused[move_to]
-                engine = self._rebuild(move_to, engine.param_groups, fused)
-            owner = {id(g): e for e in self._engines(engine) for g in e.param_groups}
-            new_state: dict[torch.Tensor, dict[str, Any]] = {}
-            group_of_param = [g for g in live_groups for _ in g["params"]]
-            for pi, ((key, p), group) in enumerate(zip(pairs, group_of_param)):
-                saved_param_state = loaded.get(key)
-                if saved_param_state:
-                    flat = unwrap_bnb_state(saved_param_state)
-                    if "step" in flat:
-                        where = f"param {pi} of the state_dict"
-                        check_step_range(read_step(flat), owner[id(group)], p, where)
-                    target = state_target(owner[id(group)], group, p)
-                    new_state[p] = convert_param_state(saved_param_state, p, target, copy=True)
-        except BaseException:
-            _restore_groups(live_groups, saved_groups)
-            raise
-        # Commit: nothing below allocates.
-        for saved, live in zip(groups, live_groups):
-            for name, value in saved.items():
-                if name != "params" and name not in ENGINE_KEYS and name not in _LADDER_KEYS:
-                    live[name] = value
-        self._memos.clear()  # they hold the state dicts being replaced
-        for held in self._engines():
-            release = getattr(held, "release_tables", None)
-            if release is not None:
-                release()  # their tables hold the state being replaced
-        self.state.clear()
-        self.state.update(new_state)
-        if move_to is not None:
-            self._switch(engine, move_to, self._checkpoint_reason(move_to), "checkpoint")
-
-    def _checkpoint_rung(self, groups: list[dict[str, Any]]) -> Rung | None:
-        """The rung to move to before loading a checkpoint with these param groups: the
-        rung its decided groups (the first that does not pin its rung) had reached, when
-        they had escalated (or followed a checkpoint), this optimizer's rung was not
-        pinned or forced, and the user allows that rung; otherwise None."""
-        first = next((g for g in groups if g.get(ORIGIN_KEY) != GROUP_PIN_ORIGIN), {})
-        saved = next((r for r in RUNGS if first.get(RUNG_KEY) == r), None)
-        if (
-            saved is None
-            or saved == self.rung
-            or first.get(ORIGIN_KEY) not in ("escalated", "checkpoint")
-            or self._decision.origin not in ("policy", "escalated", "checkpoint")
-            or self._rebuild is None
-        ):
-            return None
-        return saved if _move_refused(self._decision, saved) is None else None
 
     def follow_checkpoint(self, param_groups: Sequence[dict[str, Any]]) -> Rung | None:
         """Deprecated: ``dcp.load(..., planner=optladder.DCPLoadPlanner())`` loads a
@@ -974,46 +719,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             FutureWarning,
             stacklevel=2,
         )
-        if not isinstance(param_groups, Sequence) or not all(
-            isinstance(g, dict) for g in param_groups
-        ):
-            raise ValueError(
-                f"param_groups must be a list of dicts (a state_dict's 'param_groups'), got "
-                f"{type(param_groups).__name__}"
-            )
-        if len(param_groups) != len(self.param_groups):
-            raise ValueError(
-                f"the checkpoint has {len(param_groups)} param groups; this optimizer has "
-                f"{len(self.param_groups)}"
-            )
-        check_checkpoint_groups(list(param_groups), decoupled_mode(self.engine), need_params=False)
-        target = self._checkpoint_rung(list(param_groups))
-        if target is not None:
-            self.migrate_to(target, self._checkpoint_reason(target), origin="checkpoint")
-        return target
-
-    def _checkpoint_reason(self, rung: Rung) -> str:
-        """Why the optimizer moves to a checkpoint's ``rung``, for the decision's reasons;
-        warns (``UserWarning`` and a log line) when the local policy would not pick that
-        rung: it is wider than the current one or over the memory gate here."""
-        reason = f"the checkpoint had escalated to {rung}"
-        d = self._decision
-        state, gate = d.state_bytes[rung], d.budget_bytes
-        if RUNGS.index(rung) < RUNGS.index(d.rung) or state > gate:
-            reason += (
-                f" (the local policy chose {d.rung}: {rung} state {state:,} bytes "
-                f"({format_bytes(state)}) against a gate of {gate:,} bytes "
-                f"({format_bytes(gate)}){', over it' if state > gate else ''}; moved as the "
-                "checkpoint asks. To keep the local rung, build the optimizer with rung= "
-                "or load into a pinned one)"
-            )
-            warnings.warn(
-                f"optladder: loading moves the optimizer to {rung}: {reason}",
-                OptladderWarning,
-                stacklevel=user_stacklevel(),
-            )
-            logger.warning("optladder: %s", reason)
-        return reason
+        return checkpointing.follow_checkpoint(self, param_groups)
 
     def __getstate__(self) -> dict[str, Any]:
         """Refused: the optimizer holds its engines and a build function, which a copy
@@ -1042,25 +748,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         return f"{name} (rung={self.rung!r}, {fused}, engine={engine}{pinned}{groups}"
 
 
-def _move_refused(decision: Decision, rung: Rung) -> str | None:
-    """Why the user's word forbids moving ``decision``'s optimizer to ``rung``, or None."""
-    if decision.overrides.pinned is not None:
-        source = decision.overrides.sources[0] if decision.overrides.sources else "the user"
-        return f"the {decision.rung} rung is pinned by {source}"
-    allowed, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
-    return None if allowed[rung] else excluded[rung]
-
-
 def _mark_pinned(groups: list[dict[str, Any]], rung: Rung) -> None:
     """Record in each group that it pins ``rung`` (the form :func:`group_pin` reads)."""
     for group in groups:
         group[RUNG_KEY] = rung
         group[ORIGIN_KEY] = GROUP_PIN_ORIGIN
         group[REASON_KEY] = _PIN_REASON
-
-
-def _restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
-    """Put back the items of each group dict (same dict objects)."""
-    for group, items in zip(groups, saved):
-        group.clear()
-        group.update(items)

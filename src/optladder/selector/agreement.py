@@ -1,0 +1,80 @@
+"""Agreement across ranks under ``torch.distributed``: every cross-rank collective the
+optimizer runs lives here.
+
+At construction every rank must reach the same decision (:func:`min_over_ranks` of the
+free memory, :func:`largest_over_ranks` of each rung's state bytes, then rank 0's decision
+on every rank: :func:`same_on_all_ranks`); in a step every rank must agree whether any
+rank ran out of memory before any rank commits (:func:`agree_any`, one small all-reduce).
+On a single process (no initialized process group) each returns its input and
+communicates nothing.
+
+The collectives run on ``device`` under NCCL and on the CPU under other backends (gloo).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from optladder.policies import Decision, Footprint
+from optladder.rungs import RUNGS
+
+__all__ = ["agree_any", "largest_over_ranks", "min_over_ranks", "same_on_all_ranks"]
+
+
+def _distributed() -> Any:
+    """``torch.distributed`` when a process group is initialized, else None."""
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def agree_any(flag: bool, device: str) -> bool:
+    """True on every rank if ``flag`` is True on any rank (an all-reduce with MAX of one
+    int32 on ``device``, or on the CPU under a backend other than NCCL)."""
+    dist = _distributed()
+    if dist is None:
+        return flag
+    on = device if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def min_over_ranks(free: int, source: str, device: torch.device) -> tuple[int, str]:
+    """The least free memory over all ranks, in bytes, and its source in words (every
+    rank must fit the same rung)."""
+    dist = _distributed()
+    if dist is None or dist.get_world_size() == 1:
+        return free, source
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([free], dtype=torch.int64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item()), f"{source}; minimum over {dist.get_world_size()} ranks"
+
+
+def largest_over_ranks(footprint: Footprint, device: torch.device) -> Footprint:
+    """``footprint`` with each rung's state bytes replaced by the maximum over all ranks.
+
+    Sharded (DTensor) params can leave ranks with shards of different sizes; the rung
+    must fit the rank that needs the most. Replicated params need the same everywhere.
+    """
+    dist = _distributed()
+    if dist is None or dist.get_world_size() == 1:
+        return footprint
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([footprint.state_bytes[r] for r in RUNGS], dtype=torch.int64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    largest = dict(zip(RUNGS, (int(b) for b in t.tolist())))
+    return footprint.model_copy(update={"state_bytes": largest})
+
+
+def same_on_all_ranks(decision: Decision) -> Decision:
+    """Rank 0's decision, on every rank (broadcast as its JSON)."""
+    dist = _distributed()
+    if dist is None or dist.get_world_size() == 1:
+        return decision
+    box: list[Any] = [decision.model_dump_json()]
+    dist.broadcast_object_list(box, src=0)
+    return Decision.model_validate_json(box[0])

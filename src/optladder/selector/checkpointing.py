@@ -1,0 +1,266 @@
+"""Checkpoint conversion: the optimizer's ``state_dict`` in one layout, and loading one
+saved from any rung.
+
+:func:`state_dict` lays out every group's state in torch's ``Optimizer.state_dict``
+layout, each param's state in its rung's format as that rung's reference optimizer
+saves it (:func:`checkpoint_states`); :func:`load` checks a saved state dict against the
+params, converts each param's state into the format of the rung its group is on, and
+replaces the optimizer's state only when every param converted. Before a load, the groups
+that follow the decision move to the rung the checkpoint had escalated to, when the user
+allows it (:func:`checkpoint_rung`, :func:`checkpoint_reason`).
+
+These functions carry out the checkpoint methods of
+:class:`~optladder.selector.optimizer.LadderOptimizer` (``state_dict``,
+``load_state_dict``, ``follow_checkpoint``), which run torch's hooks around them; their
+docstrings there are the contract.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from optladder.errors import OptladderWarning, user_stacklevel
+from optladder.optimizers.build import ENGINE_KEYS
+from optladder.optimizers.checkpoint import from_checkpoint_form, to_checkpoint_form, zero_state
+from optladder.optimizers.migrate import (
+    check_param_state,
+    check_step_range,
+    convert_param_state,
+    read_step,
+    state_target,
+    unwrap_bnb_state,
+    wrap_bnb_state,
+)
+from optladder.rungs import GROUP_PIN_ORIGIN, ORIGIN_KEY, REASON_KEY, RUNG_KEY, RUNGS, Rung
+from optladder.selector.checks import check_checkpoint_groups, decoupled_mode
+from optladder.selector.escalation import move_refused, restore_groups, switch
+from optladder.sharding import is_dtensor
+from optladder.units import format_bytes
+
+if TYPE_CHECKING:
+    from optladder.selector.optimizer import LadderOptimizer
+
+logger = logging.getLogger("optladder")
+
+__all__ = [
+    "checkpoint_reason",
+    "checkpoint_rung",
+    "checkpoint_states",
+    "follow_checkpoint",
+    "load",
+    "state_dict",
+]
+
+_LADDER_KEYS = (RUNG_KEY, ORIGIN_KEY, REASON_KEY)
+
+
+def state_dict(opt: LadderOptimizer) -> dict[str, Any]:
+    """``opt``'s state dict in torch's layout, each param's state in its checkpoint form
+    (see :meth:`LadderOptimizer.state_dict`; the hooks run there).
+
+    Raises:
+        ValueError: for 8-bit state of a DTensor param not sharded on dim 0.
+    """
+    params = [p for g in opt.param_groups for p in g["params"]]
+    index = {id(p): i for i, p in enumerate(params)}
+    out: dict[str, Any] = {
+        "state": {index[id(p)]: st for p, st in opt.state.items() if id(p) in index},
+        "param_groups": [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [index[id(p)] for p in g["params"]],
+            }
+            for g in opt.param_groups
+        ],
+    }
+    out["state"] = checkpoint_states(opt, out["state"])
+    return out
+
+
+def checkpoint_states(opt: LadderOptimizer, states: dict[Any, Any]) -> dict[Any, Any]:
+    """Each param's saved state in its checkpoint form
+    (:func:`optladder.optimizers.checkpoint.to_checkpoint_form`: sharded 8-bit state
+    as DTensors; a plain param's 8-bit state wrapped as bitsandbytes wraps it), and,
+    once any param has state, a zero state with ``step`` 0 for each trainable param
+    that has none yet (it never had a grad), so every checkpoint of the run has the
+    same keys."""
+    if not states:
+        return states
+    owner = {id(g): e for e in opt._engines() for g in e.param_groups}
+    out: dict[Any, Any] = {}
+    index = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = states.get(index)
+            if not st and p.requires_grad:
+                st = zero_state(state_target(owner[id(group)], group, p), p)
+            if st:
+                form = to_checkpoint_form(st, p, f"param {index}")
+                out[index] = form if is_dtensor(p) else wrap_bnb_state(form)
+            index += 1
+    return out
+
+
+def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
+    """Load ``state_dict`` into ``opt``: every check and conversion first, then the
+    commit, which allocates nothing (see :meth:`LadderOptimizer.load_state_dict`; the
+    hooks run there). On failure ``opt`` is left unchanged.
+
+    Raises:
+        ValueError: the checkpoint does not fit the params, or is malformed.
+    """
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    groups = state_dict.get("param_groups")
+    saved_state = state_dict.get("state")
+    if not isinstance(groups, list) or not isinstance(saved_state, dict):
+        raise ValueError("state_dict must have a 'param_groups' list and a 'state' dict")
+    check_checkpoint_groups(groups, decoupled_mode(opt.engine))
+    live_groups = opt.param_groups
+    if len(groups) != len(live_groups):
+        raise ValueError(
+            f"the state_dict has {len(groups)} param groups; this optimizer has {len(live_groups)}"
+        )
+    pairs: list[tuple[Any, torch.Tensor]] = []
+    for gi, (saved, live) in enumerate(zip(groups, live_groups)):
+        if len(saved["params"]) != len(live["params"]):
+            raise ValueError(
+                f"param group {gi} of the state_dict has {len(saved['params'])} params; "
+                f"this optimizer's has {len(live['params'])}"
+            )
+        pairs += zip(saved["params"], live["params"])
+    unknown = saved_state.keys() - {key for key, _ in pairs}
+    if unknown:
+        hint = (
+            " (torch.distributed.checkpoint puts the non-tensor values of an int-keyed "
+            "state, such as bitsandbytes' step, under string keys: save "
+            "get_optimizer_state_dict(model, opt) instead of opt.state_dict())"
+            if all(isinstance(k, str) and k.isdigit() for k in unknown)
+            else ""
+        )
+        raise ValueError(
+            f"the state_dict's state has entries for no param of its param groups: "
+            f"{sorted(map(repr, unknown))[:5]}{hint}"
+        )
+    loaded: dict[Any, dict[str, Any]] = {}  # key -> state in a layout convert reads
+    for pi, (key, p) in enumerate(pairs):
+        st = saved_state.get(key)
+        if st:
+            if not isinstance(st, dict):
+                raise ValueError(f"param {pi}: its state must be a dict, got {type(st).__name__}")
+            st = from_checkpoint_form(st, p, f"param {pi}")
+            check_param_state(st, p, f"param {pi}")
+            if read_step(st) > 0:  # step 0: saved for a param that never stepped
+                loaded[key] = st
+    move_to = checkpoint_rung(opt, groups)
+    engine = opt.engine
+    saved_groups = [dict(g) for g in live_groups]
+    try:
+        if move_to is not None:  # the live state is replaced below: nothing to migrate
+            assert opt._rebuild is not None
+            fused = opt._decision.capabilities.fused[move_to]
+            engine = opt._rebuild(move_to, engine.param_groups, fused)
+        owner = {id(g): e for e in opt._engines(engine) for g in e.param_groups}
+        new_state: dict[torch.Tensor, dict[str, Any]] = {}
+        group_of_param = [g for g in live_groups for _ in g["params"]]
+        for pi, ((key, p), group) in enumerate(zip(pairs, group_of_param)):
+            saved_param_state = loaded.get(key)
+            if saved_param_state:
+                flat = unwrap_bnb_state(saved_param_state)
+                if "step" in flat:
+                    where = f"param {pi} of the state_dict"
+                    check_step_range(read_step(flat), owner[id(group)], p, where)
+                target = state_target(owner[id(group)], group, p)
+                new_state[p] = convert_param_state(saved_param_state, p, target, copy=True)
+    except BaseException:
+        restore_groups(live_groups, saved_groups)
+        raise
+    # Commit: nothing below allocates.
+    for saved, live in zip(groups, live_groups):
+        for name, value in saved.items():
+            if name != "params" and name not in ENGINE_KEYS and name not in _LADDER_KEYS:
+                live[name] = value
+    opt._memos.clear()  # they hold the state dicts being replaced
+    for held in opt._engines():
+        release = getattr(held, "release_tables", None)
+        if release is not None:
+            release()  # their tables hold the state being replaced
+    opt.state.clear()
+    opt.state.update(new_state)
+    if move_to is not None:
+        switch(opt, engine, move_to, checkpoint_reason(opt, move_to), "checkpoint")
+
+
+def checkpoint_rung(opt: LadderOptimizer, groups: list[dict[str, Any]]) -> Rung | None:
+    """The rung to move to before loading a checkpoint with these param groups: the
+    rung its decided groups (the first that does not pin its rung) had reached, when
+    they had escalated (or followed a checkpoint), this optimizer's rung was not
+    fixed or forced, and the user allows that rung; otherwise None."""
+    first = next((g for g in groups if g.get(ORIGIN_KEY) != GROUP_PIN_ORIGIN), {})
+    saved = next((r for r in RUNGS if first.get(RUNG_KEY) == r), None)
+    if (
+        saved is None
+        or saved == opt.rung
+        or first.get(ORIGIN_KEY) not in ("escalated", "checkpoint")
+        or opt._decision.origin not in ("policy", "escalated", "checkpoint")
+        or opt._rebuild is None
+    ):
+        return None
+    return saved if move_refused(opt._decision, saved) is None else None
+
+
+def follow_checkpoint(opt: LadderOptimizer, param_groups: Sequence[dict[str, Any]]) -> Rung | None:
+    """Move ``opt`` to the rung a checkpoint with these ``param_groups`` had escalated to,
+    by the rule of :func:`checkpoint_rung` (see :meth:`LadderOptimizer.follow_checkpoint`).
+
+    Returns:
+        The rung moved to, or None when the optimizer stays.
+
+    Raises:
+        ValueError: ``param_groups`` is not one dict per group of ``opt``, or a group is
+            malformed; nothing moves then.
+    """
+    if not isinstance(param_groups, Sequence) or not all(isinstance(g, dict) for g in param_groups):
+        raise ValueError(
+            f"param_groups must be a list of dicts (a state_dict's 'param_groups'), got "
+            f"{type(param_groups).__name__}"
+        )
+    if len(param_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"the checkpoint has {len(param_groups)} param groups; this optimizer has "
+            f"{len(opt.param_groups)}"
+        )
+    check_checkpoint_groups(list(param_groups), decoupled_mode(opt.engine), need_params=False)
+    target = checkpoint_rung(opt, list(param_groups))
+    if target is not None:
+        opt.migrate_to(target, checkpoint_reason(opt, target), origin="checkpoint")
+    return target
+
+
+def checkpoint_reason(opt: LadderOptimizer, rung: Rung) -> str:
+    """Why the optimizer moves to a checkpoint's ``rung``, for the decision's reasons;
+    warns (``UserWarning`` and a log line) when the local policy would not pick that
+    rung: it is wider than the current one or over the memory gate here."""
+    reason = f"the checkpoint had escalated to {rung}"
+    d = opt._decision
+    state, gate = d.state_bytes[rung], d.budget_bytes
+    if RUNGS.index(rung) < RUNGS.index(d.rung) or state > gate:
+        reason += (
+            f" (the local policy chose {d.rung}: {rung} state {state:,} bytes "
+            f"({format_bytes(state)}) against a gate of {gate:,} bytes "
+            f"({format_bytes(gate)}){', over it' if state > gate else ''}; moved as the "
+            "checkpoint asks. To keep the local rung, build the optimizer with rung=, "
+            "which fixes it)"
+        )
+        warnings.warn(
+            f"optladder: loading moves the optimizer to {rung}: {reason}",
+            OptladderWarning,
+            stacklevel=user_stacklevel(),
+        )
+        logger.warning("optladder: %s", reason)
+    return reason

@@ -1,0 +1,180 @@
+"""The ladder: moving the param groups that follow the decision from one rung to another.
+
+An escalation moves them one rung cheaper after an out-of-memory step
+(:func:`escalate`); a checkpoint load may move them to the rung the checkpoint had
+reached (:mod:`optladder.selector.checkpointing`). A move (:func:`migrate`) builds the
+target rung's engine over the same group dicts, converts every param's state onto it
+(:func:`optladder.optimizers.migrate.migrate_engine`), and records why in the decision
+(:func:`switch`); the optimizer object, its group dicts and its ``state`` dict stay the
+same. Groups that pin their rung never move. What the user's word forbids (a rung fixed
+by ``rung=``, a disabled or unavailable rung) is :func:`move_refused`.
+
+These functions carry out the moves of
+:class:`~optladder.selector.optimizer.LadderOptimizer`, whose methods ``escalate`` and
+``migrate_to`` call them (their docstrings there are the contract); they read and update
+its decision, engine and escalations.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from optladder.oom import describe_error, is_oom
+from optladder.optimizers.migrate import migrate_engine
+from optladder.policies.decision import (
+    Decision,
+    allowed_rungs,
+    escalation_target,
+    fixed_reason,
+)
+from optladder.rungs import RUNGS, Rung
+from optladder.selector.checks import check_params_for_rung
+
+if TYPE_CHECKING:
+    from optladder.selector.optimizer import LadderOptimizer
+
+logger = logging.getLogger("optladder")
+
+__all__ = ["Escalation", "escalate", "migrate", "move_refused", "restore_groups", "switch"]
+
+
+@dataclass(frozen=True)
+class Escalation:
+    """One move down the ladder.
+
+    Attributes:
+        from_rung: the rung left.
+        to_rung: the rung reached.
+        reason: why, in a sentence.
+        step: optimizer steps committed before the move.
+    """
+
+    from_rung: Rung
+    to_rung: Rung
+    reason: str
+    step: int
+
+
+def escalate(opt: LadderOptimizer, reason: str) -> Escalation:
+    """Move ``opt``'s state one rung cheaper, record the move in ``opt.escalations``, log
+    it and call ``opt.on_escalate`` (see :meth:`LadderOptimizer.escalate`).
+
+    Raises:
+        OptimizerOutOfMemoryError: no rung to move to, or the move ran out of memory.
+    """
+    target, why_not = escalation_target(opt._decision)
+    if target is None or opt._rebuild is None:
+        raise opt.out_of_memory_error(f"{reason}; {why_not or 'no rebuild function'}")
+    event = Escalation(opt.rung, target, reason, opt._steps)
+    try:
+        opt.migrate_to(target, reason, origin="escalated")
+    except BaseException as exc:
+        if not is_oom(exc):
+            raise
+        rounded = getattr(exc, "rounded", None)
+        state = (
+            f"params {rounded} (index over the moved groups) were converted back with the "
+            f"{target} format's rounding"
+            if rounded
+            else "every param's state is exactly as before"
+        )
+        raise opt.out_of_memory_error(
+            f"{reason}; escalating {opt.rung} -> {target} ran out of memory too "
+            f"({describe_error(exc)}): the optimizer stays on {opt.rung} and {state}"
+        ) from exc
+    opt.escalations.append(event)
+    logger.warning(
+        "optladder: %s; escalated %s -> %s after %d steps",
+        reason,
+        event.from_rung,
+        event.to_rung,
+        event.step,
+    )
+    if opt.on_escalate is not None:
+        opt.on_escalate(event)
+    return event
+
+
+def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force: bool) -> None:
+    """Move the groups of ``opt`` that follow the decision to ``rung``, converting their
+    state; on failure put their group dicts back and re-raise (see
+    :meth:`LadderOptimizer.migrate_to`).
+
+    Raises:
+        ValueError: an unknown rung or origin; a refused move without ``force``.
+        RuntimeError: ``opt`` was built without a rebuild function.
+    """
+    if rung not in RUNGS:
+        raise ValueError(f"rung={rung!r} is not a rung; accepted values: {', '.join(RUNGS)}")
+    if origin not in ("escalated", "checkpoint"):
+        raise ValueError(f"origin must be 'escalated' or 'checkpoint', got {origin!r}")
+    if opt._rebuild is None:
+        raise RuntimeError("this optimizer was built without a rebuild function")
+    if rung == opt.rung:
+        return
+    if not force:
+        why = move_refused(opt._decision, rung)
+        if why is not None:
+            raise ValueError(f"cannot move to {rung}: {why} (pass force=True to move anyway)")
+    old = opt.engine
+    following = {id(g) for g in old.param_groups}
+    for gi, group in enumerate(opt.param_groups):
+        if id(group) in following:  # named by its place among all groups
+            check_params_for_rung(group["params"], rung, None, f"group {gi}")
+    saved_groups = [dict(g) for g in old.param_groups]
+    opt._memos.clear()  # they hold the state dicts the move drops
+    try:
+        fused = opt._decision.capabilities.fused[rung]
+        new = opt._rebuild(rung, old.param_groups, fused)
+        migrate_engine(old, new, keep_source=RUNGS.index(rung) < RUNGS.index(opt.rung))
+    except BaseException:
+        restore_groups(old.param_groups, saved_groups)
+        raise
+    switch(opt, new, rung, reason, origin)
+
+
+def switch(
+    opt: LadderOptimizer, new: torch.optim.Optimizer, rung: Rung, reason: str, origin: str
+) -> None:
+    """Make ``new`` (on ``rung``) the engine of ``opt`` and record why in its decision."""
+    caps = opt._decision.capabilities
+    fused = caps.fused.get(rung, False)
+    opt._decision = opt._decision.model_copy(
+        update={
+            "rung": rung,
+            "origin": origin,
+            "fits": opt._decision.state_bytes[rung] <= opt._decision.budget_bytes,
+            "reasons": (*opt._decision.reasons, f"{reason}: moved to {rung}"),
+            "fused": fused,
+            "unfused_reason": None if fused else caps.unfused_reasons.get(rung),
+        }
+    )
+    opt._mark_groups(new.param_groups, opt._decision)
+    opt._attach(new)
+    opt._warn_unfused()
+    _empty_cache(opt.device)
+
+
+def move_refused(decision: Decision, rung: Rung) -> str | None:
+    """Why the user's word forbids moving ``decision``'s optimizer to ``rung``, or None."""
+    fixed = fixed_reason(decision)
+    if fixed is not None:
+        return fixed
+    allowed, excluded = allowed_rungs(decision.footprint, decision.capabilities, decision.overrides)
+    return None if allowed[rung] else excluded[rung]
+
+
+def restore_groups(groups: list[dict[str, Any]], saved: list[dict[str, Any]]) -> None:
+    """Put back the items of each group dict (same dict objects)."""
+    for group, items in zip(groups, saved):
+        group.clear()
+        group.update(items)
+
+
+def _empty_cache(device: str) -> None:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.empty_cache()
