@@ -156,6 +156,7 @@ _EXP_AVG = operator.itemgetter("exp_avg")
 _EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
 _STEP = operator.itemgetter("step")
 _DATA_PTR = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
 
 
 class _GroupPlan:
@@ -353,7 +354,7 @@ class LadderAdamW(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         dtypes = LADDER_DTYPES if self.moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
-        names = {str(d).removeprefix("torch.") for d in {p.dtype for p in params}}
+        names = {str(d).removeprefix("torch.") for d in set(map(_DTYPE, params))}
         for i, p in enumerate(params if not names <= set(dtypes) else ()):
             if p.is_complex():
                 raise ValueError(

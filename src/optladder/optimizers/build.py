@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import operator
+from itertools import chain
 from typing import Any
 
 import torch
 
+from optladder.columns import ParamColumns, plain_types
 from optladder.optimizers import spec
 from optladder.optimizers.adamw import LadderAdamW
 from optladder.optimizers.eightbit import build_8bit
@@ -44,14 +47,19 @@ of float32 params) steps DTensors; the 8bit rung steps their local shards
 bfloat16/float16 params runs LadderAdamW too and refuses DTensors at build time."""
 
 
-def _refuse_dtensors(rung: Rung, param_groups: list[dict[str, Any]], fused: bool) -> None:
+def _refuse_dtensors(
+    rung: Rung, param_groups: list[dict[str, Any]], fp32_engine: spec.Fp32Engine | None
+) -> None:
     """Raise if ``rung``'s engine would be LadderAdamW and a param is a DTensor.
 
     LadderAdamW keeps plain moments of the global shape and mixes them with DTensor
     params ("got mixed torch.Tensor and DTensor"); its C kernel reads raw pointers.
+    ``fp32_engine``: the fp32 rung's engine (None on the other rungs).
     """
-    ladder_fp32 = rung == "fp32" and spec.fp32_engine(fused, dtype_names(param_groups)) == "ladder"
+    ladder_fp32 = fp32_engine == "ladder"
     if rung not in DTENSOR_UNSUPPORTED and not ladder_fp32:
+        return
+    if all(plain_types(group["params"]) for group in param_groups):
         return
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
@@ -93,7 +101,11 @@ def clear_engine_keys(param_groups: list[dict[str, Any]]) -> None:
 def dtype_names(param_groups: list[dict[str, Any]]) -> set[str]:
     """Names of the groups' param dtypes, e.g. ``{"float32", "bfloat16"}`` (the form
     :func:`optladder.optimizers.probe_capabilities` and :mod:`.spec` take)."""
-    return {str(p.dtype).removeprefix("torch.") for g in param_groups for p in g["params"]}
+    dtypes = set(map(_DTYPE, chain.from_iterable(g["params"] for g in param_groups)))
+    return {str(d).removeprefix("torch.") for d in dtypes}
+
+
+_DTYPE = operator.attrgetter("dtype")
 
 
 def build_engine(
@@ -109,6 +121,7 @@ def build_engine(
     rounding: Rounding = "stochastic",
     param_rounding: Rounding = "stochastic",
     decoupled_weight_decay: bool = True,
+    columns: ParamColumns | None = None,
 ) -> torch.optim.Optimizer:
     """Build the optimizer that runs ``rung`` over ``param_groups``.
 
@@ -129,6 +142,8 @@ def build_engine(
             :class:`LadderAdamW` in Adam mode on bf16, and on 8bit bitsandbytes run with
             weight decay 0 after the decay is added to the grad (bitsandbytes itself only
             decays the AdamW way).
+        columns: the :class:`optladder.columns.ParamColumns` of ``param_groups`` when
+            construction has read them already (their dtypes are not read again).
 
     Returns:
         A ``torch.optim.Optimizer``: ``torch.optim.AdamW`` or :class:`LadderAdamW` (fp32),
@@ -148,11 +163,17 @@ def build_engine(
         "weight_decay": weight_decay,
         "decoupled_weight_decay": decoupled_weight_decay,
     }
-    _refuse_dtensors(rung, param_groups, fused)
-    clear_engine_keys(param_groups)
+    if columns is not None and not columns.plain:
+        columns = None
     if rung == "fp32":
-        engine = spec.fp32_engine(fused, dtype_names(param_groups))
-        return build_fp32(param_groups, engine=engine, param_rounding=param_rounding, **hyper)
+        names = dtype_names(param_groups) if columns is None else columns.dtype_names
+        fp32_engine: spec.Fp32Engine | None = spec.fp32_engine(fused, names)
+    else:
+        fp32_engine = None
+    _refuse_dtensors(rung, param_groups, fp32_engine)
+    clear_engine_keys(param_groups)
+    if fp32_engine is not None:
+        return build_fp32(param_groups, engine=fp32_engine, param_rounding=param_rounding, **hyper)
     if rung == "bf16":
         return LadderAdamW(
             param_groups,
@@ -163,5 +184,5 @@ def build_engine(
             **hyper,
         )
     if rung == "8bit":
-        return build_8bit(param_groups, **hyper)
+        return build_8bit(param_groups, columns=columns, **hyper)
     raise ValueError(f"rung={rung!r} is not a rung; accepted values: fp32, bf16, 8bit")
