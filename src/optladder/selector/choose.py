@@ -256,7 +256,8 @@ def decide_and_build(
         columns=columns if len(following) == len(groups) else None,
         **hyper,
     )
-    logger.info("optladder decision: %s", decision.summary())
+    if logger.isEnabledFor(logging.INFO):  # the summary formats every rung's bytes
+        logger.info("optladder decision: %s", decision.summary())
     return Built(engine, decision, rebuild, groups)
 
 
