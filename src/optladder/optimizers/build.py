@@ -170,7 +170,8 @@ def build_engine(
         fp32_engine: spec.Fp32Engine | None = spec.fp32_engine(fused, names)
     else:
         fp32_engine = None
-    _refuse_dtensors(rung, param_groups, fp32_engine)
+    if columns is None:  # plain columns: no DTensor among the params
+        _refuse_dtensors(rung, param_groups, fp32_engine)
     clear_engine_keys(param_groups)
     if fp32_engine is not None:
         return build_fp32(param_groups, engine=fp32_engine, param_rounding=param_rounding, **hyper)
