@@ -240,6 +240,37 @@ class _GroupPlan:
         self._grads, self._grad_ptrs = grad_refs(grads), ptrs
 
 
+def refuse_ladder_dtypes(params: list[torch.Tensor], moment_dtype: torch.dtype) -> None:
+    """Refuse params :class:`LadderAdamW` with ``moment_dtype`` moments cannot step without
+    rounding them (what its ``add_param_group`` checks of each group's params).
+
+    Args:
+        params: one group's params.
+        moment_dtype: ``torch.bfloat16`` (takes :data:`optladder.rungs.LADDER_DTYPES`) or
+            ``torch.float32`` (takes :data:`optladder.rungs.FLOAT32_MATH_DTYPES`).
+
+    Raises:
+        ValueError: naming the param (its place in the group), its dtype and what is
+            allowed; complex params first.
+    """
+    dtypes = LADDER_DTYPES if moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
+    names = {str(d).removeprefix("torch.") for d in set(map(_DTYPE, params))}
+    for i, p in enumerate(params if not names <= set(dtypes) else ()):
+        if p.is_complex():
+            raise ValueError(
+                f"param {i} of the new group is complex ({p.dtype}); the bf16 rung and "
+                "optladder's AdamW take real params only: use the fp32 rung "
+                "(rung='fp32') for complex params"
+            )
+        if str(p.dtype).removeprefix("torch.") not in dtypes:
+            raise ValueError(
+                f"param {i} of the new group has dtype {p.dtype}; optladder's AdamW with "
+                f"{str(moment_dtype).removeprefix('torch.')} moments takes "
+                f"{', '.join(dtypes)} params (float64 params keep float64 moments on the "
+                "fp32 rung's torch AdamW)"
+            )
+
+
 class LadderAdamW(torch.optim.Optimizer):
     """AdamW whose moments ``exp_avg`` and ``exp_avg_sq`` are stored in ``moment_dtype``.
 
@@ -353,22 +384,7 @@ class LadderAdamW(torch.optim.Optimizer):
         check_param_rounding(param_group.get("param_rounding", "stochastic"))
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        dtypes = LADDER_DTYPES if self.moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
-        names = {str(d).removeprefix("torch.") for d in set(map(_DTYPE, params))}
-        for i, p in enumerate(params if not names <= set(dtypes) else ()):
-            if p.is_complex():
-                raise ValueError(
-                    f"param {i} of the new group is complex ({p.dtype}); the bf16 rung and "
-                    "optladder's AdamW take real params only: use the fp32 rung "
-                    "(rung='fp32') for complex params"
-                )
-            if str(p.dtype).removeprefix("torch.") not in dtypes:
-                raise ValueError(
-                    f"param {i} of the new group has dtype {p.dtype}; optladder's AdamW with "
-                    f"{str(self.moment_dtype).removeprefix('torch.')} moments takes "
-                    f"{', '.join(dtypes)} params (float64 params keep float64 moments on the "
-                    "fp32 rung's torch AdamW)"
-                )
+        refuse_ladder_dtypes(params, self.moment_dtype)
         param_group["params"] = params
         super().add_param_group(param_group)
         if hasattr(self, "_group_plans"):  # not while torch's __init__ adds the first groups

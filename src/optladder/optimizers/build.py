@@ -10,7 +10,8 @@ import torch
 
 from optladder.columns import ParamColumns, plain_types
 from optladder.optimizers import spec
-from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.adamw import LadderAdamW, refuse_ladder_dtypes
+from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.eightbit import build_8bit
 from optladder.optimizers.fp32 import build_fp32
 from optladder.optimizers.rounding import Rounding
@@ -122,6 +123,7 @@ def build_engine(
     param_rounding: Rounding = "stochastic",
     decoupled_weight_decay: bool = True,
     columns: ParamColumns | None = None,
+    checked: bool = False,
 ) -> torch.optim.Optimizer:
     """Build the optimizer that runs ``rung`` over ``param_groups``.
 
@@ -144,6 +146,11 @@ def build_engine(
             decays the AdamW way).
         columns: the :class:`optladder.columns.ParamColumns` of ``param_groups`` when
             construction has read them already (their dtypes are not read again).
+        checked: True when the params passed construction's checks
+            (:func:`optladder.selector.checks.check_groups`: tensors, leaves, each listed
+            once, no shared memory): torch's ``add_param_group`` then checks each group's
+            first param only (:mod:`optladder.optimizers.checked`); the rung's own checks
+            (dtypes, bitsandbytes' overrides) read every param either way.
 
     Returns:
         A ``torch.optim.Optimizer``: ``torch.optim.AdamW`` or :class:`LadderAdamW` (fp32),
@@ -174,16 +181,26 @@ def build_engine(
         _refuse_dtensors(rung, param_groups, fp32_engine)
     clear_engine_keys(param_groups)
     if fp32_engine is not None:
-        return build_fp32(param_groups, engine=fp32_engine, param_rounding=param_rounding, **hyper)
-    if rung == "bf16":
-        return LadderAdamW(
+        return build_fp32(
             param_groups,
-            moment_dtype=torch.bfloat16,
-            seed=seed,
-            rounding=rounding,
+            engine=fp32_engine,
             param_rounding=param_rounding,
+            checked=checked,
             **hyper,
         )
+    if rung == "bf16":
+        if checked:  # LadderAdamW's own check of the dtypes, over every param
+            for group in param_groups:
+                refuse_ladder_dtypes(group["params"], torch.bfloat16)
+        with first_params_only(param_groups, checked):
+            return LadderAdamW(
+                param_groups,
+                moment_dtype=torch.bfloat16,
+                seed=seed,
+                rounding=rounding,
+                param_rounding=param_rounding,
+                **hyper,
+            )
     if rung == "8bit":
-        return build_8bit(param_groups, columns=columns, **hyper)
+        return build_8bit(param_groups, columns=columns, checked=checked, **hyper)
     raise ValueError(f"rung={rung!r} is not a rung; accepted values: fp32, bf16, 8bit")

@@ -38,6 +38,7 @@ import torch
 from optladder.bnb_overrides import no_overrides, quantized_8bit
 from optladder.columns import ParamColumns
 from optladder.oom import is_oom
+from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.migrate import check_step_range
 from optladder.optimizers.stepmemo import grad_kinds, grad_of, same_objects
 from optladder.optimizers.steps import MAX_STEP
@@ -872,6 +873,7 @@ def build_8bit(
     weight_decay: float,
     decoupled_weight_decay: bool = True,
     columns: ParamColumns | None = None,
+    checked: bool = False,
 ) -> torch.optim.Optimizer:
     """Build :func:`ladder_adamw8bit_class` (bitsandbytes' ``AdamW8bit``) over
     ``param_groups``.
@@ -887,7 +889,10 @@ def build_8bit(
     storage and unties every tensor that views it.
 
     ``columns``: the :class:`optladder.columns.ParamColumns` of ``param_groups`` when
-    construction has read them already (their dtypes are not read again).
+    construction has read them already (their dtypes are not read again). ``checked``:
+    the params passed construction's checks, so torch's per-param checks run over each
+    group's first param only (:mod:`optladder.optimizers.checked`); the 8-bit checks above
+    read every param.
 
     Raises:
         ImportError: if bitsandbytes does not import (the message says how to install it).
@@ -911,12 +916,13 @@ def build_8bit(
             "install it with pip install 'bitsandbytes>=0.45' (what optladder's 8bit extra "
             "installs)"
         ) from exc
-    return engine(
-        param_groups,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        min_8bit_size=BNB_MIN_8BIT_SIZE,
-        coupled_weight_decay=not decoupled_weight_decay,
-    )
+    with first_params_only(param_groups, checked):
+        return engine(
+            param_groups,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            min_8bit_size=BNB_MIN_8BIT_SIZE,
+            coupled_weight_decay=not decoupled_weight_decay,
+        )

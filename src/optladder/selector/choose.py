@@ -240,7 +240,8 @@ def decide_and_build(
     def rebuild(
         rung: Rung, param_groups: list[dict[str, Any]], fused: bool
     ) -> torch.optim.Optimizer:
-        return build_engine(rung, param_groups, fused=fused, **hyper)
+        # every group an engine is built over passed check_groups when it joined
+        return build_engine(rung, param_groups, fused=fused, checked=True, **hyper)
 
     following = []  # the groups that follow the decision; LadderOptimizer builds the pinned
     for gi, g in enumerate(groups):
@@ -254,6 +255,7 @@ def decide_and_build(
         following,
         fused=capabilities.fused[decision.rung],
         columns=columns if len(following) == len(groups) else None,
+        checked=True,
         **hyper,
     )
     if logger.isEnabledFor(logging.INFO):  # the summary formats every rung's bytes
