@@ -1,11 +1,11 @@
 """Attributes of many params read in bulk, each once, for the checks of construction.
 
-Construction reads every param several times: the duplicates and overlap check, the
+Construction asks several things of every param: the duplicates and overlap check, the
 footprint, each rung's dtype rules, the device whose memory gates the choice. Over tens
-of thousands of small tensors a Python loop per check and per param costs more than
-torch's whole optimizer construction. A :class:`ParamColumns` reads each attribute of
-every param once, with one ``map`` over its getter (the loop runs in C), when a check
-first asks for it; the checks then read the columns.
+of thousands of small tensors a pass per check and per attribute costs several times
+torch's whole optimizer construction. A :class:`ParamColumns` reads all it needs of each
+param in one pass (one Python loop; measured cheaper than a ``map`` per attribute, which
+touches every tensor once per attribute), and the checks read the columns.
 
 Only plain params are read this way (:attr:`ParamColumns.plain`: ``torch.Tensor`` and
 ``nn.Parameter`` objects off the meta device). DTensors and other subclasses, whose
@@ -45,11 +45,9 @@ class ParamColumns:
     """The params of param groups, flat in group order, and what the checks of
     construction read of them, read in one pass.
 
-    The params are read once, all attributes of a param together (one pass over the
-    params touches each tensor's memory once; a pass per attribute costs several times
-    more over tens of thousands of tensors). That happens only when :attr:`plain`; the
-    other attributes are meaningful only then, and a caller checks param by param
-    otherwise.
+    The params are read once, all attributes of a param together, when their types are
+    plain; the columns are meaningful only when :attr:`plain`, and a caller checks param
+    by param otherwise.
 
     Args:
         groups: param groups whose ``"params"`` are lists of tensors (already
@@ -60,17 +58,17 @@ class ParamColumns:
             twice).
         starts: where each group's params begin in :attr:`params`, plus the end.
         plain: whether every param is a plain ``torch.Tensor`` or ``nn.Parameter``, off
-            the meta device, with memory of its own layout (strided: sparse and mkldnn
-            tensors have no data pointer); an empty list is plain.
+            the meta device, with a data pointer (sparse and mkldnn tensors have none);
+            an empty list is plain.
         dtypes: each param's dtype.
         requires_grad: each param's ``requires_grad``.
         numels: each param's element count.
         data_ptrs: each param's first element's address.
         devices: the distinct devices.
         leaves: whether every param is a leaf or retains its grad (torch.optim's rule).
-        contiguous: whether every param is contiguous. (For a group's columns,
-            :meth:`group`, these two flags are the whole's: False may be False for
-            another group's params.)
+        contiguous: whether every param is contiguous. (A group's columns,
+            :meth:`group`, keep these two flags of all groups: a False there may come
+            from another group's params.)
     """
 
     def __init__(self, groups: Iterable[Mapping[str, Any]]) -> None:
@@ -129,8 +127,7 @@ class ParamColumns:
             setattr(sub, name, getattr(self, name)[start:stop])
         one = len(self.devices) == 1 and stop > start
         sub.devices = set(self.devices) if one else set(map(_DEVICE, sub.params))
-        sub.leaves, sub.contiguous = self.leaves, self.contiguous  # True for all: for these
-        return sub
+        sub.leaves, sub.contiguous = self.leaves, self.contiguous  # what holds for all
         return sub
 
     @cached_property

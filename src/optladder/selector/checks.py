@@ -180,7 +180,7 @@ def check_groups(
 
 def _params_pass(columns: ParamColumns) -> bool:
     """Whether the param checks of :func:`check_groups` pass for ``columns``' params,
-    read in bulk (each attribute once, loops in C; the memory check sorts byte ranges,
+    read in bulk (each param once, in one pass; the memory check sorts byte ranges,
     O(n log n)) for the common case: plain dense contiguous leaf tensors of allowed
     dtypes, each listed once, whose memory does not overlap. False means "check param by
     param" (which names what is wrong), not that a check failed.
