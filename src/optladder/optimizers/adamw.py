@@ -156,6 +156,7 @@ _EXP_AVG = operator.itemgetter("exp_avg")
 _EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
 _STEP = operator.itemgetter("step")
 _DATA_PTR = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
 
 
 class _GroupPlan:
@@ -237,6 +238,37 @@ class _GroupPlan:
             return
         self.table.set_grads(list(map(grads.__getitem__, self._positions)), ptrs)
         self._grads, self._grad_ptrs = grad_refs(grads), ptrs
+
+
+def refuse_ladder_dtypes(params: list[torch.Tensor], moment_dtype: torch.dtype) -> None:
+    """Refuse params :class:`LadderAdamW` with ``moment_dtype`` moments cannot step without
+    rounding them (what its ``add_param_group`` checks of each group's params).
+
+    Args:
+        params: one group's params.
+        moment_dtype: ``torch.bfloat16`` (takes :data:`optladder.rungs.LADDER_DTYPES`) or
+            ``torch.float32`` (takes :data:`optladder.rungs.FLOAT32_MATH_DTYPES`).
+
+    Raises:
+        ValueError: naming the param (its place in the group), its dtype and what is
+            allowed; complex params first.
+    """
+    dtypes = LADDER_DTYPES if moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
+    names = {str(d).removeprefix("torch.") for d in set(map(_DTYPE, params))}
+    for i, p in enumerate(params if not names <= set(dtypes) else ()):
+        if p.is_complex():
+            raise ValueError(
+                f"param {i} of the new group is complex ({p.dtype}); the bf16 rung and "
+                "optladder's AdamW take real params only: use the fp32 rung "
+                "(rung='fp32') for complex params"
+            )
+        if str(p.dtype).removeprefix("torch.") not in dtypes:
+            raise ValueError(
+                f"param {i} of the new group has dtype {p.dtype}; optladder's AdamW with "
+                f"{str(moment_dtype).removeprefix('torch.')} moments takes "
+                f"{', '.join(dtypes)} params (float64 params keep float64 moments on the "
+                "fp32 rung's torch AdamW)"
+            )
 
 
 class LadderAdamW(torch.optim.Optimizer):
@@ -352,22 +384,7 @@ class LadderAdamW(torch.optim.Optimizer):
         check_param_rounding(param_group.get("param_rounding", "stochastic"))
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        dtypes = LADDER_DTYPES if self.moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
-        names = {str(d).removeprefix("torch.") for d in {p.dtype for p in params}}
-        for i, p in enumerate(params if not names <= set(dtypes) else ()):
-            if p.is_complex():
-                raise ValueError(
-                    f"param {i} of the new group is complex ({p.dtype}); the bf16 rung and "
-                    "optladder's AdamW take real params only: use the fp32 rung "
-                    "(rung='fp32') for complex params"
-                )
-            if str(p.dtype).removeprefix("torch.") not in dtypes:
-                raise ValueError(
-                    f"param {i} of the new group has dtype {p.dtype}; optladder's AdamW with "
-                    f"{str(self.moment_dtype).removeprefix('torch.')} moments takes "
-                    f"{', '.join(dtypes)} params (float64 params keep float64 moments on the "
-                    "fp32 rung's torch AdamW)"
-                )
+        refuse_ladder_dtypes(params, self.moment_dtype)
         param_group["params"] = params
         super().add_param_group(param_group)
         if hasattr(self, "_group_plans"):  # not while torch's __init__ adds the first groups

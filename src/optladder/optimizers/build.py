@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import operator
+from itertools import chain
 from typing import Any
 
 import torch
 
+from optladder.columns import ParamColumns, plain_types
 from optladder.optimizers import spec
-from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.adamw import LadderAdamW, refuse_ladder_dtypes
+from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.eightbit import build_8bit
 from optladder.optimizers.fp32 import build_fp32
 from optladder.optimizers.rounding import Rounding
@@ -44,14 +48,19 @@ of float32 params) steps DTensors; the 8bit rung steps their local shards
 bfloat16/float16 params runs LadderAdamW too and refuses DTensors at build time."""
 
 
-def _refuse_dtensors(rung: Rung, param_groups: list[dict[str, Any]], fused: bool) -> None:
+def _refuse_dtensors(
+    rung: Rung, param_groups: list[dict[str, Any]], fp32_engine: spec.Fp32Engine | None
+) -> None:
     """Raise if ``rung``'s engine would be LadderAdamW and a param is a DTensor.
 
     LadderAdamW keeps plain moments of the global shape and mixes them with DTensor
     params ("got mixed torch.Tensor and DTensor"); its C kernel reads raw pointers.
+    ``fp32_engine``: the fp32 rung's engine (None on the other rungs).
     """
-    ladder_fp32 = rung == "fp32" and spec.fp32_engine(fused, dtype_names(param_groups)) == "ladder"
+    ladder_fp32 = fp32_engine == "ladder"
     if rung not in DTENSOR_UNSUPPORTED and not ladder_fp32:
+        return
+    if all(plain_types(group["params"]) for group in param_groups):
         return
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
@@ -93,7 +102,11 @@ def clear_engine_keys(param_groups: list[dict[str, Any]]) -> None:
 def dtype_names(param_groups: list[dict[str, Any]]) -> set[str]:
     """Names of the groups' param dtypes, e.g. ``{"float32", "bfloat16"}`` (the form
     :func:`optladder.optimizers.probe_capabilities` and :mod:`.spec` take)."""
-    return {str(p.dtype).removeprefix("torch.") for g in param_groups for p in g["params"]}
+    dtypes = set(map(_DTYPE, chain.from_iterable(g["params"] for g in param_groups)))
+    return {str(d).removeprefix("torch.") for d in dtypes}
+
+
+_DTYPE = operator.attrgetter("dtype")
 
 
 def build_engine(
@@ -109,6 +122,8 @@ def build_engine(
     rounding: Rounding = "stochastic",
     param_rounding: Rounding = "stochastic",
     decoupled_weight_decay: bool = True,
+    columns: ParamColumns | None = None,
+    checked: bool = False,
 ) -> torch.optim.Optimizer:
     """Build the optimizer that runs ``rung`` over ``param_groups``.
 
@@ -129,6 +144,13 @@ def build_engine(
             :class:`LadderAdamW` in Adam mode on bf16, and on 8bit bitsandbytes run with
             weight decay 0 after the decay is added to the grad (bitsandbytes itself only
             decays the AdamW way).
+        columns: the :class:`optladder.columns.ParamColumns` of ``param_groups`` when
+            construction has read them already (their dtypes are not read again).
+        checked: True when the params passed construction's checks
+            (:func:`optladder.selector.checks.check_groups`: tensors, leaves, each listed
+            once, no shared memory): torch's ``add_param_group`` then checks each group's
+            first param only (:mod:`optladder.optimizers.checked`); the rung's own checks
+            (dtypes, bitsandbytes' overrides) read every param either way.
 
     Returns:
         A ``torch.optim.Optimizer``: ``torch.optim.AdamW`` or :class:`LadderAdamW` (fp32),
@@ -148,20 +170,37 @@ def build_engine(
         "weight_decay": weight_decay,
         "decoupled_weight_decay": decoupled_weight_decay,
     }
-    _refuse_dtensors(rung, param_groups, fused)
-    clear_engine_keys(param_groups)
+    if columns is not None and not columns.plain:
+        columns = None
     if rung == "fp32":
-        engine = spec.fp32_engine(fused, dtype_names(param_groups))
-        return build_fp32(param_groups, engine=engine, param_rounding=param_rounding, **hyper)
-    if rung == "bf16":
-        return LadderAdamW(
+        names = dtype_names(param_groups) if columns is None else columns.dtype_names
+        fp32_engine: spec.Fp32Engine | None = spec.fp32_engine(fused, names)
+    else:
+        fp32_engine = None
+    if columns is None:  # plain columns: no DTensor among the params
+        _refuse_dtensors(rung, param_groups, fp32_engine)
+    clear_engine_keys(param_groups)
+    if fp32_engine is not None:
+        return build_fp32(
             param_groups,
-            moment_dtype=torch.bfloat16,
-            seed=seed,
-            rounding=rounding,
+            engine=fp32_engine,
             param_rounding=param_rounding,
+            checked=checked,
             **hyper,
         )
+    if rung == "bf16":
+        if checked:  # LadderAdamW's own check of the dtypes, over every param
+            for group in param_groups:
+                refuse_ladder_dtypes(group["params"], torch.bfloat16)
+        with first_params_only(param_groups, checked):
+            return LadderAdamW(
+                param_groups,
+                moment_dtype=torch.bfloat16,
+                seed=seed,
+                rounding=rounding,
+                param_rounding=param_rounding,
+                **hyper,
+            )
     if rung == "8bit":
-        return build_8bit(param_groups, **hyper)
+        return build_8bit(param_groups, columns=columns, checked=checked, **hyper)
     raise ValueError(f"rung={rung!r} is not a rung; accepted values: fp32, bf16, 8bit")

@@ -36,12 +36,14 @@ from typing import Any, cast
 import torch
 
 from optladder.bnb_overrides import no_overrides, quantized_8bit
+from optladder.columns import ParamColumns
 from optladder.oom import is_oom
+from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.migrate import check_step_range
 from optladder.optimizers.stepmemo import grad_kinds, grad_of, same_objects
 from optladder.optimizers.steps import MAX_STEP
 from optladder.rungs import BNB_MIN_8BIT_SIZE, param_refusal
-from optladder.sharding import all_plain, is_dtensor, local_tensor
+from optladder.sharding import is_dtensor, local_tensor
 
 _NOISY_LOGGER = "bitsandbytes.backends.cpu.ops"
 
@@ -870,6 +872,8 @@ def build_8bit(
     eps: float,
     weight_decay: float,
     decoupled_weight_decay: bool = True,
+    columns: ParamColumns | None = None,
+    checked: bool = False,
 ) -> torch.optim.Optimizer:
     """Build :func:`ladder_adamw8bit_class` (bitsandbytes' ``AdamW8bit``) over
     ``param_groups``.
@@ -884,14 +888,21 @@ def build_8bit(
     ``update_step`` runs ``p.data = p.data.contiguous()``, which gives the param new
     storage and unties every tensor that views it.
 
+    ``columns``: the :class:`optladder.columns.ParamColumns` of ``param_groups`` when
+    construction has read them already (their dtypes are not read again). ``checked``:
+    the params passed construction's checks, so torch's per-param checks run over each
+    group's first param only (:mod:`optladder.optimizers.checked`); the 8-bit checks above
+    read every param.
+
     Raises:
         ImportError: if bitsandbytes does not import (the message says how to install it).
         ValueError: for complex params, dtypes bitsandbytes does not take, or a
             bitsandbytes override it would fail on (``optim_bits`` not 8 or 32).
     """
-    flat = [p for group in param_groups for p in group["params"]]
-    names = {str(d).removeprefix("torch.") for d in {p.dtype for p in flat}}
-    bulk = all_plain(flat) and no_overrides()  # then only dtypes can be refused
+    if columns is None:
+        columns = ParamColumns(param_groups)
+    names = columns.dtype_names
+    bulk = columns.plain and no_overrides()  # then only dtypes can be refused
     if not bulk or any(param_refusal("8bit", n, sharded=False) is not None for n in names):
         for gi, group in enumerate(param_groups):
             for pi, p in enumerate(group["params"]):
@@ -905,12 +916,13 @@ def build_8bit(
             "install it with pip install 'bitsandbytes>=0.45' (what optladder's 8bit extra "
             "installs)"
         ) from exc
-    return engine(
-        param_groups,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        min_8bit_size=BNB_MIN_8BIT_SIZE,
-        coupled_weight_decay=not decoupled_weight_decay,
-    )
+    with first_params_only(param_groups, checked):
+        return engine(
+            param_groups,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            min_8bit_size=BNB_MIN_8BIT_SIZE,
+            coupled_weight_decay=not decoupled_weight_decay,
+        )

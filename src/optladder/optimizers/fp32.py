@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.adamw import LadderAdamW, refuse_ladder_dtypes
+from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.rounding import Rounding
 from optladder.optimizers.spec import Fp32Engine
 
@@ -21,6 +22,7 @@ def build_fp32(
     weight_decay: float,
     decoupled_weight_decay: bool = True,
     param_rounding: Rounding = "stochastic",
+    checked: bool = False,
 ) -> torch.optim.Optimizer:
     """Build the fp32 rung's optimizer.
 
@@ -34,21 +36,28 @@ def build_fp32(
         decoupled_weight_decay: True for AdamW, False for Adam (``grad += wd * param``):
             ``torch.optim.Adam`` then, with the same fused/foreach choice.
         param_rounding: how the ``"ladder"`` engine writes bfloat16/float16 params.
+        checked: the params passed construction's checks: torch's per-param checks run
+            over each group's first param only (:mod:`optladder.optimizers.checked`).
 
     Returns:
         The optimizer over ``param_groups``.
     """
     if engine == "ladder":
-        return LadderAdamW(
-            param_groups,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            decoupled_weight_decay=decoupled_weight_decay,
-            moment_dtype=torch.float32,
-            param_rounding=param_rounding,
-        )
+        if checked:  # its own check of the dtypes, over every param
+            for group in param_groups:
+                refuse_ladder_dtypes(group["params"], torch.float32)
+        with first_params_only(param_groups, checked):
+            return LadderAdamW(
+                param_groups,
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+                decoupled_weight_decay=decoupled_weight_decay,
+                moment_dtype=torch.float32,
+                param_rounding=param_rounding,
+            )
     flags = {"fused": True} if engine == "fused" else {"foreach": True}
     cls = torch.optim.AdamW if decoupled_weight_decay else torch.optim.Adam
-    return cls(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags)
+    with first_params_only(param_groups, checked):
+        return cls(param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags)

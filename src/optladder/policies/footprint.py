@@ -14,6 +14,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from optladder.bnb_overrides import no_overrides, quantized_8bit
+from optladder.columns import ParamColumns, plain_types
 from optladder.rungs import (
     BNB_BLOCKSIZE,
     BNB_MIN_8BIT_SIZE,
@@ -170,14 +171,21 @@ def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
             "model_or_params holds no parameters, so no trainable parameters; pass a model "
             "with params, or the params to optimize"
         )
+    unchecked = [0]  # groups whose params may hold something other than tensors
     if all(isinstance(x, Mapping) for x in items):
-        groups = []
+        groups, unchecked = [], []
         for i, g in enumerate(items):
             if "params" not in g:
                 raise ValueError(f"param group {i} has no 'params' key")
             params = g["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
-            groups.append(_split_names({**g, "params": params}, f"param group {i}"))
+            if plain_types(params):  # tensors only: no names to split
+                groups.append({**g, "params": params})
+            else:
+                groups.append(_split_names({**g, "params": params}, f"param group {i}"))
+                unchecked.append(i)
+    elif plain_types(items):  # tensors only (the common case): nothing to split or check
+        return [{"params": items}]
     elif all(isinstance(x, torch.Tensor) or _is_named(x) for x in items):
         groups = [_split_names({"params": items}, "model_or_params")]
     else:
@@ -186,8 +194,8 @@ def normalize_param_groups(model_or_params: object) -> list[dict[str, Any]]:
         raise TypeError(
             f"model_or_params must hold only tensors or only param group dicts; found {found}"
         )
-    for gi, g in enumerate(groups):
-        for pi, p in enumerate(g["params"]):
+    for gi in unchecked:
+        for pi, p in enumerate(groups[gi]["params"]):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"param {pi} of group {gi} is a {type(p).__name__}, not a tensor")
     named = ["param_names" in g for g in groups]
@@ -291,18 +299,27 @@ def trainable_params(groups: Iterable[Mapping[str, Any]]) -> list[torch.Tensor]:
     return out
 
 
+def _counted_state_bytes(
+    counts: Mapping[tuple[int, torch.dtype], int], rung: Rung, quantized_devices: int
+) -> int:
+    """State bytes on ``rung`` of plain params counted by (elements, dtype), once per
+    distinct pair; ``quantized_devices``: devices with a param of 8-bit codes (each has
+    its code books; 8bit only, where no bitsandbytes override applies)."""
+    total = sum(k * rung_state_bytes(rung, n, d) for (n, d), k in counts.items())
+    return total + (BNB_QMAP_BYTES * quantized_devices if rung == "8bit" else 0)
+
+
 def _state_bytes(params: list[torch.Tensor], rung: Rung) -> int:
     """State bytes ``params`` need on ``rung`` in one engine (its code books included)."""
     if rung != "8bit":
         if all_plain(params):  # once per distinct (elements, dtype)
             counts = Counter(zip(map(torch.Tensor.numel, params), map(_DTYPE, params)))
-            return sum(k * rung_state_bytes(rung, n, d) for (n, d), k in counts.items())
+            return _counted_state_bytes(counts, rung, 0)
         return sum(rung_state_bytes(rung, p.numel(), p.dtype, local_numel(p)) for p in params)
     if all_plain(params) and no_overrides():  # the size rule alone, in bulk
         counts = Counter(zip(map(torch.Tensor.numel, params), map(_DTYPE, params)))
-        total = sum(k * rung_state_bytes(rung, n, d) for (n, d), k in counts.items())
         quantized = {p.device for p in params if p.numel() >= BNB_MIN_8BIT_SIZE}
-        return total + BNB_QMAP_BYTES * len(quantized)
+        return _counted_state_bytes(counts, rung, len(quantized))
     total = 0
     devices = set()
     for i, p in enumerate(params):
@@ -348,10 +365,24 @@ def measure_footprint(model_or_params: object) -> Footprint:
             anything but 8 or 32.
     """
     groups = normalize_param_groups(model_or_params)
+    return groups_footprint(groups, ParamColumns(groups))
+
+
+def groups_footprint(groups: list[dict[str, Any]], columns: ParamColumns) -> Footprint:
+    """:func:`measure_footprint` of param groups already normalized
+    (:func:`normalize_param_groups`), reading plain params' attributes from ``columns``
+    (their :class:`optladder.columns.ParamColumns`, shared with the other checks of
+    construction).
+
+    Raises:
+        ValueError: as :func:`measure_footprint`.
+    """
+    pins = [group_pin(g, f"param group {gi}") for gi, g in enumerate(groups)]
+    if columns.plain and not any(pins) and columns.disjoint:
+        return _disjoint_footprint(columns)  # each param once, no shared memory: in bulk
     params = trainable_params(groups)
     pin_of: dict[int, Rung | None] = {}
-    for gi, g in enumerate(reversed(groups)):  # the first group listing a param wins
-        pin = group_pin(g, f"param group {len(groups) - 1 - gi}")
+    for g, pin in zip(reversed(groups), reversed(pins)):  # the first group listing a param wins
         pin_of.update(zip(map(id, g["params"]), repeat(pin)))
     frozen_ids: set[int] = set()
     frozen = 0
@@ -363,16 +394,13 @@ def measure_footprint(model_or_params: object) -> Footprint:
                 frozen_ids.add(id(p))
                 frozen += p.numel()
     if not params:
-        raise ValueError(
-            "model_or_params has no trainable parameters (none with requires_grad=True); "
-            "unfreeze some or pass the ones to optimize"
-        )
-    pins = [pin_of[i] for i in map(id, params)]
-    following = [p for p, pin in zip(params, pins) if pin is None]
+        raise ValueError(_NO_TRAINABLE)
+    param_pins = [pin_of[i] for i in map(id, params)]
+    following = [p for p, pin in zip(params, param_pins) if pin is None]
     pinned = sum(
-        _state_bytes([p for p, pin in zip(params, pins) if pin == rung], rung)
+        _state_bytes([p for p, pin in zip(params, param_pins) if pin == rung], rung)
         for rung in RUNGS
-        if rung in pins
+        if rung in param_pins
     )
     numels = list(map(torch.Tensor.numel, params))
     return Footprint(
@@ -385,6 +413,46 @@ def measure_footprint(model_or_params: object) -> Footprint:
         has_complex=any(d.is_complex for d in set(map(_DTYPE, following))),
         state_bytes={rung: _state_bytes(following, rung) + pinned for rung in RUNGS},
         sharded=not all_plain(params) and any(is_dtensor(p) for p in params),
-        pinned_params=sum(n for n, pin in zip(numels, pins) if pin is not None),
+        pinned_params=sum(n for n, pin in zip(numels, param_pins) if pin is not None),
         pinned_state_bytes=pinned,
+    )
+
+
+_NO_TRAINABLE = (
+    "model_or_params has no trainable parameters (none with requires_grad=True); "
+    "unfreeze some or pass the ones to optimize"
+)
+
+
+def _disjoint_footprint(columns: ParamColumns) -> Footprint:
+    """The footprint of plain params over disjoint memory on one device
+    (:attr:`ParamColumns.disjoint`) in groups that pin no rung, from columns: each param
+    is distinct, so the trainable ones are those with ``requires_grad``, and every rung's
+    state bytes are counted once per distinct (elements, dtype)."""
+    trainable = columns.requires_grad
+    numels = list(itertools.compress(columns.numels, trainable))
+    if not numels:
+        raise ValueError(_NO_TRAINABLE)
+    if len(columns.dtype_set) == 1:  # one dtype: count the sizes alone
+        dtype = next(iter(columns.dtype_set))
+        counts = Counter({(n, dtype): k for n, k in Counter(numels).items()})
+    else:
+        counts = Counter(zip(numels, itertools.compress(columns.dtypes, trainable)))
+    dtypes = {d for _, d in counts}
+    quantized = int(any(n >= BNB_MIN_8BIT_SIZE for n, _ in counts))  # one device
+    state_bytes = {
+        rung: _counted_state_bytes(counts, rung, quantized)
+        if rung != "8bit" or no_overrides()
+        else _state_bytes(list(itertools.compress(columns.params, trainable)), rung)
+        for rung in RUNGS
+    }
+    return Footprint(
+        trainable_params=sum(numels),
+        param_tensors=len(numels),
+        frozen_params=sum(itertools.compress(columns.numels, map(operator.not_, trainable))),
+        largest_param=max(n for n, _ in counts),
+        devices=tuple(sorted(map(str, columns.devices))),
+        dtypes=tuple(sorted(str(d).removeprefix("torch.") for d in dtypes)),
+        has_complex=any(d.is_complex for d in dtypes),
+        state_bytes=state_bytes,
     )

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
-from itertools import repeat
 from typing import Any
 
 import torch
 
+from optladder.columns import ParamColumns, plain_types
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
 from optladder.optimizers.eightbit import steps_noncontiguous
 from optladder.optimizers.migrate import foreign_group_reason
@@ -23,8 +22,8 @@ from optladder.rungs import (
     group_pin,
     param_refusal,
 )
-from optladder.selector.overlap import disjoint_dense, first_shared_memory, self_overlaps
-from optladder.sharding import all_plain, is_dtensor, local_tensor
+from optladder.selector.overlap import first_shared_memory, self_overlaps
+from optladder.sharding import is_dtensor, local_tensor
 
 
 def check_group_options(group: Mapping[str, Any]) -> None:
@@ -60,7 +59,7 @@ def check_param_collections(model_or_params: object) -> None:
     advice = "a set has no order, so checkpoints would not match between runs; pass a list"
     if isinstance(model_or_params, set | frozenset):
         raise TypeError(f"model_or_params is a set; {advice}")
-    if isinstance(model_or_params, list | tuple):
+    if isinstance(model_or_params, list | tuple) and not plain_types(model_or_params):
         for gi, group in enumerate(model_or_params):
             if isinstance(group, Mapping) and isinstance(group.get("params"), set | frozenset):
                 raise TypeError(f"param group {gi}['params'] is a set; {advice}")
@@ -103,7 +102,11 @@ def _dtype_name(p: torch.Tensor) -> str:
     return str(p.dtype).removeprefix("torch.")
 
 
-def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> None:
+def check_groups(
+    groups: list[dict[str, Any]],
+    decoupled_weight_decay: bool,
+    columns: ParamColumns | None = None,
+) -> None:
     """Refuse what the rungs would silently get wrong: per-group options no rung keeps,
     out-of-range per-group hyperparameters, a pinned ``"rung"`` that is not a rung, a
     param listed twice or params that share memory (each would be stepped, so shared
@@ -115,6 +118,8 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
     Args:
         groups: all param groups (for ``add_param_group``: the live ones plus the new).
         decoupled_weight_decay: the optimizer's mode; a group may not ask for the other.
+        columns: the :class:`optladder.columns.ParamColumns` of ``groups``, to share the
+            attributes read here with later checks; default read here.
 
     Raises:
         ValueError: naming the group or param, what was found and what is allowed.
@@ -131,8 +136,7 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
             check_group_options(group)
         except ValueError as exc:
             raise ValueError(f"param group {gi}: {exc}") from None
-    flat = [p for group in groups for p in group["params"]]
-    if _params_pass(flat):
+    if _params_pass(ParamColumns(groups) if columns is None else columns):
         return
     seen: dict[int, str] = {}
     named: list[tuple[torch.Tensor, str]] = []
@@ -174,29 +178,27 @@ def check_groups(groups: list[dict[str, Any]], decoupled_weight_decay: bool) -> 
         raise ValueError(clash)
 
 
-def _params_pass(params: list[torch.Tensor]) -> bool:
-    """Whether the param checks of :func:`check_groups` pass for ``params``, read in
-    bulk (loops in C; the memory check sorts byte ranges, O(n log n)) for the common
-    case: plain dense contiguous leaf tensors of allowed dtypes, each listed once, whose
-    memory does not overlap. False means "check param by param" (which names what is
-    wrong), not that a check failed."""
-    if not all_plain(params) or len({id(p) for p in params}) != len(params):
-        return False
-    if not all(map(operator.is_, map(_LAYOUT, params), repeat(torch.strided))):
-        return False
-    if not all(map(operator.or_, map(_IS_LEAF, params), map(_RETAINS_GRAD, params))):
-        return False
-    if not all(str(d).removeprefix("torch.") in PARAM_DTYPES for d in set(map(_DTYPE, params))):
-        return False
-    if not all(map(torch.Tensor.is_contiguous, params)):  # strides to check one by one
-        return False
-    return disjoint_dense(params)
+def _params_pass(columns: ParamColumns) -> bool:
+    """Whether the param checks of :func:`check_groups` pass for ``columns``' params,
+    read in bulk (each param once, in one pass; the memory check sorts byte ranges,
+    O(n log n)) for the common case: plain dense contiguous leaf tensors of allowed
+    dtypes, each listed once, whose memory does not overlap. False means "check param by
+    param" (which names what is wrong), not that a check failed.
+
+    Sparse and mkldnn params fail :attr:`ParamColumns.disjoint` (they have no data
+    pointer), so the layout needs no pass of its own; a contiguous tensor has no stride
+    of 0 over more than one element and no overlapping elements; disjoint non-empty byte
+    ranges mean no param is listed twice.
+    """
+    return (
+        columns.plain
+        and columns.leaves
+        and columns.dtype_names <= _PARAM_DTYPES
+        and columns.disjoint
+    )
 
 
-_LAYOUT = operator.attrgetter("layout")
-_IS_LEAF = operator.attrgetter("is_leaf")
-_RETAINS_GRAD = operator.attrgetter("retains_grad")
-_DTYPE = operator.attrgetter("dtype")
+_PARAM_DTYPES = frozenset(PARAM_DTYPES)
 
 
 def decoupled_mode(engine: torch.optim.Optimizer) -> bool:
@@ -298,6 +300,7 @@ def check_params_for_rung(
     rung: Rung,
     engine: torch.optim.Optimizer | None,
     group: str = "the new group",
+    columns: ParamColumns | None = None,
 ) -> None:
     """Refuse params ``rung``'s engine cannot step exactly.
 
@@ -316,11 +319,14 @@ def check_params_for_rung(
         engine: the engine they would join, or None for one to be built for them (the
             rules that depend on the engine are skipped).
         group: names the group in messages, e.g. ``"group 2"``.
+        columns: the :class:`optladder.columns.ParamColumns` of ``params`` (attributes
+            read once for several checks); default read here.
 
     Raises:
         ValueError: naming the param, its dtype and what is allowed.
     """
-    if all_plain(params) and _rung_takes(params, rung, engine):
+    columns = ParamColumns.of(params) if columns is None else columns
+    if columns.plain and _rung_takes(columns, rung, engine):
         return  # read in bulk; else param by param, naming the first refused
     for pi, p in enumerate(params):
         name = f"param {pi} of {group}"
@@ -357,12 +363,10 @@ def check_params_for_rung(
             )
 
 
-def _rung_takes(
-    params: list[torch.Tensor], rung: Rung, engine: torch.optim.Optimizer | None
-) -> bool:
+def _rung_takes(columns: ParamColumns, rung: Rung, engine: torch.optim.Optimizer | None) -> bool:
     """The rules of :func:`check_params_for_rung` for plain params, once per distinct
     dtype: True when all pass (False: check param by param)."""
-    names = {str(d).removeprefix("torch.") for d in set(map(_DTYPE, params))}
+    names = columns.dtype_names
     if any(param_refusal(rung, name, sharded=False) is not None for name in names):
         return False
     if engine is None:
@@ -375,7 +379,7 @@ def _rung_takes(
         if engine.defaults.get("fused") and names & {"complex64", "complex128"}:
             return False
     if rung == "8bit" and not steps_noncontiguous(engine):
-        return all(map(torch.Tensor.is_contiguous, params))
+        return columns.contiguous
     return True
 
 
@@ -383,7 +387,9 @@ def _contiguous(p: torch.Tensor) -> bool:
     return local_tensor(p).is_contiguous()
 
 
-def refuse_meta_params(groups: list[dict[str, Any]], first_group: int = 0) -> None:
+def refuse_meta_params(
+    groups: list[dict[str, Any]], first_group: int = 0, columns: ParamColumns | None = None
+) -> None:
     """Raise if a param is on the meta device: it holds no values, and materializing a
     meta model (``model.to_empty(device=...)``) makes new Parameters, so the optimizer's
     params would never move (torch's optimizers step them silently; we refuse at
@@ -391,9 +397,18 @@ def refuse_meta_params(groups: list[dict[str, Any]], first_group: int = 0) -> No
     To plan for a meta model, use :func:`optladder.measure_footprint` and
     :func:`optladder.decide` (or ``optladder plan``), which allocate nothing.
 
+    Args:
+        groups: the param groups to check.
+        first_group: the place of ``groups[0]`` among the optimizer's groups (for
+            messages).
+        columns: the :class:`optladder.columns.ParamColumns` of ``groups``, if read
+            already: plain params are off the meta device.
+
     Raises:
         ValueError: naming the first such param by group and place.
     """
+    if columns is not None and columns.plain:
+        return
     for gi, group in enumerate(groups, start=first_group):
         for pi, p in enumerate(group["params"]):
             if p.is_meta:

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
+from optladder.columns import ParamColumns
 from optladder.errors import (  # OptladderWarning re-exported: defined below policies
     OptladderWarning,
     user_stacklevel,
@@ -26,12 +27,12 @@ from optladder.policies import (
     Decision,
     Policy,
     decide,
-    measure_footprint,
     normalize_param_groups,
     probe_free_memory,
     read_overrides,
 )
 from optladder.policies.decision import allowed_rungs
+from optladder.policies.footprint import groups_footprint
 from optladder.rungs import Rung, group_pin
 from optladder.selector.agreement import largest_over_ranks, min_over_ranks, same_on_all_ranks
 from optladder.selector.checks import (
@@ -81,13 +82,15 @@ def _params_of(group: dict[str, object]) -> list[torch.Tensor]:
 
 
 def _target_device(
-    groups: list[dict[str, object]], device: torch.device | str | None
+    groups: list[dict[str, object]], device: torch.device | str | None, columns: ParamColumns
 ) -> torch.device:
     if device is not None:
         try:
             return torch.device(device)
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"device={device!r} is not a torch device ({exc})") from None
+    if columns.plain and len(columns.devices) == 1 and any(columns.requires_grad):
+        return next(iter(columns.devices))  # every param there, trainable ones among them
     devices = sorted(
         {str(d) for d in {p.device for g in groups for p in _params_of(g) if p.requires_grad}}
     )
@@ -186,16 +189,17 @@ def decide_and_build(
     _check_options(policy, environ, max_retries, on_escalate, decoupled_weight_decay, strict)
     check_param_collections(model_or_params)
     groups = normalize_param_groups(model_or_params)
-    check_groups(groups, decoupled_weight_decay)
-    refuse_meta_params(groups)
-    footprint = measure_footprint(groups)
+    columns = ParamColumns(groups)  # each param's attributes read once, for every check
+    check_groups(groups, decoupled_weight_decay, columns)
+    refuse_meta_params(groups, columns=columns)
+    footprint = groups_footprint(groups, columns)
     overrides = read_overrides(rung, environ)
     asked = overrides.fixed or overrides.forced
     if asked is not None:  # name the first param the asked rung cannot take
         for gi, g in enumerate(groups):
             if group_pin(g, f"param group {gi}") is None:
-                check_params_for_rung(g["params"], asked, None, f"group {gi}")
-    target = _target_device(groups, device)
+                check_params_for_rung(g["params"], asked, None, f"group {gi}", columns.group(gi))
+    target = _target_device(groups, device, columns)
     if free_memory is None:
         probe = probe_free_memory(target)
         free, source = probe.free_bytes, probe.source
@@ -237,15 +241,26 @@ def decide_and_build(
     def rebuild(
         rung: Rung, param_groups: list[dict[str, Any]], fused: bool
     ) -> torch.optim.Optimizer:
-        return build_engine(rung, param_groups, fused=fused, **hyper)
+        # every group an engine is built over passed check_groups when it joined
+        return build_engine(rung, param_groups, fused=fused, checked=True, **hyper)
 
     following = []  # the groups that follow the decision; LadderOptimizer builds the pinned
     for gi, g in enumerate(groups):
         if group_pin(g, f"param group {gi}") is None:
-            check_params_for_rung(g["params"], decision.rung, None, f"group {gi}")
+            check_params_for_rung(
+                g["params"], decision.rung, None, f"group {gi}", columns.group(gi)
+            )
             following.append(g)
-    engine = rebuild(decision.rung, following, capabilities.fused[decision.rung])
-    logger.info("optladder decision: %s", decision.summary())
+    engine = build_engine(  # the columns when they are those of the following groups
+        decision.rung,
+        following,
+        fused=capabilities.fused[decision.rung],
+        columns=columns if len(following) == len(groups) else None,
+        checked=True,
+        **hyper,
+    )
+    if logger.isEnabledFor(logging.INFO):  # the summary formats every rung's bytes
+        logger.info("optladder decision: %s", decision.summary())
     return Built(engine, decision, rebuild, groups)
 
 

@@ -361,8 +361,8 @@ class LadderOptimizer(torch.optim.Optimizer):
             ValueError: naming the param or option, what was found and what is allowed;
                 a pinned rung that is disabled or unavailable.
         """
-        if self._engine is None:  # called by torch.optim.Optimizer.__init__
-            super().add_param_group(param_group)
+        if self._engine is None:  # called by torch.optim.Optimizer.__init__ with the
+            self.param_groups.append(param_group)  # engine's groups, which it checked
             return
         group = check_new_group(param_group)
         params = group["params"]

@@ -8,8 +8,6 @@ sharing elements (the rows, or the columns, of one buffer) are fine.
 
 from __future__ import annotations
 
-import itertools
-import operator
 from collections.abc import Iterator
 
 import torch
@@ -100,27 +98,6 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
         if bool((inside & (rel == 0)).any()):
             return True
     return False
-
-
-def disjoint_dense(params: list[torch.Tensor]) -> bool:
-    """Whether contiguous plain tensors of one device cover disjoint byte ranges, in
-    O(n log n): ranges sorted by first byte, each compared with the one before. True
-    means no two share memory; False means "compare pairs" (:func:`first_shared_memory`),
-    e.g. for tensors on several devices or empty ones.
-
-    Args:
-        params: contiguous ``torch.Tensor``/``nn.Parameter`` objects, not on meta.
-    """
-    if len(set(map(operator.attrgetter("device"), params))) > 1:
-        return False
-    starts = list(map(torch.Tensor.data_ptr, params))
-    sizes = list(
-        map(operator.mul, map(torch.Tensor.numel, params), map(torch.Tensor.element_size, params))
-    )
-    if not all(sizes):
-        return False
-    ranges = sorted(zip(starts, sizes))
-    return all(a + n <= b for (a, n), (b, _) in itertools.pairwise(ranges))
 
 
 def first_shared_memory(named: list[tuple[torch.Tensor, str]]) -> str | None:
