@@ -587,6 +587,19 @@ OL8_AVX2F_INLINE uint32_t ol8a_hmax(__m256i t) {
     return (uint32_t)_mm_cvtsi128_si32(m);
 }
 
+/* t[k[0 .. 8)] by scalar loads into lanes (see ol8a_lookup8). */
+OL8_AVX2F_INLINE __m256i ol8a_lookup8i(const int32_t *t, const int32_t *k) {
+    __m128i lo = _mm_cvtsi32_si128(t[k[0]]);
+    lo = _mm_insert_epi32(lo, t[k[1]], 1);
+    lo = _mm_insert_epi32(lo, t[k[2]], 2);
+    lo = _mm_insert_epi32(lo, t[k[3]], 3);
+    __m128i hi = _mm_cvtsi32_si128(t[k[4]]);
+    hi = _mm_insert_epi32(hi, t[k[5]], 1);
+    hi = _mm_insert_epi32(hi, t[k[6]], 2);
+    hi = _mm_insert_epi32(hi, t[k[7]], 3);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
 /* ol8_quantize of one whole block whose max |x| bits are the lanes of top: scaled by
    x * (1 / max(absmax, 1e-38)), clamped (max/min keep a NaN, as ol8_clamp1), encoded
    as ol8_encode encodes (the start table read by scalar loads, not gathers). Three
@@ -605,7 +618,6 @@ OL8_AVX2F_INLINE float ol8a_quantize(
     const __m256i lo16 = _mm256_set1_epi32(table[0] << 16);
     const int32_t *entries = table + 4;
     int32_t idx[OL8_BLOCK] __attribute__((aligned(32)));
-    int32_t e[OL8_BLOCK] __attribute__((aligned(32)));
     for (int i = 0; i < OL8_BLOCK; i += 8) {
         const __m256 xs = _mm256_mul_ps(_mm256_load_ps(x + i), r);
         const __m256 xv = _mm256_min_ps(hi, _mm256_max_ps(lo, xs));
@@ -618,18 +630,10 @@ OL8_AVX2F_INLINE float ol8a_quantize(
             _mm256_castsi256_ps(j), _mm256_castsi256_ps(jn), xv));
         _mm256_store_si256((__m256i *)(idx + i), sel);
     }
-    /* scalar loads (an empty asm per pair keeps gcc from turning them into gathers) */
-    for (int i = 0; i < OL8_BLOCK; i += 2) {
-        uint64_t two;
-        __builtin_memcpy(&two, idx + i, 8);
-        __asm__("" : "+r"(two));
-        e[i] = entries[(uint32_t)two];
-        e[i + 1] = entries[two >> 32];
-    }
     for (int i = 0; i < OL8_BLOCK; i += 8) {
         const __m256 xv = _mm256_load_ps(x + i);
         const __m256i u = _mm256_castps_si256(xv);
-        const __m256i ev = _mm256_load_si256((const __m256i *)(e + i));
+        const __m256i ev = ol8a_lookup8i(entries, idx + i);
         __m256i bound = _mm256_or_si256(_mm256_and_si256(u, top16), _mm256_srli_epi32(ev, 8));
         const __m256i bucket0 = _mm256_cmpgt_epi32(lo16, _mm256_and_si256(u, mag));
         const __m256i b0 = _mm256_castps_si256(_mm256_blendv_ps(   /* by the sign bit */
