@@ -589,14 +589,19 @@ OL8_AVX2F_INLINE uint32_t ol8a_hmax(__m256i t) {
 
 /* t[k[0 .. 8)] by scalar loads into lanes (see ol8a_lookup8). */
 OL8_AVX2F_INLINE __m256i ol8a_lookup8i(const int32_t *t, const int32_t *k) {
-    __m128i lo = _mm_cvtsi32_si128(t[k[0]]);
-    lo = _mm_insert_epi32(lo, t[k[1]], 1);
-    lo = _mm_insert_epi32(lo, t[k[2]], 2);
-    lo = _mm_insert_epi32(lo, t[k[3]], 3);
-    __m128i hi = _mm_cvtsi32_si128(t[k[4]]);
-    hi = _mm_insert_epi32(hi, t[k[5]], 1);
-    hi = _mm_insert_epi32(hi, t[k[6]], 2);
-    hi = _mm_insert_epi32(hi, t[k[7]], 3);
+    uint64_t k01, k23, k45, k67;  /* two indices per load */
+    __builtin_memcpy(&k01, k, 8);
+    __builtin_memcpy(&k23, k + 2, 8);
+    __builtin_memcpy(&k45, k + 4, 8);
+    __builtin_memcpy(&k67, k + 6, 8);
+    __m128i lo = _mm_cvtsi32_si128(t[(uint32_t)k01]);
+    lo = _mm_insert_epi32(lo, t[k01 >> 32], 1);
+    lo = _mm_insert_epi32(lo, t[(uint32_t)k23], 2);
+    lo = _mm_insert_epi32(lo, t[k23 >> 32], 3);
+    __m128i hi = _mm_cvtsi32_si128(t[(uint32_t)k45]);
+    hi = _mm_insert_epi32(hi, t[k45 >> 32], 1);
+    hi = _mm_insert_epi32(hi, t[(uint32_t)k67], 2);
+    hi = _mm_insert_epi32(hi, t[k67 >> 32], 3);
     return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 
@@ -653,14 +658,16 @@ OL8_AVX2F_INLINE float ol8a_quantize(
    a gather takes 0.45. */
 OL8_AVX2F_INLINE __m256 ol8a_lookup8(const float *q, const uint8_t *c) {
     const int32_t *t = (const int32_t *)q;
-    __m128i lo = _mm_cvtsi32_si128(t[c[0]]);
-    lo = _mm_insert_epi32(lo, t[c[1]], 1);
-    lo = _mm_insert_epi32(lo, t[c[2]], 2);
-    lo = _mm_insert_epi32(lo, t[c[3]], 3);
-    __m128i hi = _mm_cvtsi32_si128(t[c[4]]);
-    hi = _mm_insert_epi32(hi, t[c[5]], 1);
-    hi = _mm_insert_epi32(hi, t[c[6]], 2);
-    hi = _mm_insert_epi32(hi, t[c[7]], 3);
+    uint64_t k;  /* the 8 codes in one load, split by shifts (loads are the bottleneck) */
+    __builtin_memcpy(&k, c, 8);
+    __m128i lo = _mm_cvtsi32_si128(t[k & 0xFF]);
+    lo = _mm_insert_epi32(lo, t[(k >> 8) & 0xFF], 1);
+    lo = _mm_insert_epi32(lo, t[(k >> 16) & 0xFF], 2);
+    lo = _mm_insert_epi32(lo, t[(k >> 24) & 0xFF], 3);
+    __m128i hi = _mm_cvtsi32_si128(t[(k >> 32) & 0xFF]);
+    hi = _mm_insert_epi32(hi, t[(k >> 40) & 0xFF], 1);
+    hi = _mm_insert_epi32(hi, t[(k >> 48) & 0xFF], 2);
+    hi = _mm_insert_epi32(hi, t[k >> 56], 3);
     return _mm256_castsi256_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
 }
 
@@ -704,11 +711,29 @@ OL8_AVX2F_INLINE void ol8a_block_q(
     P->absmax2[b] = ol8a_quantize(v, top2, P->table2, c2);
 }
 
+#define OL8_PREFETCH_BLOCKS 2
+
+/* Prefetch block b's param, grad and codes (nothing past the param's end). */
+OL8_AVX2F_INLINE void ol8a_prefetch(const ol8_param_t *P, int64_t b, int pd, int gd) {
+    const int64_t lo = b * OL8_BLOCK;
+    if (lo + OL8_BLOCK > P->numel) return;
+    const int psize = pd == OL8_F32 ? 4 : 2, gsize = gd == OL8_F32 ? 4 : 2;
+    const char *p = (const char *)P->param + lo * psize;
+    const char *g = (const char *)P->grad + lo * gsize;
+    for (int i = 0; i < OL8_BLOCK * psize; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+    for (int i = 0; i < OL8_BLOCK * gsize; i += 64) _mm_prefetch(g + i, _MM_HINT_T0);
+    for (int i = 0; i < OL8_BLOCK; i += 64) {
+        _mm_prefetch((const char *)P->state1 + lo + i, _MM_HINT_T0);
+        _mm_prefetch((const char *)P->state2 + lo + i, _MM_HINT_T0);
+    }
+}
+
 /* The blocks [first, end) of a quantized param; a partial last block goes scalar. */
 OL8_AVX2F_INLINE void ol8a_blocks_wd(
         const ol8_param_t *P, int64_t first, int64_t end, int pd, int gd, int coupled,
         int decoupled) {
     for (int64_t b = first; b < end; b++) {
+        ol8a_prefetch(P, b + OL8_PREFETCH_BLOCKS, pd, gd);
         if ((b + 1) * OL8_BLOCK <= P->numel) ol8a_block_q(P, b, pd, gd, coupled, decoupled);
         else ol8_block_q(P, b, pd, gd, coupled, decoupled, 1);
     }
