@@ -728,6 +728,13 @@ OL8_AVX2F_INLINE void ol8a_prefetch(const ol8_param_t *P, int64_t b, int pd, int
     }
 }
 
+/* A partial last block: the scalar loop, one copy for every dtype and weight decay form
+   (a per-form copy in each ol8a_blocks_wd would add compile time, not speed). */
+OL8_AVX2F __attribute__((noinline)) static void ol8a_partial_block(
+        const ol8_param_t *P, int64_t b) {
+    ol8_block_q(P, b, P->param_dtype, P->grad_dtype, P->coupled, P->decoupled, 1);
+}
+
 /* The blocks [first, end) of a quantized param; a partial last block goes scalar. */
 OL8_AVX2F_INLINE void ol8a_blocks_wd(
         const ol8_param_t *P, int64_t first, int64_t end, int pd, int gd, int coupled,
@@ -735,7 +742,7 @@ OL8_AVX2F_INLINE void ol8a_blocks_wd(
     for (int64_t b = first; b < end; b++) {
         ol8a_prefetch(P, b + OL8_PREFETCH_BLOCKS, pd, gd);
         if ((b + 1) * OL8_BLOCK <= P->numel) ol8a_block_q(P, b, pd, gd, coupled, decoupled);
-        else ol8_block_q(P, b, pd, gd, coupled, decoupled, 1);
+        else ol8a_partial_block(P, b);
     }
 }
 
