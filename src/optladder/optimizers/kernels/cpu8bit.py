@@ -182,8 +182,8 @@ def load_library() -> ctypes.CDLL:
 def simd_available(library: ctypes.CDLL | None = None) -> bool:
     """Whether this CPU runs a SIMD path of the 8-bit kernel, as the kernel reads it with
     gcc's ``__builtin_cpu_supports``: with AVX-512 (f/bw/dq/vl) whole 256-element blocks
-    run on 16 lanes, with AVX2 only the encode runs on 8 lanes (one gather per 8 values);
-    without either every block takes the scalar loops. Every path writes the same bits.
+    run on 16 lanes, with AVX2 (and FMA, F16C) on 8 lanes; without either every block
+    takes the scalar loops. Every path writes the same bits.
 
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
@@ -611,8 +611,8 @@ def run_table(table: Table, library: ctypes.CDLL | None = None, *, simd: bool = 
         table: from :func:`prepare_table`, for tensors not changed since.
         library: from :func:`load_library`; default :func:`load_library` (cached).
         simd: False keeps to the scalar loops; by default whole blocks of 8-bit state run
-            on AVX-512 lanes (or their encode on AVX2 lanes) where the CPU has them (the
-            same bits: the same IEEE operations in the same order; tested).
+            on AVX-512 or AVX2 lanes where the CPU has them (the same bits: the same IEEE
+            operations in the same order; tested).
 
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
