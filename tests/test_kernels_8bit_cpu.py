@@ -546,14 +546,14 @@ def _kernel_jobs(dtype: torch.dtype, grad_dtype: torch.dtype, seed: int, coupled
 def test_the_simd_path_writes_the_scalar_loops_bits(
     dtype: torch.dtype, grad_dtype: torch.dtype, coupled: bool
 ) -> None:
-    """The SIMD path (AVX-512 for whole blocks, or the AVX2 encode, whichever the CPU
-    has) writes bit for bit what the scalar loops write: params, codes, absmax and
+    """The SIMD path for whole blocks (AVX-512, or AVX2 with FMA and F16C, whichever the
+    CPU has) writes bit for bit what the scalar loops write: params, codes, absmax and
     float32 state, for every param and grad dtype, with NaN grads, over two steps.
     Skipped on a CPU without AVX2, where both runs would take the scalar loops."""
     from optladder.optimizers.kernels import cpu8bit
 
     if not cpu8bit.simd_available():
-        pytest.skip("this CPU has no AVX2: the 8-bit kernel runs its scalar loops only")
+        pytest.skip("no AVX-512 nor AVX2+FMA+F16C: the 8-bit kernel runs its scalar loops only")
 
     for seed in (0, 1):
         runs = []
@@ -734,7 +734,7 @@ def test_the_simd_path_writes_the_scalar_bits_at_lane_and_block_edges(extreme: b
     from optladder.optimizers.kernels import cpu8bit
 
     if not cpu8bit.simd_available():
-        pytest.skip("this CPU has no AVX2: the 8-bit kernel runs its scalar loops only")
+        pytest.skip("no AVX-512 nor AVX2+FMA+F16C: the 8-bit kernel runs its scalar loops only")
     sizes = (1, 7, 8, 9, 15, 17, 255, 256, 257, 263, 4095, 4097)
     for dtype in (torch.float32, torch.bfloat16):
         runs = []
