@@ -402,6 +402,29 @@ def test_a_view_overlapping_itself_is_refused() -> None:
         choose_optimizer([torch.nn.Parameter(torch.zeros(10).as_strided((4, 4), (1, 1)))])
 
 
+@pytest.mark.parametrize("kind", ["generator", "iterator", "dict values", "map"])
+def test_param_groups_from_a_one_pass_iterable_holding_a_set_are_refused(kind: str) -> None:
+    """A set of params in a group is refused however the groups come (torch refuses it
+    too: its order changes between runs, and with it the checkpoints' param order),
+    and the groups are read once."""
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4))
+    groups = [{"params": [p]}, {"params": {q}, "lr": 0.5}]
+    given = {
+        "generator": lambda: (g for g in groups),
+        "iterator": lambda: iter(groups),
+        "dict values": lambda: dict(enumerate(groups)).values(),
+        "map": lambda: map(dict, groups),
+    }[kind]
+    with pytest.raises(TypeError, match="ordered collections"):
+        torch.optim.AdamW(given())
+    with pytest.raises(TypeError, match=r"param group 1\['params'\] is a set; .*pass a list"):
+        choose_optimizer(given(), free_memory=GiB)
+    ok = [{"params": [p]}, {"params": [q], "lr": 0.5}]
+    opt = choose_optimizer((g for g in ok), free_memory=GiB)  # a generator is read once
+    assert [g["params"] for g in opt.param_groups] == [[p], [q]]
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 0.5]
+
+
 # ---------------------------------------------------------------- checkpoints
 
 
