@@ -397,6 +397,26 @@ def test_random_views_of_one_buffer_are_refused_exactly_when_they_share_elements
         assert refused == shared, [(v.shape, v.stride(), v.storage_offset()) for v in views]
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_params_over_shared_memory_in_two_storages_are_refused(layout: str) -> None:
+    """Two tensors can view the same memory through storages of their own (NumPy slices
+    of one array under torch.from_numpy): the check compares the memory, not the
+    storage objects. Views next to each other are accepted."""
+    array = np.zeros((12, 8), dtype=np.float32)
+    a, b = torch.from_numpy(array[0:6]), torch.from_numpy(array[4:12])  # rows 4, 5 shared
+    c = torch.from_numpy(array[6:12])  # right after a: nothing shared
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    if layout == "transposed":
+        a, b, c = a.t(), b.t(), c.t()
+    with pytest.raises(ValueError, match=r"param 1 of group 0 .*overlaps param 0 of group 0"):
+        choose_optimizer([torch.nn.Parameter(a), torch.nn.Parameter(b)], free_memory=GiB)
+    with pytest.raises(ValueError, match=r"param 0 of group 1 .*overlaps param 0 of group 0"):
+        groups = [{"params": [torch.nn.Parameter(b)]}, {"params": [torch.nn.Parameter(a)]}]
+        choose_optimizer(groups, free_memory=GiB)
+    opt = choose_optimizer([torch.nn.Parameter(a), torch.nn.Parameter(c)], free_memory=GiB)
+    assert len(opt.param_groups[0]["params"]) == 2
+
+
 def test_a_view_overlapping_itself_is_refused() -> None:
     with pytest.raises(ValueError, match="elements overlap in memory"):
         choose_optimizer([torch.nn.Parameter(torch.zeros(10).as_strided((4, 4), (1, 1)))])
