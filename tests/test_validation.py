@@ -445,6 +445,22 @@ def test_param_groups_from_a_one_pass_iterable_holding_a_set_are_refused(kind: s
     assert [g["lr"] for g in opt.param_groups] == [1e-3, 0.5]
 
 
+@pytest.mark.parametrize(
+    ("params", "found"),
+    [
+        ([], "got an empty list"),
+        ({"w": torch.zeros(2)}, "param 0 is a str"),  # a dict lists its keys, as in torch
+        ([torch.nn.Parameter(torch.zeros(2)), 3.0], "param 1 is a float"),
+        (None, "got an empty list"),
+    ],
+)
+def test_add_param_group_names_what_it_found_in_params(params: object, found: str) -> None:
+    opt = choose_optimizer([torch.nn.Parameter(torch.zeros(4))], free_memory=GiB)
+    with pytest.raises(ValueError, match=rf"must be a non-empty list of tensors; {found}"):
+        opt.add_param_group({"params": params})
+    assert len(opt.param_groups) == 1 and len(opt.engine.param_groups) == 1
+
+
 # ---------------------------------------------------------------- checkpoints
 
 

@@ -105,8 +105,12 @@ def check_new_group(param_group: object) -> dict[str, Any]:
     if any(isinstance(p, tuple) for p in params):  # (name, param) pairs, as torch takes
         group = normalize_param_groups([group])[0]
         params = group["params"]
-    if not params or not all(isinstance(p, torch.Tensor) for p in params):
-        raise ValueError("param_group['params'] must be a non-empty list of tensors")
+    need = "param_group['params'] must be a non-empty list of tensors"
+    if not params:
+        raise ValueError(f"{need}; got an empty list")
+    bad = next((i for i, p in enumerate(params) if not isinstance(p, torch.Tensor)), None)
+    if bad is not None:
+        raise ValueError(f"{need}; param {bad} is a {type(params[bad]).__name__}")
     return group
 
 
