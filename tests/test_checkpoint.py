@@ -378,3 +378,49 @@ def test_a_torch_adamw_checkpoint_with_any_step_form_resumes_in_the_rungs_own_fo
         for p, q in zip(m.parameters(), ref_m.parameters(), strict=True):
             assert float(opt.state[p]["step"]) == 6.0, name
             assert torch.equal(p, q), name
+
+
+def _complex_run(steps: int) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+    torch.manual_seed(3)
+    z = nn.Parameter(torch.randn(5, dtype=torch.complex64))
+    a = nn.Parameter(torch.randn(6))
+    opt = choose_optimizer([z, a], free_memory="1GiB", rung="fp32")
+    for s in range(steps):
+        for p in (z, a):
+            p.grad = torch.full_like(p, 0.5 * (s + 1))
+        opt.step()
+    return [z, a], opt
+
+
+def test_a_checkpoint_with_complex_params_loads_and_resumes_as_the_uninterrupted_run() -> None:
+    """The fp32 rung takes complex params (torch's AdamW keeps their moments complex):
+    its own state_dict loads back, and the resumed run equals the uninterrupted one
+    and torch's AdamW bit for bit; a NaN in a complex moment is still refused."""
+    params, opt = _complex_run(2)
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["state"][0]["exp_avg"].dtype == torch.complex64
+    resumed_params, resumed = _complex_run(0)
+    with torch.no_grad():
+        for r, p in zip(resumed_params, params):
+            r.copy_(p)
+    resumed.load_state_dict(copy.deepcopy(saved))
+    torch.manual_seed(3)
+    ref_params = [nn.Parameter(p.detach().clone()) for p in _complex_run(0)[0]]
+    ref = torch.optim.AdamW(ref_params, lr=1e-3, weight_decay=1e-2)
+    for s in range(2):
+        for p in ref_params:
+            p.grad = torch.full_like(p, 0.5 * (s + 1))
+        ref.step()
+    for group in (params, resumed_params, ref_params):
+        for p in group:
+            p.grad = torch.full_like(p, 0.25)
+    opt.step()
+    resumed.step()
+    ref.step()
+    for p, r, t in zip(params, resumed_params, ref_params):
+        assert torch.equal(r, p)
+        assert torch.equal(t, p)
+    bad = copy.deepcopy(saved)
+    bad["state"][0]["exp_avg"][1] = complex(float("nan"), 0.0)
+    with pytest.raises(ValueError, match="param 0: exp_avg holds 1 NaN or infinite values"):
+        resumed.load_state_dict(bad)

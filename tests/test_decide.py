@@ -11,6 +11,7 @@ The default gate is int(0.25 * free): fp32 fits from free = 32,000,000, bf16 fro
 from __future__ import annotations
 
 import math
+import pickle
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from optladder.policies import (
     measure_footprint,
     read_overrides,
 )
+from optladder.policies.decision import escalation_target
 from optladder.rungs import Capabilities
 
 MILLION = 1_000_000
@@ -355,6 +357,37 @@ def test_a_decision_serialized_with_the_old_name_pinned_loads_as_fixed() -> None
         Decision.model_validate({**old, "origin": "pined"})
     with pytest.warns(FutureWarning, match=r"Overrides\.pinned is now Overrides\.fixed"):
         assert d.overrides.pinned == "bf16"
+
+
+class _AsPickledBefore:
+    """Pickles as ``model`` with the fields ``fields`` (a model of an earlier version,
+    whose field names differ): pickle restores a model from its fields by name."""
+
+    def __init__(self, model: object, fields: dict[str, object]) -> None:
+        self.model, self.fields = model, fields
+
+    def __reduce__(self) -> tuple[object, ...]:
+        state = self.model.__getstate__()  # type: ignore[attr-defined]
+        fields = {**state, "__dict__": self.fields, "__pydantic_fields_set__": set()}
+        return object.__new__, (type(self.model),), fields
+
+
+def test_a_decision_pickled_with_the_old_name_pinned_unpickles_as_fixed() -> None:
+    """A decision pickled before the rename (``Overrides.pinned``, origin "pinned")
+    unpickles as today's: ``overrides.fixed`` set, origin "fixed", never escalated."""
+    d = decide(ONE_M, HUGE, CPU, overrides=read_overrides(rung="bf16", environ={}))
+    old_overrides = {("pinned" if k == "fixed" else k): v for k, v in vars(d.overrides).items()}
+    old = {**vars(d), "origin": "pinned"}
+    old["overrides"] = _AsPickledBefore(d.overrides, old_overrides)
+    loaded = pickle.loads(pickle.dumps(_AsPickledBefore(d, old)))
+    assert type(loaded) is Decision
+    assert (loaded.origin, loaded.overrides.fixed, loaded.overrides.origin) == (
+        "fixed",
+        "bf16",
+        "fixed",
+    )
+    assert loaded == d
+    assert escalation_target(loaded) == (None, "the bf16 rung is fixed by rung='bf16'")
 
 
 def test_fixed_fp32_beats_proactive_bf16() -> None:

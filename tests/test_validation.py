@@ -397,9 +397,68 @@ def test_random_views_of_one_buffer_are_refused_exactly_when_they_share_elements
         assert refused == shared, [(v.shape, v.stride(), v.storage_offset()) for v in views]
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_params_over_shared_memory_in_two_storages_are_refused(layout: str) -> None:
+    """Two tensors can view the same memory through storages of their own (NumPy slices
+    of one array under torch.from_numpy): the check compares the memory, not the
+    storage objects. Views next to each other are accepted."""
+    array = np.zeros((12, 8), dtype=np.float32)
+    a, b = torch.from_numpy(array[0:6]), torch.from_numpy(array[4:12])  # rows 4, 5 shared
+    c = torch.from_numpy(array[6:12])  # right after a: nothing shared
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    if layout == "transposed":
+        a, b, c = a.t(), b.t(), c.t()
+    with pytest.raises(ValueError, match=r"param 1 of group 0 .*overlaps param 0 of group 0"):
+        choose_optimizer([torch.nn.Parameter(a), torch.nn.Parameter(b)], free_memory=GiB)
+    with pytest.raises(ValueError, match=r"param 0 of group 1 .*overlaps param 0 of group 0"):
+        groups = [{"params": [torch.nn.Parameter(b)]}, {"params": [torch.nn.Parameter(a)]}]
+        choose_optimizer(groups, free_memory=GiB)
+    opt = choose_optimizer([torch.nn.Parameter(a), torch.nn.Parameter(c)], free_memory=GiB)
+    assert len(opt.param_groups[0]["params"]) == 2
+
+
 def test_a_view_overlapping_itself_is_refused() -> None:
     with pytest.raises(ValueError, match="elements overlap in memory"):
         choose_optimizer([torch.nn.Parameter(torch.zeros(10).as_strided((4, 4), (1, 1)))])
+
+
+@pytest.mark.parametrize("kind", ["generator", "iterator", "dict values", "map"])
+def test_param_groups_from_a_one_pass_iterable_holding_a_set_are_refused(kind: str) -> None:
+    """A set of params in a group is refused however the groups come (torch refuses it
+    too: its order changes between runs, and with it the checkpoints' param order),
+    and the groups are read once."""
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(4))
+    groups = [{"params": [p]}, {"params": {q}, "lr": 0.5}]
+    given = {
+        "generator": lambda: (g for g in groups),
+        "iterator": lambda: iter(groups),
+        "dict values": lambda: dict(enumerate(groups)).values(),
+        "map": lambda: map(dict, groups),
+    }[kind]
+    with pytest.raises(TypeError, match="ordered collections"):
+        torch.optim.AdamW(given())
+    with pytest.raises(TypeError, match=r"param group 1\['params'\] is a set; .*pass a list"):
+        choose_optimizer(given(), free_memory=GiB)
+    ok = [{"params": [p]}, {"params": [q], "lr": 0.5}]
+    opt = choose_optimizer((g for g in ok), free_memory=GiB)  # a generator is read once
+    assert [g["params"] for g in opt.param_groups] == [[p], [q]]
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 0.5]
+
+
+@pytest.mark.parametrize(
+    ("params", "found"),
+    [
+        ([], "got an empty list"),
+        ({"w": torch.zeros(2)}, "param 0 is a str"),  # a dict lists its keys, as in torch
+        ([torch.nn.Parameter(torch.zeros(2)), 3.0], "param 1 is a float"),
+        (None, "got an empty list"),
+    ],
+)
+def test_add_param_group_names_what_it_found_in_params(params: object, found: str) -> None:
+    opt = choose_optimizer([torch.nn.Parameter(torch.zeros(4))], free_memory=GiB)
+    with pytest.raises(ValueError, match=rf"must be a non-empty list of tensors; {found}"):
+        opt.add_param_group({"params": params})
+    assert len(opt.param_groups) == 1 and len(opt.engine.param_groups) == 1
 
 
 # ---------------------------------------------------------------- checkpoints

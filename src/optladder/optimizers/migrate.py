@@ -650,7 +650,8 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
     no rung can carry exactly.
 
     Accepts the Adam layout (``step``, ``exp_avg``, ``exp_avg_sq``: dense floating
-    tensors of the param's element count) and the bitsandbytes layout (``step``,
+    tensors of the param's element count; complex ones for a complex param, as torch's
+    AdamW keeps them on the fp32 rung) and the bitsandbytes layout (``step``,
     ``state1``/``state2``: uint8 codes with float32 ``absmax1``/``absmax2`` of one value
     per started 256-element block and 256-entry ``qmap1``/``qmap2``, or float32
     moments). Checked against the param's local shard for a DTensor param. Refused:
@@ -742,6 +743,11 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
                     "values, so the codes cannot be decoded"
                 )
             _check_values(local_tensor(absmax), f"absmax{i}", where, nonnegative=True)
+        elif t.is_complex() and shard.is_complex() and not bnb:
+            # torch's AdamW keeps a complex param's moments complex (real and imaginary
+            # parts as two reals)
+            nonnegative = name == "exp_avg_sq"
+            _check_values(torch.view_as_real(t), name, where, nonnegative=nonnegative)
         elif not t.is_floating_point():
             allowed = "uint8 codes or float32" if bnb else "a floating dtype"
             raise ValueError(f"{where}: {name} has dtype {t.dtype}; allowed: {allowed}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -57,6 +58,14 @@ class Decision(BaseModel):
         """An origin written by an earlier version in today's spelling
         (:data:`optladder.rungs.OLD_ORIGINS`)."""
         return current_origin(origin)
+
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        """Unpickle, reading an origin pickled by an earlier version in today's spelling
+        (:data:`optladder.rungs.OLD_ORIGINS`)."""
+        fields = state.get("__dict__", {})
+        if "origin" in fields:
+            state = {**state, "__dict__": {**fields, "origin": current_origin(fields["origin"])}}
+        super().__setstate__(state)
 
     def summary(self) -> str:
         """The decision in a few lines for a log or a terminal.

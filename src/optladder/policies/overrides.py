@@ -98,6 +98,17 @@ class Overrides(BaseModel):
         data["fixed"] = old
         return data
 
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        """Unpickle, taking ``pinned`` (this field's name in earlier versions: an
+        Overrides pickled then) as ``fixed``."""
+        fields = state.get("__dict__", {})
+        if "pinned" in fields:
+            new = {"fixed" if name == "pinned" else name: v for name, v in fields.items()}
+            was_set = state.get("__pydantic_fields_set__", set())
+            was_set = {"fixed" if name == "pinned" else name for name in was_set}
+            state = {**state, "__dict__": new, "__pydantic_fields_set__": was_set}
+        super().__setstate__(state)
+
     @property
     def pinned(self) -> Rung | None:
         """Deprecated name of :attr:`fixed` (warns ``FutureWarning``)."""

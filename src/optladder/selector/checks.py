@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -49,9 +49,16 @@ def check_max_retries(max_retries: object) -> None:
         raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
 
 
-def check_param_collections(model_or_params: object) -> None:
+def check_param_collections(model_or_params: object) -> object:
     """Refuse params given in a ``set`` (torch refuses them too: a set has no order, so
-    param order, and with it checkpoints, would change between runs).
+    param order, and with it checkpoints, would change between runs), at the top or as
+    a group's ``"params"``, however the groups come (a list, a generator, a dict's
+    values).
+
+    Returns:
+        ``model_or_params``, with an iterable other than a list or tuple (a generator,
+        which can be read once) read into a list: the caller normalizes what was
+        checked.
 
     Raises:
         TypeError: naming where the set was found.
@@ -59,10 +66,15 @@ def check_param_collections(model_or_params: object) -> None:
     advice = "a set has no order, so checkpoints would not match between runs; pass a list"
     if isinstance(model_or_params, set | frozenset):
         raise TypeError(f"model_or_params is a set; {advice}")
+    if isinstance(model_or_params, Iterable) and not isinstance(
+        model_or_params, list | tuple | Mapping | str | bytes | torch.Tensor | torch.nn.Module
+    ):
+        model_or_params = list(model_or_params)
     if isinstance(model_or_params, list | tuple) and not plain_types(model_or_params):
         for gi, group in enumerate(model_or_params):
             if isinstance(group, Mapping) and isinstance(group.get("params"), set | frozenset):
                 raise TypeError(f"param group {gi}['params'] is a set; {advice}")
+    return model_or_params
 
 
 def check_new_group(param_group: object) -> dict[str, Any]:
@@ -93,8 +105,12 @@ def check_new_group(param_group: object) -> dict[str, Any]:
     if any(isinstance(p, tuple) for p in params):  # (name, param) pairs, as torch takes
         group = normalize_param_groups([group])[0]
         params = group["params"]
-    if not params or not all(isinstance(p, torch.Tensor) for p in params):
-        raise ValueError("param_group['params'] must be a non-empty list of tensors")
+    need = "param_group['params'] must be a non-empty list of tensors"
+    if not params:
+        raise ValueError(f"{need}; got an empty list")
+    bad = next((i for i, p in enumerate(params) if not isinstance(p, torch.Tensor)), None)
+    if bad is not None:
+        raise ValueError(f"{need}; param {bad} is a {type(params[bad]).__name__}")
     return group
 
 

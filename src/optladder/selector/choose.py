@@ -187,7 +187,7 @@ def decide_and_build(
     check_rounding(rounding)
     check_param_rounding(param_rounding)
     _check_options(policy, environ, max_retries, on_escalate, decoupled_weight_decay, strict)
-    check_param_collections(model_or_params)
+    model_or_params = check_param_collections(model_or_params)  # a generator: listed
     groups = normalize_param_groups(model_or_params)
     columns = ParamColumns(groups)  # each param's attributes read once, for every check
     check_groups(groups, decoupled_weight_decay, columns)

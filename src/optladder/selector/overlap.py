@@ -1,4 +1,4 @@
-"""Which params share memory: byte ranges over a storage, then element-exact checks.
+"""Which params share memory: byte ranges by address, then element-exact checks.
 
 An optimizer steps each param it holds, so two params over shared elements (the same
 view twice, overlapping slices of one buffer, a tensor beside a reshaped view of it)
@@ -77,19 +77,23 @@ def self_overlaps(t: torch.Tensor) -> bool:
     return bool(torch.unique(offsets).numel() != offsets.numel())
 
 
-def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether views ``a`` and ``b`` of one storage, whose byte spans intersect, share an
-    element. Exact for views of one itemsize where ``b``'s strides are nested (every
-    real tensor and view of one); True (shared) when that cannot be decided exactly."""
-    if a.element_size() != b.element_size() or (_dense(a) and _dense(b)):
+def _share_elements(a: torch.Tensor, b: torch.Tensor, shift: int = 0) -> bool:
+    """Whether views ``a`` and ``b``, whose byte spans intersect, share an element.
+    ``shift``: the first byte of ``a``'s storage minus that of ``b``'s (0 for views of
+    one storage; storages of their own may hold the same memory, as NumPy slices of one
+    array under ``torch.from_numpy`` do). Exact for views of one itemsize, their storages
+    a whole number of elements apart, where ``b``'s strides are nested (every real tensor
+    and view of one); True (shared) when that cannot be decided exactly."""
+    size = a.element_size()
+    if size != b.element_size() or shift % size or (_dense(a) and _dense(b)):
         return True
     if _nested(b) is None:
-        a, b = b, a
+        a, b, shift = b, a, -shift
     dims = _nested(b)
     if dims is None:
         return True
     for offsets in _offsets(a):
-        rel = offsets - int(b.storage_offset())
+        rel = offsets + shift // size - int(b.storage_offset())
         inside = rel >= 0
         for st, n in dims:
             index = torch.div(rel, st, rounding_mode="floor")
@@ -103,30 +107,36 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
 def first_shared_memory(named: list[tuple[torch.Tensor, str]]) -> str | None:
     """The first pair of params that share memory, as a sentence; None when none do.
 
-    Params are grouped by storage, sorted by their first byte, and each is compared with
-    the earlier ones whose byte span it starts inside (then element by element).
+    Params are grouped by device, sorted by the address of their first byte (storages
+    of their own may hold the same memory: NumPy slices of one array under
+    ``torch.from_numpy``), and each is compared with the earlier ones whose byte span
+    it starts inside (then element by element).
 
     Args:
         named: ``(param, name)`` pairs, e.g. ``(p, "param 0 of group 1")``; DTensor
             params are compared by their local shards.
 
     Returns:
-        ``"{name} ... {other name} ..."`` naming both and the bytes they cover, or None.
+        ``"{name} ... {other name} ..."`` naming both and the bytes of their storages
+        they cover, or None.
     """
-    by_storage: dict[tuple[str, int], list[tuple[int, int, torch.Tensor, str, int]]] = {}
+    by_device: dict[str, list[tuple[int, int, torch.Tensor, str, int, int]]] = {}
     for place, (p, name) in enumerate(named):
         local = local_tensor(p)
         span = _span(local)
         if span is not None:
-            by_storage.setdefault(span[0], []).append((span[1], span[2], local, name, place))
-    for entries in by_storage.values():
+            (device, base), start, end = span
+            by_device.setdefault(device, []).append(
+                (base + start, base + end, local, name, place, base)
+            )
+    for entries in by_device.values():
         if len(entries) < 2:
             continue
         entries.sort(key=lambda e: e[0])
-        active: list[tuple[int, int, torch.Tensor, str, int]] = []
-        for start, end, t, name, place in entries:
+        active: list[tuple[int, int, torch.Tensor, str, int, int]] = []
+        for start, end, t, name, place, base in entries:
             active = [e for e in active if e[1] > start]
-            for o_start, o_end, other, other_name, other_place in active:
+            for o_start, o_end, other, other_name, other_place, o_base in active:
                 later, earlier = (name, other_name) if place > other_place else (other_name, name)
                 same_view = (
                     o_start == start
@@ -139,8 +149,11 @@ def first_shared_memory(named: list[tuple[torch.Tensor, str]]) -> str | None:
                         f"{later} views the same memory as {earlier}; each would be "
                         "stepped; optimize one of them"
                     )
-                if _share_elements(other, t):
-                    spans = {name: (start, end), other_name: (o_start, o_end)}
+                if _share_elements(other, t, o_base - base):
+                    spans = {
+                        name: (start - base, end - base),
+                        other_name: (o_start - o_base, o_end - o_base),
+                    }
                     return (
                         f"{later} (bytes {spans[later][0]} to {spans[later][1]} of its "
                         f"storage) overlaps {earlier} (bytes {spans[earlier][0]} to "
@@ -148,5 +161,5 @@ def first_shared_memory(named: list[tuple[torch.Tensor, str]]) -> str | None:
                         "elements would be stepped more than once per step; optimize the "
                         "buffer once, or views that do not overlap"
                     )
-            active.append((start, end, t, name, place))
+            active.append((start, end, t, name, place, base))
     return None
