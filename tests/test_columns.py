@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
 import torch
 
-from optladder.columns import ParamColumns
+from optladder.columns import ParamColumns, dense
 
 
 def _params(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
@@ -42,9 +43,65 @@ def test_disjoint_params_and_disjoint_views_of_one_buffer() -> None:
     assert ParamColumns.of(halves).disjoint
 
 
+def _fills_its_span(t: torch.Tensor) -> bool:
+    """Reference for :func:`dense`: the storage offsets of all elements, enumerated one
+    by one from the strides, are ``numel`` consecutive offsets, each once."""
+    offsets = sorted(
+        t.storage_offset() + sum(i * st for i, st in zip(index, t.stride()))
+        for index in itertools.product(*map(range, t.shape))
+    )
+    return bool(offsets) and offsets == list(range(offsets[0], offsets[0] + t.numel()))
+
+
+def _strided_cases() -> list[torch.Tensor]:
+    base = torch.zeros(2, 3, 4, 5)
+    return [
+        base,
+        base.permute(0, 2, 3, 1),
+        base.to(memory_format=torch.channels_last),
+        base.transpose(1, 3),
+        base[:, 1:],
+        base[..., ::2],
+        base[:, :, :1],
+        torch.zeros(3, 1).expand(3, 4),
+        torch.zeros(12).as_strided((3, 4), (1, 3)),  # transposed, by hand
+        torch.zeros(12).as_strided((3, 4), (1, 1)),  # overlaps itself
+        torch.zeros(12).as_strided((3, 1, 4), (4, 7, 1)),  # odd stride on a size-1 dim
+        torch.zeros(12).as_strided((2, 2), (2, 2)),  # one stride, two dims
+        torch.zeros(0, 3),
+        torch.zeros(()),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_strided_cases())))
+def test_dense_is_true_exactly_when_the_elements_fill_their_span(index: int) -> None:
+    t = _strided_cases()[index]
+    assert dense(t) == _fills_its_span(t)
+
+
+def test_a_transposed_or_channels_last_param_keeps_the_bulk_memory_check() -> None:
+    """Dense params that are not contiguous (a transposed weight, a channels_last conv
+    weight) are still checked in bulk: the memory check sees their byte ranges."""
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    lin = torch.nn.Linear(4, 6)
+    params = [conv.weight, torch.nn.Parameter(lin.weight.detach().t()), *_params((5,), (2, 2))]
+    cols = ParamColumns.of(params)
+    assert not cols.contiguous and cols.dense and cols.disjoint
+    buf = torch.zeros(4, 6)
+    assert not ParamColumns.of([buf.t(), buf[1]]).disjoint  # row 1 lies inside buf.t()
+
+
 @pytest.mark.parametrize(
     "case",
-    ["overlapping slices", "listed twice", "empty", "transposed view", "reversed order overlap"],
+    [
+        "overlapping slices",
+        "listed twice",
+        "empty",
+        "every other column",
+        "expanded",
+        "reversed order overlap",
+        "a param and its transpose",
+    ],
 )
 def test_memory_that_may_be_shared_is_left_to_the_pairwise_check(case: str) -> None:
     buf = torch.zeros(10)
@@ -53,8 +110,10 @@ def test_memory_that_may_be_shared_is_left_to_the_pairwise_check(case: str) -> N
         "overlapping slices": [buf[:6], buf[4:]],  # elements 4 and 5 in both
         "listed twice": [p, p],
         "empty": [torch.zeros(0), p],
-        "transposed view": [torch.zeros(3, 4).t()],  # not contiguous: strides to check
+        "every other column": [torch.zeros(3, 4)[:, ::2]],  # holes: its span is not its size
+        "expanded": [torch.zeros(3, 1).expand(3, 4)],  # stride 0: elements shared
         "reversed order overlap": [buf[4:], buf[:6]],
+        "a param and its transpose": [p.view(2, 3), p.view(2, 3).t()],
     }[case]
     assert not ParamColumns.of(params).disjoint
 

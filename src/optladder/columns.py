@@ -35,6 +35,28 @@ _SLICED = ("dtypes", "requires_grad", "numels", "data_ptrs")
 """Per-param columns a group's :class:`ParamColumns` takes from its whole's, sliced."""
 
 
+def dense(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's elements fill ``tensor.numel()`` consecutive elements of its
+    storage from its first one, each once, in some order of its dims: contiguous, or a
+    permutation of contiguous (a transposed param, a ``channels_last`` conv weight).
+
+    The rule torch calls non-overlapping and dense: taken by increasing stride, the dims
+    of size above 1 have strides 1, then the product of the sizes before (so no stride is
+    0 over more than one element and no two elements share memory). An empty tensor is
+    not dense here (it covers no memory).
+    """
+    if tensor.is_contiguous():
+        return tensor.numel() > 0
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=operator.itemgetter(1)):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return tensor.numel() > 0
+
+
 def plain_types(tensors: Iterable[object]) -> bool:
     """Whether every object is exactly a ``torch.Tensor`` or an ``nn.Parameter`` (one pass
     over the types, in C): the fast test before reading attributes in bulk."""
@@ -66,9 +88,11 @@ class ParamColumns:
         data_ptrs: each param's first element's address.
         devices: the distinct devices.
         leaves: whether every param is a leaf or retains its grad (torch.optim's rule).
-        contiguous: whether every param is contiguous. (A group's columns,
-            :meth:`group`, keep these two flags of all groups: a False there may come
-            from another group's params.)
+        contiguous: whether every param is contiguous.
+        dense: whether every param is :func:`dense` (contiguous, or a permutation of
+            contiguous), so that it covers exactly its element count's bytes from its
+            first element's address. (A group's columns, :meth:`group`, keep these three
+            flags of all groups: a False there may come from another group's params.)
     """
 
     def __init__(self, groups: Iterable[Mapping[str, Any]]) -> None:
@@ -82,6 +106,7 @@ class ParamColumns:
         self.devices: set[torch.device] = set()
         self.leaves = True
         self.contiguous = True
+        self.dense = True
         self.plain = plain_types(self.params) and self._read()
 
     def _read(self) -> bool:
@@ -103,6 +128,9 @@ class ParamColumns:
         self.dtypes, self.requires_grad, self.numels, self.data_ptrs = dtypes, grads, numels, ptrs
         self.devices = set(devices)
         self.contiguous = all(contiguous)
+        self.dense = self.contiguous or all(
+            c or dense(p) for c, p in zip(contiguous, self.params)
+        )  # a transposed or channels_last param keeps the bulk checks
         self.leaves = all(leaves) or all(
             leaf or p.retains_grad for leaf, p in zip(leaves, self.params)
         )
@@ -127,7 +155,7 @@ class ParamColumns:
             setattr(sub, name, getattr(self, name)[start:stop])
         one = len(self.devices) == 1 and stop > start
         sub.devices = set(self.devices) if one else set(map(_DEVICE, sub.params))
-        sub.leaves, sub.contiguous = self.leaves, self.contiguous  # what holds for all
+        sub.leaves, sub.contiguous, sub.dense = self.leaves, self.contiguous, self.dense
         return sub
 
     @cached_property
@@ -142,12 +170,12 @@ class ParamColumns:
 
     @cached_property
     def disjoint(self) -> bool:
-        """Whether the params are contiguous, non-empty, on one device, and cover
+        """Whether the params are :func:`dense`, non-empty, on one device, and cover
         disjoint byte ranges (so no param is listed twice and no two share an element),
         found in O(n log n): ranges sorted by first byte, each compared with the next.
         False means "compare pairs", not that two overlap. Plain params only.
         """
-        if not (self.plain and self.contiguous and len(self.devices) <= 1):
+        if not (self.plain and self.dense and len(self.devices) <= 1):
             return False
         if len(self.dtype_set) == 1:
             sizes: Iterable[int] = repeat(next(iter(self.dtype_set)).itemsize)

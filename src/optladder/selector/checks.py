@@ -202,9 +202,10 @@ def _params_pass(columns: ParamColumns) -> bool:
     param" (which names what is wrong), not that a check failed.
 
     Sparse and mkldnn params fail :attr:`ParamColumns.disjoint` (they have no data
-    pointer), so the layout needs no pass of its own; a contiguous tensor has no stride
-    of 0 over more than one element and no overlapping elements; disjoint non-empty byte
-    ranges mean no param is listed twice.
+    pointer), so the layout needs no pass of its own; a dense tensor (contiguous, or a
+    permutation of it: :func:`optladder.columns.dense`) has no stride of 0 over more
+    than one element and no overlapping elements; disjoint non-empty byte ranges mean no
+    param is listed twice.
     """
     return (
         columns.plain
