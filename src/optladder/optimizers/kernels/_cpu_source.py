@@ -254,6 +254,11 @@ OL_V3 __m256i ol8_bf16_sr(__m256 x, __m256i r16) {
     return _mm256_srli_epi32(_mm256_castps_si256(_mm256_blendv_ps(r, n, nan)), 16);
 }
 
+/* ol_bf16_sr on 8 lanes none of which is NaN: the rounding alone */
+OL_V3 __m256i ol8_bf16_sr_num(__m256 x, __m256i r16) {
+    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r16), 16);
+}
+
 /* ol_bf16_ne on 8 lanes */
 OL_V3 __m256i ol8_bf16_ne(__m256 x) {
     __m256i u = _mm256_castps_si256(x);
@@ -265,10 +270,25 @@ OL_V3 __m256i ol8_bf16_ne(__m256 x) {
         _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), nan));
 }
 
-/* 16 bfloat16 from the low halves of a (elements 0-7) and b (8-15) */
-OL_V3 void ol16_store_bf16(uint16_t *dst, __m256i a, __m256i b) {
+/* 16 values of dtype dt from base[i..i+16) as float32 (exact), in two vectors: d[0] the
+   elements 0-7 and d[1] 8-15, or with perm (bfloat16 only) d[0] the elements 0-3, 8-11
+   and d[1] 4-7, 12-15 (one unpack each instead of a widening and a shift) */
+OL_V3 void ol16_load(__m256 d[2], const void *base, int64_t i, const int dt, const int perm) {
+    if (perm) {
+        __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+        d[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), x));
+        d[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), x));
+    } else {
+        d[0] = ol8_load(base, i, dt);
+        d[1] = ol8_load(base, i + 8, dt);
+    }
+}
+
+/* 16 bfloat16 from the low halves of a and b, in ol16_load's order */
+OL_V3 void ol16_store_bf16(uint16_t *dst, __m256i a, __m256i b, const int perm) {
     __m256i pk = _mm256_packus_epi32(a, b);  /* per 128-bit lane: a0-3 b0-3 | a4-7 b4-7 */
-    _mm256_storeu_si256((__m256i *)dst, _mm256_permute4x64_epi64(pk, 0xD8));
+    if (!perm) pk = _mm256_permute4x64_epi64(pk, 0xD8);
+    _mm256_storeu_si256((__m256i *)dst, pk);
 }
 
 /* Elements [lo, lo + 16 k) of ol_body(P, H, lo, hi, gd, pd, md, stoch, pstoch) for
@@ -277,59 +297,106 @@ OL_V3 int64_t ol_body_v3(
     const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64_t hi,
     const int gd, const int pd, const int md, const int stoch, const int pstoch)
 {
-    float *p32 = (float *)P->param;
-    uint16_t *p16 = (uint16_t *)P->param;
-    float *m32 = (float *)P->exp_avg, *v32 = (float *)P->exp_avg_sq;
-    uint16_t *m16 = (uint16_t *)P->exp_avg, *v16 = (uint16_t *)P->exp_avg_sq;
+    /* all four streams bfloat16: every vector holds the elements in ol16_load's perm order */
+    const int perm = gd == OL_BF16 && pd == OL_BF16 && md == OL_BF16;
+    void *const param = P->param;
+    const void *const grad = P->grad;
+    float *const m32 = (float *)P->exp_avg, *const v32 = (float *)P->exp_avg_sq;
+    uint16_t *const m16 = (uint16_t *)P->exp_avg, *const v16 = (uint16_t *)P->exp_avg_sq;
     const uint32_t key = ol_mix(ol_mix(P->step_key, (uint32_t)P->param_index),
                                 (uint32_t)((uint64_t)P->param_index >> 32));
     const uint32_t pkey = ol_mix(key, OL_PARAM_STREAM);
     const float w = H->lerp_weight;
     const int coupled = H->coupled, maximize = H->maximize, small = w < 0.5f;
+    /* small ? m : g as a blend on an all-ones (small) or all-zeros mask */
+    const __m256 pick_m = _mm256_castsi256_ps(_mm256_set1_epi32(small ? -1 : 0));
     const __m256 step_size = _mm256_set1_ps(P->step_size), bc2 = _mm256_set1_ps(P->bc2_sqrt);
     const __m256 coeff = _mm256_set1_ps(small ? w : w - 1.0f);
     const __m256 b2 = _mm256_set1_ps(H->beta2), omb2 = _mm256_set1_ps(H->one_minus_beta2);
     const __m256 eps = _mm256_set1_ps(H->eps), decay = _mm256_set1_ps(H->decay);
     const __m256 wd = _mm256_set1_ps(H->weight_decay);
     const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u));
-    const __m256i lo16 = _mm256_set1_epi32(0xFFFF), eight = _mm256_set1_epi32(8);
-    const __m256i sixteen = _mm256_set1_epi32(16);
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    /* the hash inputs (uint32_t)i + key and (uint32_t)i + pkey of lanes i..i+8 */
+    const __m256i lo16 = _mm256_set1_epi32(0xFFFF), sixteen = _mm256_set1_epi32(16);
+    const __m256i half = _mm256_set1_epi32(perm ? 4 : 8);  /* lane offset of d[1] */
+    const __m256i lanes = perm ? _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11)
+                               : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    /* the hash inputs (uint32_t)i + key and (uint32_t)i + pkey of the lanes of d[0] */
     __m256i ctr = _mm256_add_epi32(_mm256_set1_epi32((int)((uint32_t)lo + key)), lanes);
     __m256i pctr = _mm256_add_epi32(_mm256_set1_epi32((int)((uint32_t)lo + pkey)), lanes);
     int64_t i = lo;
     for (; i + 16 <= hi; i += 16) {
+        __m256 G[2], Q[2], M[2], V[2];
         __m256i pr[2], mr[2], vr[2];
+        ol16_load(G, grad, i, gd, perm);
+        ol16_load(Q, param, i, pd, perm);
+        if (md == OL_F32) {
+            M[0] = _mm256_loadu_ps(m32 + i); M[1] = _mm256_loadu_ps(m32 + i + 8);
+            V[0] = _mm256_loadu_ps(v32 + i); V[1] = _mm256_loadu_ps(v32 + i + 8);
+        } else {
+            ol16_load(M, m16, i, OL_BF16, perm);
+            ol16_load(V, v16, i, OL_BF16, perm);
+        }
         for (int h = 0; h < 2; h++) {
-            const int64_t j = i + 8 * h;
-            __m256 g = ol8_load(P->grad, j, gd);
+            __m256 g = G[h], m = M[h], v = V[h];
             if (maximize) g = _mm256_xor_ps(g, sign);
-            __m256 p = _mm256_mul_ps(ol8_load(P->param, j, pd), decay);
+            __m256 p = _mm256_mul_ps(Q[h], decay);
             if (coupled) g = _mm256_fmadd_ps(p, wd, g);
-            __m256 m, v;
-            if (md == OL_F32) { m = _mm256_loadu_ps(m32 + j); v = _mm256_loadu_ps(v32 + j); }
-            else { m = ol8_load(m16, j, OL_BF16); v = ol8_load(v16, j, OL_BF16); }
-            m = _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m), small ? m : g);
+            m = _mm256_fmadd_ps(coeff, _mm256_sub_ps(g, m), _mm256_blendv_ps(g, m, pick_m));
             v = _mm256_fmadd_ps(_mm256_mul_ps(omb2, g), g, _mm256_mul_ps(v, b2));
             __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
             p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(step_size, m), denom));
-            if (pd == OL_F32) _mm256_storeu_ps(p32 + j, p);
-            else if (pstoch) {
-                __m256i c = h ? _mm256_add_epi32(pctr, eight) : pctr;
-                pr[h] = ol8_bf16_sr(p, _mm256_and_si256(ol8_hash32(c), lo16));
-            } else pr[h] = ol8_bf16_ne(p);
-            if (md == OL_F32) { _mm256_storeu_ps(m32 + j, m); _mm256_storeu_ps(v32 + j, v); }
-            else if (stoch) {
-                __m256i bits = ol8_hash32(h ? _mm256_add_epi32(ctr, eight) : ctr);
-                mr[h] = ol8_bf16_sr(m, _mm256_and_si256(bits, lo16));
-                vr[h] = ol8_bf16_sr(v, _mm256_srli_epi32(bits, 16));
-            } else { mr[h] = ol8_bf16_ne(m); vr[h] = ol8_bf16_ne(v); }
+            if (pd == OL_F32) _mm256_storeu_ps((float *)param + i + 8 * h, p);
+            if (md == OL_F32) {
+                _mm256_storeu_ps(m32 + i + 8 * h, m);
+                _mm256_storeu_ps(v32 + i + 8 * h, v);
+            }
+            Q[h] = p; M[h] = m; V[h] = v;
         }
-        if (pd == OL_BF16) ol16_store_bf16(p16 + i, pr[0], pr[1]);
+        /* The random bits, then the roundings. A NaN m or v makes p NaN (m enters p
+           through a product and a quotient, v through the denominator), so when no p
+           of the 16 is NaN (one compare of both halves), no value to round is NaN and
+           the stochastic rounding is the addition and the shift alone; otherwise (rare)
+           each value takes ol8_bf16_sr's NaN test. */
+        __m256i pb[2], mb[2], vb[2];
+        for (int h = 0; h < 2; h++) {
+            if (pd == OL_BF16 && pstoch)
+                pb[h] = _mm256_and_si256(ol8_hash32(h ? _mm256_add_epi32(pctr, half) : pctr), lo16);
+            if (md == OL_BF16 && stoch) {
+                __m256i bits = ol8_hash32(h ? _mm256_add_epi32(ctr, half) : ctr);
+                mb[h] = _mm256_and_si256(bits, lo16);
+                vb[h] = _mm256_srli_epi32(bits, 16);
+            }
+        }
+        const int any_sr = (pd == OL_BF16 && pstoch) || (md == OL_BF16 && stoch);
+        int clean = 0;
+        if (any_sr) {
+            __m256 nan = _mm256_cmp_ps(Q[0], Q[1], _CMP_UNORD_Q);  /* Q[0] or Q[1] NaN */
+            clean = _mm256_testz_ps(nan, nan);
+        }
+        if (__builtin_expect(clean, 1)) {
+            for (int h = 0; h < 2; h++) {
+                if (pd == OL_BF16)
+                    pr[h] = pstoch ? ol8_bf16_sr_num(Q[h], pb[h]) : ol8_bf16_ne(Q[h]);
+                if (md == OL_BF16 && stoch) {
+                    mr[h] = ol8_bf16_sr_num(M[h], mb[h]);
+                    vr[h] = ol8_bf16_sr_num(V[h], vb[h]);
+                }
+            }
+        } else {
+            for (int h = 0; h < 2; h++) {
+                if (pd == OL_BF16) pr[h] = pstoch ? ol8_bf16_sr(Q[h], pb[h]) : ol8_bf16_ne(Q[h]);
+                if (md == OL_BF16 && stoch) {
+                    mr[h] = ol8_bf16_sr(M[h], mb[h]);
+                    vr[h] = ol8_bf16_sr(V[h], vb[h]);
+                }
+            }
+        }
+        if (md == OL_BF16 && !stoch)
+            for (int h = 0; h < 2; h++) { mr[h] = ol8_bf16_ne(M[h]); vr[h] = ol8_bf16_ne(V[h]); }
+        if (pd == OL_BF16) ol16_store_bf16((uint16_t *)param + i, pr[0], pr[1], perm);
         if (md == OL_BF16) {
-            ol16_store_bf16(m16 + i, mr[0], mr[1]);
-            ol16_store_bf16(v16 + i, vr[0], vr[1]);
+            ol16_store_bf16(m16 + i, mr[0], mr[1], perm);
+            ol16_store_bf16(v16 + i, vr[0], vr[1], perm);
         }
         ctr = _mm256_add_epi32(ctr, sixteen);
         pctr = _mm256_add_epi32(pctr, sixteen);
