@@ -227,6 +227,7 @@ static void ol_range(const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64
    ol_body's (the scalar helpers above define them; the tail of a range runs ol_range). */
 #include <immintrin.h>
 #define OL_HAVE_V3 1
+#define OL_PREFETCH 256  /* elements: 1 KiB ahead in a float32 stream, 512 B in a 16-bit one */
 #define OL_V3 static inline __attribute__((target("avx2,fma,f16c"), always_inline))
 
 /* 8 values of dtype dt from base[i..i+8), as float32 (exact) */
@@ -327,6 +328,14 @@ OL_V3 int64_t ol_body_v3(
     for (; i + 16 <= hi; i += 16) {
         __m256 G[2], Q[2], M[2], V[2];
         __m256i pr[2], mr[2], vr[2];
+        /* Software prefetch OL_PREFETCH elements ahead in every stream: measured in a
+           torch process on an AVX2 EPYC, 16M float32 params with bf16 moments went from
+           0.90-1.0 to 0.80-0.84 ns per element (64M: 1.06 to 0.80); a prefetch past the
+           end is harmless (it never faults). */
+        _mm_prefetch((const char *)grad + (i + OL_PREFETCH) * (gd == OL_F32 ? 4 : 2), _MM_HINT_T0);
+        _mm_prefetch((const char *)param + (i + OL_PREFETCH) * (pd == OL_F32 ? 4 : 2), _MM_HINT_T0);
+        _mm_prefetch((const char *)m32 + (i + OL_PREFETCH) * (md == OL_F32 ? 4 : 2), _MM_HINT_T0);
+        _mm_prefetch((const char *)v32 + (i + OL_PREFETCH) * (md == OL_F32 ? 4 : 2), _MM_HINT_T0);
         ol16_load(G, grad, i, gd, perm);
         ol16_load(Q, param, i, pd, perm);
         if (md == OL_F32) {
