@@ -273,9 +273,8 @@ OL_V3 __m256i ol8_bf16_ne(__m256 x) {
 
 /* 16 values of dtype dt from base[i..i+16) as float32 (exact), in two vectors: d[0] the
    elements 0-7 and d[1] 8-15, or with perm d[0] the elements 0-3, 8-11 and d[1] 4-7,
-   12-15: bfloat16 by one unpack each (instead of a widening and a shift, both on the
-   shuffle/shift ports that the divider shares on Zen 3), float32 by 128-bit loads and
-   inserts from memory (float16 only in order) */
+   12-15: bfloat16 by one unpack each (instead of a widening and a shift), float32 by
+   128-bit loads and inserts from memory (float16 only in order) */
 OL_V3 void ol16_load(__m256 d[2], const void *base, int64_t i, const int dt, const int perm) {
     if (perm && dt == OL_BF16) {
         __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
