@@ -1,7 +1,7 @@
 """The CPU kernel of optladder's AdamW: a C loop compiled with the system gcc, loaded by ctypes.
 
 Nothing happens at import. The first call of :func:`load_library` (the first fused CPU
-step) compiles :data:`~optladder.optimizers.kernels._cpu_source.SOURCE` once, about 5
+step) compiles :data:`~optladder.optimizers.kernels._cpu_source.SOURCE` once, about 6
 seconds with gcc 12 (one loop per dtype and rounding combination), into a shared object
 cached under ``$XDG_CACHE_HOME/optladder/kernels`` (``~/.cache/optladder/kernels`` when
 unset or relative), named by the hash of the source and the compiler command; later
