@@ -532,8 +532,9 @@ class KernelTable:
 
         Args:
             steps: each param's new (1-based) step count, in row order.
-            scalars: for each distinct step, ``(step_key, step_size, bc2_sqrt)`` (see
-                :meth:`set_step`).
+            scalars: for each distinct step, ``(step_key, step_size, bc2_sqrt)``:
+                :func:`~optladder.optimizers.rounding.step_key`, ``-lr /
+                bias_correction1`` and ``sqrt(bias_correction2)``.
         """
         if not self.n_params:
             return
@@ -548,28 +549,6 @@ class KernelTable:
         for k, step in enumerate(steps):
             row = rows[k]
             row.step_key, row.step_size, row.bc2_sqrt = scalars[step]
-
-    def set_step(
-        self,
-        grads: Sequence[torch.Tensor],
-        steps: Sequence[float],
-        scalars: dict[float, tuple[int, float, float]],
-    ) -> None:
-        """Write this step's per-param fields: :meth:`set_grads` and :meth:`set_scalars`.
-
-        Args:
-            grads: each param's grad (float32/bfloat16/float16, contiguous, its shape).
-            steps: each param's new (1-based) step count.
-            scalars: for each distinct step, ``(step_key, step_size, bc2_sqrt)``:
-                :func:`~optladder.optimizers.rounding.step_key`, ``-lr /
-                bias_correction1`` and ``sqrt(bias_correction2)``.
-        """
-        if len(grads) != self.n_params or len(steps) != self.n_params:
-            raise ValueError(
-                f"set_step needs {self.n_params} grads and steps, got {len(grads)} and {len(steps)}"
-            )
-        self.set_grads(grads)
-        self.set_scalars(steps, scalars)
 
 
 def adamw_step(
@@ -589,7 +568,8 @@ def adamw_step(
 ) -> None:
     """Update params and moments of ``table`` in place, exactly as the eager oracle does.
 
-    Allocates nothing: :meth:`KernelTable.set_step` must have run for this step.
+    Allocates nothing: :meth:`KernelTable.set_grads` and
+    :meth:`KernelTable.set_scalars` must have run for this step.
 
     Args:
         table: the params (see :class:`KernelTable`).
