@@ -201,7 +201,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         self,
         engine: torch.optim.Optimizer,
         decision: Decision,
-        rebuild: EngineBuilder | None = None,
+        rebuild: EngineBuilder,
         *,
         param_groups: Sequence[dict[str, Any]] | None = None,
         max_retries: int = 2,
@@ -283,8 +283,6 @@ class LadderOptimizer(torch.optim.Optimizer):
                 for group in groups:
                     engine.add_param_group(group)
                 return engine.param_groups[-len(groups) :]
-            if self._rebuild is None:
-                raise ValueError("this optimizer was built without a rebuild function")
             caps = probe_capabilities(
                 self.device,
                 dtype_names(groups),
@@ -474,12 +472,10 @@ class LadderOptimizer(torch.optim.Optimizer):
             rollback_step(engine, created)
         message = describe_error(error) if error is not None else "another rank ran out of memory"
         target, why_not = escalation_target(self._decision)
-        if target is None or retries >= self.max_retries or self._rebuild is None:
+        if target is None or retries >= self.max_retries:
             if target is not None:
                 why_not = (
                     f"{retries} escalations in this step already (max_retries={self.max_retries})"
-                    if self._rebuild is not None
-                    else "this optimizer was built without a rebuild function"
                 )
             raise self.out_of_memory_error(
                 f"out of memory in the optimizer step ({message}); {why_not}"
