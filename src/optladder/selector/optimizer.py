@@ -143,13 +143,12 @@ class LadderOptimizer(torch.optim.Optimizer):
             ``param_groups`` and of ``state_dict()``): ``engine``'s group dicts, and
             groups that pin their rung, for which engines are built here (fused when
             :func:`optladder.optimizers.probe_capabilities` finds that rung fused for
-            their params); default ``engine``'s groups.
+            their params).
         max_retries: escalations allowed within one ``step()`` call, ``>= 0``.
         on_escalate: called with each :class:`Escalation`, after the move and before the
             retry.
         defaults: the optimizer's ``defaults`` (torch's meaning: what ``add_param_group``
-            fills in), fixed here for the whole run whatever rung the state moves to;
-            default a copy of ``engine.defaults``.
+            fills in), fixed here for the whole run whatever rung the state moves to.
 
     Raises:
         ValueError: if ``param_groups`` lacks a group of ``engine``, or holds a group
@@ -203,10 +202,10 @@ class LadderOptimizer(torch.optim.Optimizer):
         decision: Decision,
         rebuild: EngineBuilder,
         *,
-        param_groups: Sequence[dict[str, Any]] | None = None,
+        param_groups: Sequence[dict[str, Any]],
         max_retries: int = 2,
         on_escalate: Callable[[Escalation], None] | None = None,
-        defaults: Mapping[str, Any] | None = None,
+        defaults: Mapping[str, Any],
     ) -> None:
         check_max_retries(max_retries)
         self._engine: torch.optim.Optimizer | None = None
@@ -228,7 +227,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             weakref.WeakKeyDictionary()
         )
         self._names: tuple[tuple[int, ...], dict[int, str]] = ((), {})
-        order = list(engine.param_groups if param_groups is None else param_groups)
+        order = list(param_groups)
         held = {id(g) for g in engine.param_groups}
         if not held <= {id(g) for g in order}:
             raise ValueError("param_groups must hold every group dict of the engine")
@@ -243,7 +242,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 pinned.setdefault(pin, []).append((gi, group))
         self._mark_groups(engine.param_groups, decision)
         super().__init__(engine.param_groups, engine.defaults)
-        self.defaults = dict(engine.defaults if defaults is None else defaults)
+        self.defaults = dict(defaults)
         self.param_groups = order
         self.state = engine.state
         self._attach(engine)
