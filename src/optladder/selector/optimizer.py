@@ -445,7 +445,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             retries += 1
             self.escalate(f"out of memory in the optimizer step on {self.rung} ({failure})")
 
-    def _two_phase_step(self, retries: int, grad_scale: torch.Tensor | None = None) -> str | None:
+    def _two_phase_step(self, retries: int, grad_scale: torch.Tensor | None) -> str | None:
         engines = self._engines()
         names = self._group_names()
         prepared: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
