@@ -146,7 +146,7 @@ def cache_dir() -> Path:
     return cache.cache_root() / "optladder" / "kernels"
 
 
-def _library_path(cc: str, source: str = SOURCE, stem: str = "adamw_bf16") -> Path:
+def _library_path(cc: str, source: str, stem: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     digest = hashlib.sha256()
     for part in (source, " ".join(_CFLAGS), cc, version.stdout, str(_uses_gnu_openmp())):
@@ -257,7 +257,7 @@ def load_library() -> ctypes.CDLL:
     return _declare(_load_bytes(data, path), path)
 
 
-def build_source(stem: str, source: str, name: str | None = None) -> Path:
+def build_source(stem: str, source: str, name: str) -> Path:
     """:func:`build` for another C library of this package's kernels (arguments as
     :func:`load_source`): compile it into the private cache unless a verified build is
     there, and return its path.
@@ -265,7 +265,7 @@ def build_source(stem: str, source: str, name: str | None = None) -> Path:
     Raises:
         KernelBuildError: if the library cannot be built or its cache used.
     """
-    return _build(False, source, stem, name or f"the CPU kernel library {stem!r}")[0]
+    return _build(False, source, stem, name)[0]
 
 
 def load_source(stem: str, source: str, name: str | None = None) -> ctypes.CDLL:
