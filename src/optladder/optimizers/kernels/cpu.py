@@ -390,21 +390,6 @@ def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
 _DTYPE_OF = operator.attrgetter("dtype")
 
 
-def table_signature(
-    params: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    steps: Sequence[torch.Tensor],
-    param_indices: Sequence[int],
-) -> tuple[object, ...]:
-    """What a :class:`KernelTable` depends on: storage addresses, sizes, dtypes and
-    indices. Equal signatures mean a table can be reused as it is."""
-    return tuple(
-        (p.data_ptr(), m.data_ptr(), v.data_ptr(), s.data_ptr(), p.numel(), p.dtype, m.dtype, i)
-        for p, m, v, s, i in zip(params, exp_avgs, exp_avg_sqs, steps, param_indices, strict=True)
-    )
-
-
 class KernelTable:
     """The kernel's param table for a fixed list of params, built once and reused.
 
@@ -443,7 +428,6 @@ class KernelTable:
         self.rows = (_Param * max(n, 1))()
         self.offsets = (ctypes.c_int64 * (n + 1))()
         self.step_values = (ctypes.c_double * max(n, 1))()
-        self.signature = table_signature(params, exp_avgs, exp_avg_sqs, steps, param_indices)
         total = 0
         for k, (p, m, v, s, i) in enumerate(
             zip(params, exp_avgs, exp_avg_sqs, steps, param_indices, strict=True)
