@@ -117,7 +117,8 @@ def _direct_step(threads: int, library: Any = None) -> torch.Tensor:
         [p.detach() for p in params], moments[0::2], moments[1::2], steps, list(range(len(params)))
     )
     assert table.read_steps(library) == [float(k) for k in range(len(params))]
-    table.set_step([p.grad for p in params], [1.0] * len(params), {1.0: (99, -1e-2, 0.03)})
+    table.set_grads([p.grad for p in params])
+    table.set_scalars([1.0] * len(params), {1.0: (99, -1e-2, 0.03)})
     cpu.adamw_step(
         table, beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2, weight_decay=0.01,
         decoupled_weight_decay=True, maximize=False, stochastic=True, param_stochastic=True,

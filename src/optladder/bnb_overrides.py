@@ -74,7 +74,6 @@ def quantized_8bit(
     *,
     optim_bits: int = 8,
     min_8bit_size: int = BNB_MIN_8BIT_SIZE,
-    global_numel: int | None = None,
 ) -> bool:
     """Whether the 8bit rung keeps ``p``'s moments as 8-bit codes (else float32).
 
@@ -87,8 +86,6 @@ def quantized_8bit(
         where: names it in messages, e.g. ``"param 2 of group 0"``.
         optim_bits: the optimizer's default (``AdamW8bit``: 8).
         min_8bit_size: the optimizer's default, in elements (4,096).
-        global_numel: elements of the whole param for the size rule; default
-            ``p.numel()`` (for a DTensor already the global count).
 
     Returns:
         True for uint8 codes with float32 absmax, False for two float32 moments.
@@ -111,5 +108,4 @@ def quantized_8bit(
             f"{where}: bitsandbytes' override min_8bit_size={size!r}; allowed: an int >= 0 "
             "(elements)"
         )
-    numel = p.numel() if global_numel is None else global_numel
-    return bits == 8 and numel >= size
+    return bits == 8 and p.numel() >= size  # a DTensor's numel() is its global count

@@ -215,9 +215,7 @@ def param_refusal(rung: Rung, dtype: str, *, sharded: bool = False) -> str | Non
     return None
 
 
-def rung_refusal(
-    rung: Rung, dtypes: Iterable[str], *, sharded: bool = False, subject: str = "the model"
-) -> str | None:
+def rung_refusal(rung: Rung, dtypes: Iterable[str], *, sharded: bool = False) -> str | None:
     """Why ``rung`` cannot step params of ``dtypes`` together (one engine), or None.
 
     Besides each param's own rule (:func:`param_refusal`), the fp32 rung cannot mix
@@ -228,16 +226,15 @@ def rung_refusal(
         rung: the rung.
         dtypes: dtype names of the params, e.g. ``("float32", "float64")``.
         sharded: whether any param is a DTensor.
-        subject: names the params in the sentence, e.g. ``"the model"``.
     """
     accepts = RUNG_ACCEPTS[rung]
     names = sorted(set(dtypes))
     if any(d.startswith("complex") for d in names) and not accepts.complex:
-        return f"{rung} takes real params only and {subject} has complex params"
+        return f"{rung} takes real params only and the model has complex params"
     other = [d for d in names if d not in accepts.dtypes]
     if other:
         return (
-            f"{rung} takes {', '.join(accepts.dtypes)} params and {subject} has "
+            f"{rung} takes {', '.join(accepts.dtypes)} params and the model has "
             f"{', '.join(other)} params"
         )
     wide = [d for d in names if d in FP32_WIDE_DTYPES]
@@ -245,7 +242,7 @@ def rung_refusal(
     if rung == "fp32" and wide and low:
         return (
             f"fp32 steps {', '.join(wide)} params with torch's AdamW and {', '.join(low)} "
-            f"params with optladder's AdamW (float32 math), and {subject} has both among "
+            f"params with optladder's AdamW (float32 math), and the model has both among "
             f"the params that follow the decision; put the {', '.join(wide)} params in a "
             "param group of their own that pins the fp32 rung ({'params': ..., 'rung': 'fp32'})"
         )

@@ -127,7 +127,6 @@ def state_target(
     engine: torch.optim.Optimizer,
     group: Mapping[str, Any],
     p: torch.Tensor,
-    global_numel: int | None = None,
 ) -> StateTarget:
     """The state layout ``engine`` keeps for param ``p`` of ``group``.
 
@@ -135,8 +134,6 @@ def state_target(
         engine: ``torch.optim.AdamW``, :class:`LadderAdamW` or bitsandbytes' ``AdamW8bit``.
         group: the param group holding ``p``.
         p: the param.
-        global_numel: elements of the whole (unsharded) param for bitsandbytes' size
-            rule; default ``p.numel()`` (a DTensor's is already its global count).
 
     Raises:
         TypeError: for an engine of another kind.
@@ -150,7 +147,6 @@ def state_target(
             "a param of the 8bit rung",
             optim_bits=getattr(args, "optim_bits", 8),
             min_8bit_size=getattr(args, "min_8bit_size", BNB_MIN_8BIT_SIZE),
-            global_numel=global_numel,
         )
         return StateTarget("bnb", qmaps=bnb_qmaps(engine, p.device), quantize=quantize)
     if isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
@@ -475,7 +471,6 @@ def _unsplit_state(state: dict[str, Any], lows: dict[str, torch.Tensor]) -> None
 def migrate_engine(
     source: torch.optim.Optimizer,
     target: torch.optim.Optimizer,
-    global_numel: Mapping[int, int] | None = None,
     *,
     keep_source: bool = False,
 ) -> None:
@@ -501,9 +496,6 @@ def migrate_engine(
     Args:
         source: the engine holding the state.
         target: the new engine, over the same params, with empty state.
-        global_numel: ``id(param) -> elements of the whole param`` for params sharded
-            by hand (bitsandbytes' size rule); default each param's own ``numel()``,
-            which for a DTensor is already the global count.
         keep_source: keep each param's old state until every param is converted, so a
             failure restores it exactly; the extra memory then peaks at the old state
             plus the new. For moves to a wider format (the new state is the larger one,
@@ -514,7 +506,6 @@ def migrate_engine(
             (the original error chained).
         Whatever a conversion raised, otherwise (the state exactly as before).
     """
-    sizes = global_numel or {}
     release = getattr(source, "release_tables", None)
     if release is not None:
         release()  # kernel tables hold the old state's tensors: let them go as they drop
@@ -527,7 +518,7 @@ def migrate_engine(
     lows: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     try:
         for p in todo:
-            spec = state_target(target, target_groups[id(p)], p, sizes.get(id(p)))
+            spec = state_target(target, target_groups[id(p)], p)
             old = source.state[p]
             if not keep_source and _splits_exactly(old, p, spec):
                 target.state[p], lows[p] = _split_state(old, p, spec)
@@ -550,10 +541,10 @@ def migrate_engine(
             elif p in lows:
                 state = dict(target.state.pop(p))
                 _unsplit_state(state, lows.pop(p))
-                spec = state_target(source, source_groups[id(p)], p, sizes.get(id(p)))
+                spec = state_target(source, source_groups[id(p)], p)
                 source.state[p] = convert_param_state(state, p, spec)
             else:
-                spec = state_target(source, source_groups[id(p)], p, sizes.get(id(p)))
+                spec = state_target(source, source_groups[id(p)], p)
                 source.state[p] = convert_param_state(target.state.pop(p), p, spec)
                 rounded.append(order[id(p)])
         if rounded:

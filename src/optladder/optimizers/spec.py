@@ -42,9 +42,6 @@ def fp32_fused_miss(
     device: str,
     dtypes: Iterable[str],
     has_complex: bool,
-    *,
-    maximize: bool = False,
-    amsgrad: bool = False,
 ) -> str | None:
     """Why the fp32 rung is not on torch's fused AdamW, or None when it is.
 
@@ -53,10 +50,7 @@ def fp32_fused_miss(
         device: the device, for the message.
         dtypes: names of the trainable params' dtypes, e.g. ``("float32",)``.
         has_complex: whether any trainable param is complex.
-        maximize, amsgrad: torch options (both are fused in torch; listed for the
-            record, they never cause a miss).
     """
-    del maximize, amsgrad
     low = sorted(set(dtypes) & set(LOW_PRECISION_DTYPES))
     if low and not has_complex:
         # torch's fused AdamW would keep their moments in bf16/fp16: optladder's AdamW

@@ -149,7 +149,7 @@ class StepMemo:
         group: dict[str, Any],
         params: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor | None],
-        context: object = None,
+        context: object,
     ) -> bool:
         """Whether group ``gi`` is the same dict holding the same params with the same
         grad tensors, and ``context`` is equal, as when its grads were last checked
@@ -169,7 +169,7 @@ class StepMemo:
         group: dict[str, Any],
         params: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor | None],
-        context: object = None,
+        context: object,
     ) -> None:
         """Remember group ``gi``'s params and grads as they are now (their checks
         passed)."""

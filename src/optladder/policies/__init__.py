@@ -4,10 +4,9 @@ Nothing here builds an optimizer; what a device's kernels can do arrives as
 :class:`optladder.rungs.Capabilities`.
 """
 
-from optladder.policies.decision import Decision, allowed_rungs, decide, escalation_target
+from optladder.policies.decision import Decision, allowed_rungs, decide
 from optladder.policies.footprint import (
     Footprint,
-    fp32_moment_dtype,
     measure_footprint,
     normalize_param_groups,
     rung_state_bytes,
@@ -26,8 +25,6 @@ __all__ = [
     "Policy",
     "allowed_rungs",
     "decide",
-    "escalation_target",
-    "fp32_moment_dtype",
     "measure_footprint",
     "normalize_param_groups",
     "probe_free_memory",

@@ -162,7 +162,6 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
     saved_groups = [dict(g) for g in live_groups]
     try:
         if move_to is not None:  # the live state is replaced below: nothing to migrate
-            assert opt._rebuild is not None
             fused = opt._decision.capabilities.fused[move_to]
             engine = opt._rebuild(move_to, engine.param_groups, fused)
         owner = {id(g): e for e in opt._engines(engine) for g in e.param_groups}
@@ -208,7 +207,6 @@ def checkpoint_rung(opt: LadderOptimizer, groups: list[dict[str, Any]]) -> Rung 
         or saved == opt.rung
         or first.get(ORIGIN_KEY) not in ("escalated", "checkpoint")
         or opt._decision.origin not in ("policy", "escalated", "checkpoint")
-        or opt._rebuild is None
     ):
         return None
     return saved if move_refused(opt._decision, saved) is None else None

@@ -121,22 +121,22 @@ class Built(NamedTuple):
 def decide_and_build(
     model_or_params: object,
     *,
-    lr: float | torch.Tensor = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    rung: str | None = None,
-    free_memory: int | float | str | None = None,
-    device: torch.device | str | None = None,
-    policy: Policy | None = None,
-    seed: int = 0,
-    rounding: Rounding = "stochastic",
-    param_rounding: Rounding = "stochastic",
-    strict: bool = True,
-    environ: Mapping[str, str] | None = None,
-    max_retries: int = 2,
-    on_escalate: Callable[[Escalation], None] | None = None,
-    decoupled_weight_decay: bool = True,
+    lr: float | torch.Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    rung: str | None,
+    free_memory: int | float | str | None,
+    device: torch.device | str | None,
+    policy: Policy | None,
+    seed: int,
+    rounding: Rounding,
+    param_rounding: Rounding,
+    strict: bool,
+    environ: Mapping[str, str] | None,
+    max_retries: int,
+    on_escalate: Callable[[Escalation], None] | None,
+    decoupled_weight_decay: bool,
 ) -> Built:
     """Choose a rung for the model's optimizer state and build its engine (the work of
     :class:`optladder.AdamW`'s constructor; see there for the user's view).
@@ -270,7 +270,7 @@ def _check_options(
     max_retries: object,
     on_escalate: object,
     decoupled_weight_decay: object,
-    strict: object = True,
+    strict: object,
 ) -> None:
     """Type checks of choose_optimizer's options, each naming the argument."""
     if not isinstance(strict, bool):

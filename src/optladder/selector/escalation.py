@@ -67,8 +67,8 @@ def escalate(opt: LadderOptimizer, reason: str) -> Escalation:
         OptimizerOutOfMemoryError: no rung to move to, or the move ran out of memory.
     """
     target, why_not = escalation_target(opt._decision)
-    if target is None or opt._rebuild is None:
-        raise opt.out_of_memory_error(f"{reason}; {why_not or 'no rebuild function'}")
+    if target is None:
+        raise opt.out_of_memory_error(f"{reason}; {why_not}")
     event = Escalation(opt.rung, target, reason, opt._steps)
     try:
         opt.migrate_to(target, reason, origin="escalated")
@@ -106,14 +106,11 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
 
     Raises:
         ValueError: an unknown rung or origin; a refused move without ``force``.
-        RuntimeError: ``opt`` was built without a rebuild function.
     """
     if rung not in RUNGS:
         raise ValueError(f"rung={rung!r} is not a rung; accepted values: {', '.join(RUNGS)}")
     if origin not in ("escalated", "checkpoint"):
         raise ValueError(f"origin must be 'escalated' or 'checkpoint', got {origin!r}")
-    if opt._rebuild is None:
-        raise RuntimeError("this optimizer was built without a rebuild function")
     if rung == opt.rung:
         return
     if not force:

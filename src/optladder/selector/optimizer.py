@@ -143,13 +143,12 @@ class LadderOptimizer(torch.optim.Optimizer):
             ``param_groups`` and of ``state_dict()``): ``engine``'s group dicts, and
             groups that pin their rung, for which engines are built here (fused when
             :func:`optladder.optimizers.probe_capabilities` finds that rung fused for
-            their params); default ``engine``'s groups.
+            their params).
         max_retries: escalations allowed within one ``step()`` call, ``>= 0``.
         on_escalate: called with each :class:`Escalation`, after the move and before the
             retry.
         defaults: the optimizer's ``defaults`` (torch's meaning: what ``add_param_group``
-            fills in), fixed here for the whole run whatever rung the state moves to;
-            default a copy of ``engine.defaults``.
+            fills in), fixed here for the whole run whatever rung the state moves to.
 
     Raises:
         ValueError: if ``param_groups`` lacks a group of ``engine``, or holds a group
@@ -201,12 +200,12 @@ class LadderOptimizer(torch.optim.Optimizer):
         self,
         engine: torch.optim.Optimizer,
         decision: Decision,
-        rebuild: EngineBuilder | None = None,
+        rebuild: EngineBuilder,
         *,
-        param_groups: Sequence[dict[str, Any]] | None = None,
+        param_groups: Sequence[dict[str, Any]],
         max_retries: int = 2,
         on_escalate: Callable[[Escalation], None] | None = None,
-        defaults: Mapping[str, Any] | None = None,
+        defaults: Mapping[str, Any],
     ) -> None:
         check_max_retries(max_retries)
         self._engine: torch.optim.Optimizer | None = None
@@ -228,7 +227,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             weakref.WeakKeyDictionary()
         )
         self._names: tuple[tuple[int, ...], dict[int, str]] = ((), {})
-        order = list(engine.param_groups if param_groups is None else param_groups)
+        order = list(param_groups)
         held = {id(g) for g in engine.param_groups}
         if not held <= {id(g) for g in order}:
             raise ValueError("param_groups must hold every group dict of the engine")
@@ -243,7 +242,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 pinned.setdefault(pin, []).append((gi, group))
         self._mark_groups(engine.param_groups, decision)
         super().__init__(engine.param_groups, engine.defaults)
-        self.defaults = dict(engine.defaults if defaults is None else defaults)
+        self.defaults = dict(defaults)
         self.param_groups = order
         self.state = engine.state
         self._attach(engine)
@@ -283,8 +282,6 @@ class LadderOptimizer(torch.optim.Optimizer):
                 for group in groups:
                     engine.add_param_group(group)
                 return engine.param_groups[-len(groups) :]
-            if self._rebuild is None:
-                raise ValueError("this optimizer was built without a rebuild function")
             caps = probe_capabilities(
                 self.device,
                 dtype_names(groups),
@@ -448,7 +445,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             retries += 1
             self.escalate(f"out of memory in the optimizer step on {self.rung} ({failure})")
 
-    def _two_phase_step(self, retries: int, grad_scale: torch.Tensor | None = None) -> str | None:
+    def _two_phase_step(self, retries: int, grad_scale: torch.Tensor | None) -> str | None:
         engines = self._engines()
         names = self._group_names()
         prepared: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
@@ -474,12 +471,10 @@ class LadderOptimizer(torch.optim.Optimizer):
             rollback_step(engine, created)
         message = describe_error(error) if error is not None else "another rank ran out of memory"
         target, why_not = escalation_target(self._decision)
-        if target is None or retries >= self.max_retries or self._rebuild is None:
+        if target is None or retries >= self.max_retries:
             if target is not None:
                 why_not = (
                     f"{retries} escalations in this step already (max_retries={self.max_retries})"
-                    if self._rebuild is not None
-                    else "this optimizer was built without a rebuild function"
                 )
             raise self.out_of_memory_error(
                 f"out of memory in the optimizer step ({message}); {why_not}"

@@ -35,7 +35,7 @@ def triton_unavailable_reason() -> str | None:
 
 
 def triton_param_unsupported_reason(
-    p: torch.Tensor, grad: torch.Tensor, moment_dtype: torch.dtype = torch.bfloat16
+    p: torch.Tensor, grad: torch.Tensor, moment_dtype: torch.dtype
 ) -> str | None:
     """Why the Triton kernel cannot step this param, or None if it can.
 

@@ -146,7 +146,7 @@ def cache_dir() -> Path:
     return cache.cache_root() / "optladder" / "kernels"
 
 
-def _library_path(cc: str, source: str = SOURCE, stem: str = "adamw_bf16") -> Path:
+def _library_path(cc: str, source: str, stem: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     digest = hashlib.sha256()
     for part in (source, " ".join(_CFLAGS), cc, version.stdout, str(_uses_gnu_openmp())):
@@ -257,7 +257,7 @@ def load_library() -> ctypes.CDLL:
     return _declare(_load_bytes(data, path), path)
 
 
-def build_source(stem: str, source: str, name: str | None = None) -> Path:
+def build_source(stem: str, source: str, name: str) -> Path:
     """:func:`build` for another C library of this package's kernels (arguments as
     :func:`load_source`): compile it into the private cache unless a verified build is
     there, and return its path.
@@ -265,7 +265,7 @@ def build_source(stem: str, source: str, name: str | None = None) -> Path:
     Raises:
         KernelBuildError: if the library cannot be built or its cache used.
     """
-    return _build(False, source, stem, name or f"the CPU kernel library {stem!r}")[0]
+    return _build(False, source, stem, name)[0]
 
 
 def load_source(stem: str, source: str, name: str | None = None) -> ctypes.CDLL:
@@ -390,21 +390,6 @@ def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
 _DTYPE_OF = operator.attrgetter("dtype")
 
 
-def table_signature(
-    params: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    steps: Sequence[torch.Tensor],
-    param_indices: Sequence[int],
-) -> tuple[object, ...]:
-    """What a :class:`KernelTable` depends on: storage addresses, sizes, dtypes and
-    indices. Equal signatures mean a table can be reused as it is."""
-    return tuple(
-        (p.data_ptr(), m.data_ptr(), v.data_ptr(), s.data_ptr(), p.numel(), p.dtype, m.dtype, i)
-        for p, m, v, s, i in zip(params, exp_avgs, exp_avg_sqs, steps, param_indices, strict=True)
-    )
-
-
 class KernelTable:
     """The kernel's param table for a fixed list of params, built once and reused.
 
@@ -443,7 +428,6 @@ class KernelTable:
         self.rows = (_Param * max(n, 1))()
         self.offsets = (ctypes.c_int64 * (n + 1))()
         self.step_values = (ctypes.c_double * max(n, 1))()
-        self.signature = table_signature(params, exp_avgs, exp_avg_sqs, steps, param_indices)
         total = 0
         for k, (p, m, v, s, i) in enumerate(
             zip(params, exp_avgs, exp_avg_sqs, steps, param_indices, strict=True)
@@ -532,8 +516,9 @@ class KernelTable:
 
         Args:
             steps: each param's new (1-based) step count, in row order.
-            scalars: for each distinct step, ``(step_key, step_size, bc2_sqrt)`` (see
-                :meth:`set_step`).
+            scalars: for each distinct step, ``(step_key, step_size, bc2_sqrt)``:
+                :func:`~optladder.optimizers.rounding.step_key`, ``-lr /
+                bias_correction1`` and ``sqrt(bias_correction2)``.
         """
         if not self.n_params:
             return
@@ -548,28 +533,6 @@ class KernelTable:
         for k, step in enumerate(steps):
             row = rows[k]
             row.step_key, row.step_size, row.bc2_sqrt = scalars[step]
-
-    def set_step(
-        self,
-        grads: Sequence[torch.Tensor],
-        steps: Sequence[float],
-        scalars: dict[float, tuple[int, float, float]],
-    ) -> None:
-        """Write this step's per-param fields: :meth:`set_grads` and :meth:`set_scalars`.
-
-        Args:
-            grads: each param's grad (float32/bfloat16/float16, contiguous, its shape).
-            steps: each param's new (1-based) step count.
-            scalars: for each distinct step, ``(step_key, step_size, bc2_sqrt)``:
-                :func:`~optladder.optimizers.rounding.step_key`, ``-lr /
-                bias_correction1`` and ``sqrt(bias_correction2)``.
-        """
-        if len(grads) != self.n_params or len(steps) != self.n_params:
-            raise ValueError(
-                f"set_step needs {self.n_params} grads and steps, got {len(grads)} and {len(steps)}"
-            )
-        self.set_grads(grads)
-        self.set_scalars(steps, scalars)
 
 
 def adamw_step(
@@ -589,7 +552,8 @@ def adamw_step(
 ) -> None:
     """Update params and moments of ``table`` in place, exactly as the eager oracle does.
 
-    Allocates nothing: :meth:`KernelTable.set_step` must have run for this step.
+    Allocates nothing: :meth:`KernelTable.set_grads` and
+    :meth:`KernelTable.set_scalars` must have run for this step.
 
     Args:
         table: the params (see :class:`KernelTable`).

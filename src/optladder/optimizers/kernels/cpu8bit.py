@@ -179,7 +179,7 @@ def load_library() -> ctypes.CDLL:
     return lib
 
 
-def simd_available(library: ctypes.CDLL | None = None) -> bool:
+def simd_available() -> bool:
     """Whether this CPU runs a SIMD path of the 8-bit kernel, as the kernel reads it with
     gcc's ``__builtin_cpu_supports``: with AVX-512 (f/bw/dq/vl) whole 256-element blocks
     run on 16 lanes, with AVX2 (and FMA, F16C) on 8 lanes; without either every block
@@ -188,15 +188,13 @@ def simd_available(library: ctypes.CDLL | None = None) -> bool:
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
     """
-    lib = load_library() if library is None else library
-    return bool(lib.ol_adamw8bit_simd())
+    return bool(load_library().ol_adamw8bit_simd())
 
 
 def quantize_blockwise(
     values: torch.Tensor,
     qmap: torch.Tensor,
     *,
-    library: ctypes.CDLL | None = None,
     start_table: torch.Tensor | None = None,
     simd: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,7 +209,6 @@ def quantize_blockwise(
     Args:
         values: float32, bfloat16 or float16 CPU tensor, any shape.
         qmap: the code book (see :func:`code_bounds`).
-        library: from :func:`load_library`; default :func:`load_library`.
         start_table: :func:`code_table` of ``code_bounds(qmap)``, to encode as the step
             does (a table lookup and one comparison, on AVX-512 or AVX2 lanes where the
             CPU has them); default None: a binary search on the bounds. Same codes either way.
@@ -232,7 +229,7 @@ def quantize_blockwise(
             "values must be a float32, bfloat16 or float16 CPU tensor, got "
             f"{values.dtype} on {values.device}"
         )
-    lib = load_library() if library is None else library
+    lib = load_library()
     bounds = code_bounds(qmap)  # without start_table: a binary search on these
     src = values.contiguous()
     codes = torch.empty(values.shape, dtype=torch.uint8)
