@@ -100,30 +100,47 @@ class StepMemo:
 
     Attributes:
         groups: place in ``param_groups`` -> :class:`GroupMemo`.
-        states_ready: after :meth:`record_states`, the state dicts then (in order) and
-            which params had no grad.
+        states_ready: after :meth:`record_states`, the state dicts and keys then (in
+            order), the params and which had no grad.
+        states_extra: what the caller derived from that state (see :meth:`record_states`).
+        plan: what the prepare phase left for the commit (consumed by it), or None.
     """
 
     groups: dict[int, GroupMemo] = field(default_factory=dict)
-    states_ready: tuple[list[Any], list[bool]] | None = None
+    states_ready: tuple[list[Any], list[Any], list[torch.Tensor], list[bool]] | None = None
+    states_extra: Any = None
+    plan: Any = None
 
-    def states_exist(self, state: Mapping[Any, Any], params: list[torch.Tensor]) -> bool:
+    def states_exist(
+        self, state: Mapping[Any, Any], params: list[torch.Tensor], missing: list[bool]
+    ) -> bool:
         """Whether every param of ``params`` (all groups' params) with a grad had its
-        state the last time :meth:`record_states` ran, with the same state dicts now and
-        the same params without a grad (so no state needs creating)."""
+        state the last time :meth:`record_states` ran, with the same state mapping now
+        (the same keys and state dicts, in order: compared by identity, no hashing), the
+        same params and the same params without a grad (``missing``: per param, whether
+        its grad is None), so no state needs creating."""
         if self.states_ready is None:
             return False
-        seen, missing = self.states_ready
-        return same_objects(list(state.values()), seen) and missing == list(
-            map(operator.is_, map(grad_of, params), repeat(None))
+        values, keys, seen, seen_missing = self.states_ready
+        return (
+            missing == seen_missing
+            and same_objects(params, seen)
+            and same_objects(list(state.values()), values)
+            and same_objects(list(state), keys)
         )
 
-    def record_states(self, state: Mapping[Any, Any], params: list[torch.Tensor]) -> None:
-        """Remember that every param of ``params`` with a grad now has its state."""
-        self.states_ready = (
-            list(state.values()),
-            list(map(operator.is_, map(grad_of, params), repeat(None))),
-        )
+    def record_states(
+        self,
+        state: Mapping[Any, Any],
+        params: list[torch.Tensor],
+        missing: list[bool],
+        extra: Any = None,
+    ) -> None:
+        """Remember that every param of ``params`` with a grad now has its state, with
+        ``extra`` (whatever the caller derived from that state, read back as
+        :attr:`states_extra` while :meth:`states_exist` holds)."""
+        self.states_ready = (list(state.values()), list(state), list(params), list(missing))
+        self.states_extra = extra
 
     def _memo(self, gi: int, group: dict[str, Any]) -> GroupMemo:
         memo = self.groups.get(gi)
