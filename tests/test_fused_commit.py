@@ -58,16 +58,16 @@ def _assert_equal(opt: Any, ours: list[Any], reference: Any, ref: list[Any]) -> 
             assert float(a["step"]) == float(b["step"]), f"param {i}"
 
 
-def _count_init_group(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count calls of torch's ``Adam._init_group`` (what torch's ``step`` runs per group)."""
+def _count_init_group(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count calls of ``engine._init_group`` (what torch's ``step`` runs per group)."""
     calls = [0]
-    original = torch.optim.Adam._init_group
+    original = engine._init_group  # bound; importing bitsandbytes wraps AdamW's own
 
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
-        return original(self, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(torch.optim.Adam, "_init_group", counted)
+    monkeypatch.setattr(engine, "_init_group", counted)
     return calls
 
 
@@ -76,7 +76,7 @@ def test_the_direct_kernel_call_equals_torchs_fused_step(
     decoupled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ours, ref, opt, reference = _pair(decoupled)
-    calls = _count_init_group(monkeypatch)
+    calls = _count_init_group(opt.engine, monkeypatch)
     for s in range(7):
         if s == 2:  # grads written in place: the same tensors
             for p, q in zip(ours, ref):
@@ -101,7 +101,7 @@ def test_the_direct_kernel_call_equals_torchs_fused_step(
 
 def test_a_tensor_lr_steps_through_torchs_step(monkeypatch: pytest.MonkeyPatch) -> None:
     ours, ref, opt, reference = _pair(True, lr=torch.tensor(1e-2))
-    calls = _count_init_group(monkeypatch)
+    calls = _count_init_group(opt.engine, monkeypatch)
     for s in range(3):
         _grads(ours, ref, s)
         before = calls[0]
@@ -109,3 +109,46 @@ def test_a_tensor_lr_steps_through_torchs_step(monkeypatch: pytest.MonkeyPatch) 
         assert calls[0] > before  # torch's step ran (it moves a tensor lr per device)
         reference.step()
         _assert_equal(opt, ours, reference, ref)
+
+
+def _shape(p: Any) -> None:
+    p.grad.data = torch.randn(p.numel() + 1)  # torch refuses this shape at ``p.grad =``
+
+
+def _dtype(p: Any) -> None:
+    p.grad_dtype = None  # torch >= 2.9 refuses another dtype otherwise
+    p.grad = p.grad.double()
+
+
+def _layout(p: Any) -> None:
+    p.grad = p.grad.to_sparse()
+
+
+def _strides(p: Any) -> None:
+    p.grad = torch.randn(tuple(reversed(p.shape))).t()  # same shape, transposed layout
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (_shape, "grad of shape"),
+        (_dtype, "float64 grad"),
+        (_layout, "sparse grad"),
+        (_strides, "laid out alike"),
+    ],
+    ids=["shape", "dtype", "layout", "strides"],
+)
+def test_a_grad_that_changes_after_the_lists_exist_is_refused_before_any_write(
+    change: Any, match: str
+) -> None:
+    ours, ref, opt, reference = _pair(True)
+    for s in range(2):
+        _grads(ours, ref, s)
+        opt.step()
+        reference.step()
+    _grads(ours, ref, 2)
+    ours[0].grad = ours[0].grad.clone()  # a new grad tensor, then changed
+    change(ours[0])
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    _assert_equal(opt, ours, reference, ref)  # nothing written, step counts included

@@ -32,7 +32,7 @@ import signal
 import threading
 from collections.abc import Iterator, Mapping
 from itertools import chain, compress, repeat
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -120,7 +120,7 @@ def check_step_inputs(
 
 
 _LAYOUT = operator.attrgetter("layout")
-_SHAPE = operator.attrgetter("shape")
+_PARAMS = operator.itemgetter("params")
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
 
@@ -130,18 +130,25 @@ def _grads_match(
 ) -> bool:
     """Whether every grad is dense and has its param's shape, device and dtype (and
     strides, with ``strides``): the checks of :func:`_check_grads` as loops in C, for
-    the common case where all pass."""
-    present = [g for g in grads if g is not None]
-    if len(present) != len(params):
+    the common case where all pass. Shapes and strides are compared pair by pair, not
+    as lists: a list of 20,000 ``torch.Size`` tuples would set off the garbage
+    collector's full passes, which cost more than the checks."""
+    present = cast(list[torch.Tensor], grads)  # unless some are None:
+    if any(map(operator.is_, grads, repeat(None))):
+        present = [g for g in grads if g is not None]
         params = [p for p, g in zip(params, grads) if g is not None]
     return (
         all(map(operator.is_, map(_LAYOUT, present), repeat(torch.strided)))
-        and list(map(_SHAPE, present)) == list(map(_SHAPE, params))
-        and list(map(_DEVICE, present)) == list(map(_DEVICE, params))
         and list(map(_DTYPE, present)) == list(map(_DTYPE, params))
+        and list(map(_DEVICE, present)) == list(map(_DEVICE, params))
+        and all(map(torch.Tensor.is_same_size, present, params))
         and (
             not strides
-            or list(map(torch.Tensor.stride, present)) == list(map(torch.Tensor.stride, params))
+            or all(
+                map(
+                    operator.eq, map(torch.Tensor.stride, present), map(torch.Tensor.stride, params)
+                )
+            )
         )
     )
 
@@ -210,7 +217,7 @@ def prepare_step(
         if is_bnb_engine(engine) or isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
             bnb = is_bnb_engine(engine)
             state = engine.state
-            params = [p for group in engine.param_groups for p in group["params"]]
+            params = list(chain.from_iterable(map(_PARAMS, engine.param_groups)))
             missing = list(map(operator.is_, chain.from_iterable(grads), repeat(None)))
             ready = memo is not None and memo.states_exist(state, params, missing)
             if not ready:
