@@ -69,6 +69,11 @@ def options_snapshot(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...] | 
     return items
 
 
+REFS_EVERY = 16
+"""While grads are new tensors at every step, one step in this many records them (to
+notice when they start being reused); see :meth:`StepMemo.record_grads`."""
+
+
 @dataclass
 class GroupMemo:
     """One param group as it was when its checks last passed.
@@ -80,6 +85,9 @@ class GroupMemo:
         params: its params when its grads were checked, in order (identity).
         grads: weak references to their grads then (see :data:`GradRefs`).
         context: whatever else the grad checks read (e.g. the group's ``fused`` flag).
+        reused: whether a step found the recorded grads again (they are reused: kept
+            between steps, ``zero_grad(set_to_none=False)``).
+        fresh: steps in a row whose grads were new tensors while ``reused`` is False.
     """
 
     group: dict[str, Any]
@@ -87,6 +95,8 @@ class GroupMemo:
     params: list[torch.Tensor] = field(default_factory=list)
     grads: GradRefs = field(default_factory=list)
     context: object = None
+    reused: bool = True
+    fresh: int = 0
 
 
 @dataclass
@@ -100,30 +110,47 @@ class StepMemo:
 
     Attributes:
         groups: place in ``param_groups`` -> :class:`GroupMemo`.
-        states_ready: after :meth:`record_states`, the state dicts then (in order) and
-            which params had no grad.
+        states_ready: after :meth:`record_states`, the state dicts and keys then (in
+            order), the params and which had no grad.
+        states_extra: what the caller derived from that state (see :meth:`record_states`).
+        plan: what the prepare phase left for the commit (consumed by it), or None.
     """
 
     groups: dict[int, GroupMemo] = field(default_factory=dict)
-    states_ready: tuple[list[Any], list[bool]] | None = None
+    states_ready: tuple[list[Any], list[Any], list[torch.Tensor], list[bool]] | None = None
+    states_extra: Any = None
+    plan: Any = None
 
-    def states_exist(self, state: Mapping[Any, Any], params: list[torch.Tensor]) -> bool:
+    def states_exist(
+        self, state: Mapping[Any, Any], params: list[torch.Tensor], missing: list[bool]
+    ) -> bool:
         """Whether every param of ``params`` (all groups' params) with a grad had its
-        state the last time :meth:`record_states` ran, with the same state dicts now and
-        the same params without a grad (so no state needs creating)."""
+        state the last time :meth:`record_states` ran, with the same state mapping now
+        (the same keys and state dicts, in order: compared by identity, no hashing), the
+        same params and the same params without a grad (``missing``: per param, whether
+        its grad is None), so no state needs creating."""
         if self.states_ready is None:
             return False
-        seen, missing = self.states_ready
-        return same_objects(list(state.values()), seen) and missing == list(
-            map(operator.is_, map(grad_of, params), repeat(None))
+        values, keys, seen, seen_missing = self.states_ready
+        return (
+            missing == seen_missing
+            and same_objects(params, seen)
+            and same_objects(list(state.values()), values)
+            and same_objects(list(state), keys)
         )
 
-    def record_states(self, state: Mapping[Any, Any], params: list[torch.Tensor]) -> None:
-        """Remember that every param of ``params`` with a grad now has its state."""
-        self.states_ready = (
-            list(state.values()),
-            list(map(operator.is_, map(grad_of, params), repeat(None))),
-        )
+    def record_states(
+        self,
+        state: Mapping[Any, Any],
+        params: list[torch.Tensor],
+        missing: list[bool],
+        extra: Any = None,
+    ) -> None:
+        """Remember that every param of ``params`` with a grad now has its state, with
+        ``extra`` (whatever the caller derived from that state, read back as
+        :attr:`states_extra` while :meth:`states_exist` holds)."""
+        self.states_ready = (list(state.values()), list(state), list(params), list(missing))
+        self.states_extra = extra
 
     def _memo(self, gi: int, group: dict[str, Any]) -> GroupMemo:
         memo = self.groups.get(gi)
@@ -155,13 +182,16 @@ class StepMemo:
         grad tensors, and ``context`` is equal, as when its grads were last checked
         (:meth:`record_grads`)."""
         memo = self.groups.get(gi)
-        return (
+        hit = (
             memo is not None
             and memo.group is group
             and memo.context == context
             and same_objects(params, memo.params)
             and same_grads(memo.grads, grads)
         )
+        if hit:
+            memo.reused = True  # type: ignore[union-attr]
+        return hit
 
     def record_grads(
         self,
@@ -172,9 +202,21 @@ class StepMemo:
         context: object,
     ) -> None:
         """Remember group ``gi``'s params and grads as they are now (their checks
-        passed)."""
+        passed).
+
+        While each step brings new grad tensors (``zero_grad()`` sets them to None, the
+        backward makes new ones), the grads are recorded at one step in
+        :data:`REFS_EVERY` only: references that are never found again cost a weak
+        reference per param per step, and their churn sets off the garbage collector.
+        """
         memo = self._memo(gi, group)
-        memo.params, memo.grads, memo.context = list(params), grad_refs(grads), context
+        memo.params, memo.context = list(params), context
+        if memo.reused or memo.fresh % REFS_EVERY == 0:
+            memo.grads = grad_refs(grads)
+        else:
+            memo.grads = []  # matches no grads: checked again at the next step
+        memo.fresh = 0 if memo.reused else memo.fresh + 1
+        memo.reused = False
 
     def trim(self, n_groups: int) -> None:
         """Forget groups at places ``>= n_groups`` (the optimizer has fewer groups)."""

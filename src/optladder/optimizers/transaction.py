@@ -5,7 +5,8 @@ dropped), so params, moments and step counts stay exactly as they were. The comm
 each engine allocates nothing that the dispatcher sees:
 
 - ``torch.optim.AdamW(fused=True)``: state is created in prepare as torch creates it;
-  the fused kernel updates in place.
+  the fused kernel updates in place. Prepare also makes the kernel's lists, so the
+  commit is torch's kernel calls alone (:mod:`optladder.optimizers.fusedstep`).
 - :class:`LadderAdamW`: state and its scratch buffers are allocated in prepare
   (:meth:`LadderAdamW.prepare_step`); its kernels and its eager loop write in place.
 - bitsandbytes ``AdamW8bit``: state is created in prepare with bitsandbytes' own
@@ -18,8 +19,9 @@ each engine allocates nothing that the dispatcher sees:
 
 The checks of a step run once per change, not once per step: with a
 :class:`~optladder.optimizers.stepmemo.StepMemo`, group options with the same values and
-grads that are the same tensors are not checked again, and state creation is skipped
-when every param with a grad already has its state.
+grads that are the same tensors are not checked again, and state creation (and, for
+torch's fused AdamW, the lookup of each param's state) is skipped when every param with
+a grad already has its state.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ import operator
 import signal
 import threading
 from collections.abc import Iterator, Mapping
-from itertools import repeat
-from typing import Any
+from itertools import chain, compress, repeat
+from typing import Any, cast
 
 import torch
 
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
+from optladder.optimizers.fusedstep import FusedCall, fused_plan, params_fit, run_fused_plan
 from optladder.optimizers.migrate import check_step_range, is_bnb_engine, read_step
 from optladder.optimizers.stepmemo import StepMemo, grad_of
 from optladder.optimizers.steps import STEP_DTYPE
@@ -61,7 +64,7 @@ def check_step_inputs(
     engine: torch.optim.Optimizer,
     group_names: Mapping[int, str] | None = None,
     memo: StepMemo | None = None,
-) -> None:
+) -> list[list[torch.Tensor | None]]:
     """Refuse, before anything is allocated or written, what would fail half-way:
     out-of-range group hyperparameters, sparse grads, grads of another shape, dtype or
     device, bitsandbytes step counts its kernel cannot take (see
@@ -79,6 +82,9 @@ def check_step_inputs(
             here): a group whose options have the same values is not checked again, nor
             grads that are the same tensors. None: check everything.
 
+    Returns:
+        Per group, every param's grad (None where it has none), as read for the checks.
+
     Raises:
         ValueError: naming the group or param, what was found and what is allowed.
     """
@@ -88,6 +94,7 @@ def check_step_inputs(
     groups = engine.param_groups
     if memo is not None:
         memo.trim(len(groups))
+    all_grads: list[list[torch.Tensor | None]] = []
     for gi, group in enumerate(groups):
         if memo is None or not memo.options_unchanged(gi, group):
             try:
@@ -98,6 +105,7 @@ def check_step_inputs(
                 memo.record_options(gi, group)
         params = group["params"]
         grads = list(map(grad_of, params))
+        all_grads.append(grads)
         strides = fused and bool(group.get("fused"))
         if memo is not None and memo.grads_unchanged(gi, group, params, grads, strides):
             continue
@@ -108,10 +116,11 @@ def check_step_inputs(
             _check_bnb_steps(engine, params, name)
         if memo is not None:
             memo.record_grads(gi, group, params, grads, strides)
+    return all_grads
 
 
 _LAYOUT = operator.attrgetter("layout")
-_SHAPE = operator.attrgetter("shape")
+_PARAMS = operator.itemgetter("params")
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
 
@@ -121,18 +130,25 @@ def _grads_match(
 ) -> bool:
     """Whether every grad is dense and has its param's shape, device and dtype (and
     strides, with ``strides``): the checks of :func:`_check_grads` as loops in C, for
-    the common case where all pass."""
-    present = [g for g in grads if g is not None]
-    if len(present) != len(params):
+    the common case where all pass. Shapes and strides are compared pair by pair, not
+    as lists: a list of 20,000 ``torch.Size`` tuples would set off the garbage
+    collector's full passes, which cost more than the checks."""
+    present = cast(list[torch.Tensor], grads)  # unless some are None:
+    if any(map(operator.is_, grads, repeat(None))):
+        present = [g for g in grads if g is not None]
         params = [p for p, g in zip(params, grads) if g is not None]
     return (
         all(map(operator.is_, map(_LAYOUT, present), repeat(torch.strided)))
-        and list(map(_SHAPE, present)) == list(map(_SHAPE, params))
-        and list(map(_DEVICE, present)) == list(map(_DEVICE, params))
         and list(map(_DTYPE, present)) == list(map(_DTYPE, params))
+        and list(map(_DEVICE, present)) == list(map(_DEVICE, params))
+        and all(map(torch.Tensor.is_same_size, present, params))
         and (
             not strides
-            or list(map(torch.Tensor.stride, present)) == list(map(torch.Tensor.stride, params))
+            or all(
+                map(
+                    operator.eq, map(torch.Tensor.stride, present), map(torch.Tensor.stride, params)
+                )
+            )
         )
     )
 
@@ -191,16 +207,20 @@ def prepare_step(
         Whatever the allocation raised (an OOM); the state created so far is dropped
         first, so the engine is as it was.
     """
-    check_step_inputs(engine, group_names, memo)
+    grads = check_step_inputs(engine, group_names, memo)
     created: list[torch.Tensor] = []
+    if memo is not None:
+        memo.plan = None
     try:
         if isinstance(engine, LadderAdamW):
             return engine.prepare_step()  # rolls back its own state on failure
         if is_bnb_engine(engine) or isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
             bnb = is_bnb_engine(engine)
             state = engine.state
-            params = [p for group in engine.param_groups for p in group["params"]]
-            if memo is None or not memo.states_exist(state, params):
+            params = list(chain.from_iterable(map(_PARAMS, engine.param_groups)))
+            missing = list(map(operator.is_, chain.from_iterable(grads), repeat(None)))
+            ready = memo is not None and memo.states_exist(state, params, missing)
+            if not ready:
                 for gi, group in enumerate(engine.param_groups):
                     for pi, p in enumerate(group["params"]):
                         if p.grad is None or (p in state and len(state[p]) != 0):
@@ -215,16 +235,56 @@ def prepare_step(
             prepare_kernel = getattr(engine, "prepare_kernel_step", None)
             if prepare_kernel is not None:
                 prepare_kernel()  # the 8-bit CPU kernel's tables
-            if memo is not None:
-                memo.record_states(state, params)
+            if memo is not None and not ready:
+                extra = None if bnb else _fused_states(engine, grads)
+                memo.record_states(state, params, missing, extra)
+            if memo is not None and memo.states_extra is not None:
+                memo.plan = _plan(engine, grads, memo.states_extra)
     except BaseException:
         rollback_step(engine, created)
         raise
     return created
 
 
-def rollback_step(engine: torch.optim.Optimizer, created: list[torch.Tensor]) -> None:
-    """Drop the state :func:`prepare_step` created and any scratch it holds."""
+def _fused_states(
+    engine: torch.optim.Optimizer, grads: list[list[torch.Tensor | None]]
+) -> list[list[dict[str, Any]]] | None:
+    """Per group, the state dicts of the params with a grad (one lookup per param, once
+    per change of the state or of which params have grads), when every group of a torch
+    Adam engine's params can take the direct fused call (:func:`~.fusedstep.params_fit`)."""
+    if not isinstance(engine, torch.optim.Adam):
+        return None
+    state = engine.state
+    out = []
+    for group, gs in zip(engine.param_groups, grads):
+        if not group.get("fused") or not group["params"] or not params_fit(group["params"]):
+            return None
+        present = compress(group["params"], map(operator.is_not, gs, repeat(None)))
+        out.append([state[p] for p in present])
+    return out
+
+
+def _plan(
+    engine: torch.optim.Optimizer,
+    grads: list[list[torch.Tensor | None]],
+    states: list[list[dict[str, Any]]],
+) -> list[FusedCall] | None:
+    """The commit's kernel calls (:func:`~.fusedstep.fused_plan`), or None for torch's
+    ``step`` (an option changed so that a group no longer fits, a state dict lost a
+    tensor)."""
+    try:
+        return fused_plan(engine, grads, states)
+    except KeyError:
+        return None
+
+
+def rollback_step(
+    engine: torch.optim.Optimizer, created: list[torch.Tensor], memo: StepMemo | None = None
+) -> None:
+    """Drop the state :func:`prepare_step` created and any scratch it holds (and the
+    commit's lists it left in ``memo``)."""
+    if memo is not None:
+        memo.plan = None
     for p in created:
         engine.state.pop(p, None)
     if hasattr(engine, "release_scratch"):  # LadderAdamW, the 8bit engine's copies
@@ -234,15 +294,22 @@ def rollback_step(engine: torch.optim.Optimizer, created: list[torch.Tensor]) ->
         drop_kernel()
 
 
-def commit_step(engine: torch.optim.Optimizer) -> None:
-    """Run the engine's step on the state :func:`prepare_step` allocated.
+def commit_step(engine: torch.optim.Optimizer, memo: StepMemo | None = None) -> None:
+    """Run the engine's step on the state :func:`prepare_step` allocated: for torch's
+    fused AdamW, the kernel calls on the lists prepare left in ``memo`` when it left
+    them (:mod:`optladder.optimizers.fusedstep`), torch's ``step`` otherwise.
 
     The engine's ``step`` runs without the wrapper ``torch.optim.Optimizer`` puts around
     every optimizer class's ``step`` (which runs the global step hooks of
     ``torch.optim.optimizer.register_optimizer_step_pre_hook``/``_post_hook``): the
     optladder optimizer's own ``step`` already ran them, and they must run once per step.
     """
-    if isinstance(engine, LadderAdamW):
+    plan = None if memo is None else memo.plan
+    if memo is not None:
+        memo.plan = None  # one commit per prepare
+    if plan is not None:
+        run_fused_plan(plan)
+    elif isinstance(engine, LadderAdamW):
         engine.commit_step()
     else:
         step: Any = type(engine).step

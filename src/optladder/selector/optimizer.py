@@ -458,7 +458,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 prepared.append((engine, prepare_step(engine, names, memo)))
         except BaseException as exc:
             for engine, created in prepared:  # the failing engine rolled itself back
-                rollback_step(engine, created)
+                rollback_step(engine, created, self._memos.get(engine))
             prepared = []
             if not is_oom(exc):
                 raise
@@ -468,7 +468,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             self._warn_unfused()
             return None
         for engine, created in prepared:  # this rank prepared, another ran out of memory
-            rollback_step(engine, created)
+            rollback_step(engine, created, self._memos.get(engine))
         message = describe_error(error) if error is not None else "another rank ran out of memory"
         target, why_not = escalation_target(self._decision)
         if target is None or retries >= self.max_retries:
@@ -506,7 +506,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                     grads = [p.grad for g in self.param_groups for p in g["params"]]
                     unscale_grads_([g for g in grads if g is not None], grad_scale)
                 for engine in engines:
-                    commit_step(engine)
+                    commit_step(engine, self._memos.get(engine))
                     done.append(engine)
         except BaseException as exc:
             if len(done) == len(engines):  # Ctrl-C held back until the step was whole

@@ -1,0 +1,127 @@
+"""The commit of ``torch.optim.Adam``/``AdamW(fused=True)`` as torch's own fused kernel
+call, on lists made in the prepare phase.
+
+torch's ``Adam.step`` walks every param each step (``_init_group``: the grad, the state
+dict by a tensor-keyed lookup, four lists) and then sorts the lists by device and dtype
+(``_group_tensors_by_device_and_dtype``): on many small tensors that costs more than
+the kernel. The prepare phase of :mod:`optladder.optimizers.transaction` has already read
+every grad and made every state, so it hands the commit the lists torch would build:
+:func:`fused_plan` (per group, the params with a grad, their grads and state tensors), and
+:func:`run_fused_plan` makes exactly the calls of torch's ``_fused_adam`` (``step += 1``,
+then ``torch._fused_adamw_``, or ``torch._fused_adam_`` for Adam), so the result is bit
+for bit torch's.
+
+Only the common case takes this path: every group fused, not differentiable, Python
+numbers as hyperparameters, every param of a group on one device in one dtype (real, not
+complex), no ``grad_scale``/``found_inf`` set on the engine itself. Otherwise
+:func:`fused_plan` returns None and the commit runs torch's ``step``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from itertools import compress, repeat
+from typing import Any, cast
+
+import torch
+
+_EXP_AVG = operator.itemgetter("exp_avg")
+_EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
+_MAX_EXP_AVG_SQ = operator.itemgetter("max_exp_avg_sq")
+_STEP = operator.itemgetter("step")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+
+FusedCall = tuple[Any, tuple[list[torch.Tensor], ...], dict[str, Any]]
+"""``(kernel, tensor lists, keyword options)`` of one ``torch._fused_adam(w)_`` call."""
+
+
+def params_fit(params: Sequence[torch.Tensor]) -> bool:
+    """Whether ``params`` (one group's) are all on one device in one real dtype, as one
+    kernel call takes them. Reads every param: once per change, not per step."""
+    dtypes = set(map(_DTYPE, params))
+    return (
+        len(dtypes) == 1
+        and not next(iter(dtypes)).is_complex
+        and len(set(map(_DEVICE, params))) == 1
+    )
+
+
+def options_fit(group: dict[str, Any]) -> bool:
+    """Whether ``group``'s options take the direct kernel call: fused, not
+    differentiable, hyperparameters that are Python numbers (a tensor lr goes through
+    torch's ``step``, which moves it to each device)."""
+    if not group.get("fused") or group.get("differentiable"):
+        return False
+    if "decoupled_weight_decay" not in group or "amsgrad" not in group:
+        return False
+    options = (group["lr"], *group["betas"], group["weight_decay"], group["eps"])
+    return all(type(v) is float or type(v) is int for v in options)
+
+
+def fused_plan(
+    engine: torch.optim.Optimizer,
+    grads: Sequence[Sequence[torch.Tensor | None]],
+    states: Sequence[Sequence[dict[str, Any]]],
+) -> list[FusedCall] | None:
+    """The kernel calls of ``engine``'s next step, or None when torch's ``step`` must run.
+
+    Args:
+        engine: a ``torch.optim.Adam``/``AdamW`` whose groups' params passed
+            :func:`params_fit` (the caller checks, once per change); the options are
+            checked here (:func:`options_fit`), at every step.
+        grads: per group, every param's grad (None where it has none), in order.
+        states: per group, the state dicts of the params that have a grad, in order
+            (each with its ``exp_avg``, ``exp_avg_sq``, ``step``).
+
+    Returns:
+        Per group with a grad, the call :func:`run_fused_plan` makes.
+    """
+    if getattr(engine, "grad_scale", None) is not None:
+        return None
+    if getattr(engine, "found_inf", None) is not None:
+        return None
+    calls: list[FusedCall] = []
+    for group, gs, sts in zip(engine.param_groups, grads, states, strict=True):
+        if not options_fit(group):
+            return None
+        params = group["params"]
+        present = list(map(operator.is_not, gs, repeat(None)))
+        if not all(present):
+            params, gs = list(compress(params, present)), list(compress(gs, present))
+        if not params:
+            continue
+        amsgrad = bool(group["amsgrad"])
+        lists = (
+            list(params),
+            cast(list[torch.Tensor], list(gs)),  # the Nones left out above
+            list(map(_EXP_AVG, sts)),
+            list(map(_EXP_AVG_SQ, sts)),
+            list(map(_MAX_EXP_AVG_SQ, sts)) if amsgrad else [],
+            list(map(_STEP, sts)),
+        )
+        beta1, beta2 = group["betas"]
+        options = {
+            "amsgrad": amsgrad,
+            "lr": group["lr"],
+            "beta1": beta1,
+            "beta2": beta2,
+            "weight_decay": group["weight_decay"],
+            "eps": group["eps"],
+            "maximize": bool(group["maximize"]),
+            "grad_scale": None,
+            "found_inf": None,
+        }
+        kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+        calls.append((kernel, lists, options))
+    return calls
+
+
+def run_fused_plan(calls: list[FusedCall]) -> None:
+    """Make the calls of :func:`fused_plan`: per group, ``step += 1`` then the kernel, as
+    torch's ``_fused_adam`` does (no grad recorded)."""
+    with torch.no_grad():
+        for kernel, lists, options in calls:
+            torch._foreach_add_(lists[5], 1)
+            kernel(*lists, **options)
