@@ -23,9 +23,11 @@ export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's sour
 shopt -s nullglob
 scripts=("$folder"/*.py)
 [ ${#scripts[@]} -gt 0 ] || { echo "run.sh: no *.py in $folder" >&2; exit 2; }
+orphans=()
 for copy in cases/adapted/*.py; do
-    [ -e "$folder/$(basename "$copy")" ] || echo "note: $copy adapts a script that $folder does not have"
+    [ -e "$folder/$(basename "$copy")" ] || orphans+=("$(basename "$copy" .py)")
 done
+[ ${#orphans[@]} -eq 0 ] || echo "note: cases/adapted/ copies with no original in $folder: ${orphans[*]}"
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
 pass=0 total=0
