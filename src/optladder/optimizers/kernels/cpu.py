@@ -146,7 +146,9 @@ def cache_dir() -> Path:
     return cache.cache_root() / "optladder" / "kernels"
 
 
-def _library_path(cc: str, source: str, stem: str) -> Path:
+def _library_path(cc: str, source: str = SOURCE, stem: str = "adamw_bf16") -> Path:
+    """Where the library built from ``source`` by ``cc`` lives in the cache (default: the
+    bf16 kernel's; scripts that plant or truncate a cached build read it this way)."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     digest = hashlib.sha256()
     for part in (source, " ".join(_CFLAGS), cc, version.stdout, str(_uses_gnu_openmp())):
