@@ -485,7 +485,7 @@ OL8_AVX512_INLINE float ol8v_quantize(
     const __m512i lo1 = _mm512_set1_epi32(table[0] - 1), w = _mm512_set1_epi32(table[1]);
     const __m512i wm1 = _mm512_set1_epi32(table[1] - 1), t3 = _mm512_set1_epi32(table[3]);
     const __m512i t2 = _mm512_set1_epi32(table[2]), inf = _mm512_set1_epi32(0x7F800000);
-    const __m512i zero = _mm512_setzero_si512(), low8 = _mm512_set1_epi32(0xFF);
+    const __m512i low8 = _mm512_set1_epi32(0xFF);
     const __m512i top16 = _mm512_set1_epi32((int32_t)0xFFFF0000u);
     const __m512i mag = _mm512_set1_epi32(0x7FFFFFFF), mag15 = _mm512_set1_epi32(0x7FFF);
     const __m512i lo16 = _mm512_set1_epi32(table[0] << 16);
@@ -493,13 +493,15 @@ OL8_AVX512_INLINE float ol8v_quantize(
     int32_t idx[OL8_BLOCK] __attribute__((aligned(64)));
     for (int i = 0; i < OL8_BLOCK; i += 16) {
         const __m512 xs = _mm512_mul_ps(_mm512_load_ps(x + i), r);
-        /* as ol8_clamp1: a NaN stays NaN (the comparisons are false for it) */
-        __m512 xv = _mm512_mask_mov_ps(xs, _mm512_cmp_ps_mask(xs, lo, _CMP_LT_OQ), lo);
-        xv = _mm512_mask_mov_ps(xv, _mm512_cmp_ps_mask(xv, hi, _CMP_GT_OQ), hi);
+        /* as ol8_clamp1: max(a, b) is a > b ? a : b, min(a, b) a < b ? a : b, so a NaN
+           (second) stays NaN */
+        const __m512 xv = _mm512_min_ps(hi, _mm512_max_ps(lo, xs));
         _mm512_store_ps(x + i, xv);
         const __m512i u = _mm512_castps_si512(xv);
         __m512i j = _mm512_and_si512(_mm512_srli_epi32(u, 16), mag15);
-        j = _mm512_min_epi32(_mm512_max_epi32(_mm512_sub_epi32(j, lo1), zero), wm1);
+        /* clamped to [0, w - 1] on the low 16 bits (the high 16 are 0): a saturating
+           subtraction, then a min (for NaN, whose prefix is above 1.0's) */
+        j = _mm512_min_epu16(_mm512_subs_epu16(j, lo1), wm1);
         const __m512i jn = _mm512_add_epi32(w, _mm512_and_si512(j, t3));
         _mm512_store_si512(idx + i, _mm512_mask_mov_epi32(j, _mm512_movepi32_mask(u), jn));
     }
@@ -574,8 +576,12 @@ OL8_AVX512_INLINE void ol8v_prefetch(const ol8_param_t *P, int64_t b, int pd, in
     const int psize = pd == OL8_F32 ? 4 : 2, gsize = gd == OL8_F32 ? 4 : 2;
     const char *p = (const char *)P->param + lo * psize;
     const char *g = (const char *)P->grad + lo * gsize;
+#if !OL8V_PF_CODES_ONLY
     for (int i = 0; i < OL8_BLOCK * psize; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
     for (int i = 0; i < OL8_BLOCK * gsize; i += 64) _mm_prefetch(g + i, _MM_HINT_T0);
+#else
+    (void)p; (void)g;
+#endif
     for (int i = 0; i < OL8_BLOCK; i += 64) {
         _mm_prefetch((const char *)P->state1 + lo + i, _MM_HINT_T0);
         _mm_prefetch((const char *)P->state2 + lo + i, _MM_HINT_T0);
