@@ -540,6 +540,9 @@ OL8_AVX512_INLINE void ol8v_block_q(
     const __m512 eps = _mm512_set1_ps(P->eps), step_size = _mm512_set1_ps(P->step_size);
     const __m512 bc2 = _mm512_set1_ps(P->bc2_sqrt);
     const __m512 decay = _mm512_set1_ps(P->decay), wd = _mm512_set1_ps(P->weight_decay);
+    /* locals, not P's fields: the param stores would make gcc reload those */
+    const void *grad = P->grad;
+    void *param = P->param;
     float m[OL8_BLOCK] __attribute__((aligned(64))), v[OL8_BLOCK] __attribute__((aligned(64)));
     __m512i top1 = _mm512_setzero_si512(), top2 = _mm512_setzero_si512();
     for (int i0 = 0; i0 < OL8_BLOCK; i0 += 64) {
@@ -550,15 +553,15 @@ OL8_AVX512_INLINE void ol8v_block_q(
             const int i = i0 + 16 * r;
             __m512 mi = _mm512_mul_ps(d1[r], a1);
             __m512 vi = _mm512_mul_ps(d2[r], a2);
-            __m512 g = ol8v_load(P->grad, gd, lo + i);
-            __m512 p = ol8v_load(P->param, pd, lo + i);
+            __m512 g = ol8v_load(grad, gd, lo + i);
+            __m512 p = ol8v_load(param, pd, lo + i);
             if (coupled) g = _mm512_fmadd_ps(p, wd, g);
             mi = _mm512_fmadd_ps(g, omb1, _mm512_mul_ps(mi, b1));
             vi = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, _mm512_mul_ps(vi, b2));
             const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
             if (decoupled) p = _mm512_mul_ps(p, decay);
             p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, mi), denom));
-            ol8v_store(P->param, pd, lo + i, p);
+            ol8v_store(param, pd, lo + i, p);
             _mm512_store_ps(m + i, mi);
             _mm512_store_ps(v + i, vi);
             top1 = _mm512_max_epu32(top1, ol8v_abs_bits(mi));
