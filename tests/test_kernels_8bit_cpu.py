@@ -747,6 +747,48 @@ def test_the_simd_path_writes_the_scalar_bits_at_lane_and_block_edges(extreme: b
             assert torch.equal(a, b), (dtype, sizes[k // 5], k % 5)
 
 
+@pytest.mark.parametrize("coupled", [False, True], ids=["adamw", "adam"])
+def test_every_simd_level_the_cpu_has_writes_the_scalar_loops_bits(coupled: bool) -> None:
+    """Each SIMD path the CPU runs, not only its best (on an AVX-512 CPU the AVX2 path
+    too, by the ``simd`` level): the scalar loops' bits for steps (params, codes,
+    absmax, float32 state; several dtype pairs, NaN grads, sizes at lane and block
+    edges) and for ``quantize_blockwise`` with the start table."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    best = cpu8bit.simd_level()
+    if best == cpu8bit.SIMD_SCALAR:
+        pytest.skip("no AVX-512 nor AVX2+FMA+F16C: the 8-bit kernel runs its scalar loops only")
+    pairs = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
+    pairs += [(torch.float16, torch.float32)]
+    values = _special_values(256 * 9 + 5, 8)
+    q1, _ = _books()
+    table = cpu8bit.code_table(cpu8bit.code_bounds(q1))
+    want_codes = cpu8bit.quantize_blockwise(values, q1, start_table=table, simd=False)
+    sizes = (1, 15, 17, 255, 256, 257, 4097)
+    for level in range(cpu8bit.SIMD_AVX2, best + 1):
+        for dtype, grad_dtype in pairs:
+            runs = []
+            for simd in (cpu8bit.SIMD_SCALAR, level):
+                jobs = _kernel_jobs(dtype, grad_dtype, 1, coupled)
+                cpu8bit.run_table(cpu8bit.prepare_table(jobs), simd=simd)
+                runs.append(_state_bits(j for j in jobs if j.absmax1 is not None))
+                last = jobs[-1]  # float32 state
+                runs[-1] += [t.view(torch.uint8) for t in (last.param, last.state1, last.state2)]
+            for a, b in zip(*runs):
+                assert torch.equal(a, b), (level, dtype, grad_dtype)
+        runs = []
+        for simd in (cpu8bit.SIMD_SCALAR, level):
+            jobs = _sized_jobs(sizes, torch.float32, 9, False)
+            for _ in range(2):
+                cpu8bit.run_table(cpu8bit.prepare_table(jobs), simd=simd)
+            runs.append(_state_bits(jobs))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b), level
+        got = cpu8bit.quantize_blockwise(values, q1, start_table=table, simd=level)
+        assert torch.equal(got[0], want_codes[0]), level
+        assert torch.equal(got[1].view(torch.int32), want_codes[1].view(torch.int32)), level
+
+
 def test_one_and_two_threads_write_the_same_bits() -> None:
     """A step split into several work items (a 300,000-element param: three items of up
     to 512 blocks) on one thread and on two, and ``quantize_blockwise`` under

@@ -179,16 +179,44 @@ def load_library() -> ctypes.CDLL:
     return lib
 
 
+SIMD_SCALAR = 0
+"""``simd`` level of :func:`run_table` and :func:`quantize_blockwise`: the scalar loops."""
+SIMD_AVX2 = 1
+"""``simd`` level: whole blocks on the AVX2 path at most (8 lanes; needs FMA and F16C)."""
+SIMD_AVX512 = 2
+"""``simd`` level: whole blocks on the AVX-512 path (16 lanes; needs AVX-512 F, BW, DQ,
+VL and VBMI), else the best the CPU has."""
+
+
 def simd_available() -> bool:
     """Whether this CPU runs a SIMD path of the 8-bit kernel, as the kernel reads it with
-    gcc's ``__builtin_cpu_supports``: with AVX-512 (f/bw/dq/vl) whole 256-element blocks
-    run on 16 lanes, with AVX2 (and FMA, F16C) on 8 lanes; without either every block
-    takes the scalar loops. Every path writes the same bits.
+    gcc's ``__builtin_cpu_supports``: with AVX-512 (f/bw/dq/vl/vbmi) whole 256-element
+    blocks run on 16 lanes, with AVX2 (and FMA, F16C) on 8 lanes; without either every
+    block takes the scalar loops. Every path writes the same bits.
 
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
     """
-    return bool(load_library().ol_adamw8bit_simd())
+    return simd_level() > SIMD_SCALAR
+
+
+def simd_level() -> int:
+    """The best SIMD path of the 8-bit kernel on this CPU: :data:`SIMD_AVX512`,
+    :data:`SIMD_AVX2` or :data:`SIMD_SCALAR` (see :func:`simd_available`).
+
+    Raises:
+        KernelBuildError: if the kernel cannot be built or loaded.
+    """
+    return int(load_library().ol_adamw8bit_simd())
+
+
+def _simd_arg(simd: bool | int) -> int:
+    """The C kernel's ``simd`` argument, the highest path it may take: True is the best
+    the CPU has, False the scalar loops, an int a level (:data:`SIMD_AVX2`, ...) that the
+    kernel lowers to what the CPU has."""
+    if isinstance(simd, bool):
+        return SIMD_AVX512 if simd else SIMD_SCALAR
+    return max(SIMD_SCALAR, min(int(simd), SIMD_AVX512))
 
 
 def quantize_blockwise(
@@ -196,7 +224,7 @@ def quantize_blockwise(
     qmap: torch.Tensor,
     *,
     start_table: torch.Tensor | None = None,
-    simd: bool = True,
+    simd: bool | int = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode ``values`` in bitsandbytes' block-wise format with the kernel's rule.
 
@@ -212,7 +240,8 @@ def quantize_blockwise(
         start_table: :func:`code_table` of ``code_bounds(qmap)``, to encode as the step
             does (a table lookup and one comparison, on AVX-512 or AVX2 lanes where the
             CPU has them); default None: a binary search on the bounds. Same codes either way.
-        simd: False keeps to the scalar loop (same codes; for tests).
+        simd: False keeps to the scalar loop (same codes; for tests); a level such as
+            :data:`SIMD_AVX2` caps the path (tests and benchmarks of each path).
 
     Returns:
         ``(codes, absmax)``: uint8 codes of ``values``' shape, float32 absmax with one
@@ -244,7 +273,7 @@ def quantize_blockwise(
         codes.data_ptr(),
         absmax.data_ptr(),
         threads,
-        int(simd),
+        _simd_arg(simd),
     )
     return codes, absmax
 
@@ -600,7 +629,7 @@ def prepare_table(jobs: Sequence[Job], *, num_threads: int | None = None) -> Tab
     return Table(params=params, items=items, n_items=item, threads=threads, tensors=tuple(keep))
 
 
-def run_table(table: Table, library: ctypes.CDLL | None = None, *, simd: bool = True) -> None:
+def run_table(table: Table, library: ctypes.CDLL | None = None, *, simd: bool | int = True) -> None:
     """Run one step on prepared tables (the commit phase): params, codes, absmax and
     float32 state are written in place; nothing is allocated.
 
@@ -609,7 +638,8 @@ def run_table(table: Table, library: ctypes.CDLL | None = None, *, simd: bool = 
         library: from :func:`load_library`; default :func:`load_library` (cached).
         simd: False keeps to the scalar loops; by default whole blocks of 8-bit state run
             on AVX-512 or AVX2 lanes where the CPU has them (the same bits: the same IEEE
-            operations in the same order; tested).
+            operations in the same order; tested). A level such as :data:`SIMD_AVX2` caps
+            the path (on an AVX-512 CPU, the AVX2 path: for tests and benchmarks).
 
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
@@ -617,4 +647,4 @@ def run_table(table: Table, library: ctypes.CDLL | None = None, *, simd: bool = 
     if table.n_items == 0:
         return
     lib = load_library() if library is None else library
-    lib.ol_adamw8bit_step(table.params, table.items, table.n_items, table.threads, int(simd))
+    lib.ol_adamw8bit_step(table.params, table.items, table.n_items, table.threads, _simd_arg(simd))
