@@ -219,7 +219,8 @@ def prepare_step(
             state = engine.state
             params = list(chain.from_iterable(map(_PARAMS, engine.param_groups)))
             missing = list(map(operator.is_, chain.from_iterable(grads), repeat(None)))
-            ready = memo is not None and memo.states_exist(state, params, missing)
+            sizes = list(map(len, grads))
+            ready = memo is not None and memo.states_exist(state, params, missing, sizes)
             if not ready:
                 for gi, group in enumerate(engine.param_groups):
                     for pi, p in enumerate(group["params"]):
@@ -237,7 +238,7 @@ def prepare_step(
                 prepare_kernel()  # the 8-bit CPU kernel's tables
             if memo is not None and not ready:
                 extra = None if bnb else _fused_states(engine, grads)
-                memo.record_states(state, params, missing, extra)
+                memo.record_states(state, params, missing, sizes, extra)
             if memo is not None and memo.states_extra is not None:
                 memo.plan = _plan(engine, grads, memo.states_extra)
     except BaseException:
