@@ -15,6 +15,14 @@ Only the common case takes this path: every group fused, not differentiable, Pyt
 numbers as hyperparameters, every param of a group on one device in one dtype (real, not
 complex), no ``grad_scale``/``found_inf`` set on the engine itself. Otherwise
 :func:`fused_plan` returns None and the commit runs torch's ``step``.
+
+A param that is not dense (a column slice of a buffer: its elements leave gaps in its
+storage, :func:`optladder.columns.dense`) is stepped through a contiguous copy made in
+prepare and written back after the kernel: torch's fused kernels step a param's memory as
+``numel`` consecutive elements from its first, so on the param itself they would update
+the wrong elements and write over the elements of the buffer between its rows (torch
+2.13's own ``AdamW(fused=True)`` does). torch's ``step`` cannot step such a param, so a
+step that would need it refuses (:func:`refuse_nondense`).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from typing import Any, cast
 
 import torch
 
+from optladder.columns import dense
+
 _EXP_AVG = operator.itemgetter("exp_avg")
 _EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
 _MAX_EXP_AVG_SQ = operator.itemgetter("max_exp_avg_sq")
@@ -33,8 +43,52 @@ _STEP = operator.itemgetter("step")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 
-FusedCall = tuple[Any, tuple[list[torch.Tensor], ...], dict[str, Any]]
-"""``(kernel, tensor lists, keyword options)`` of one ``torch._fused_adam(w)_`` call."""
+FusedCall = tuple[
+    Any, tuple[list[torch.Tensor], ...], dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]
+]
+"""``(kernel, tensor lists, keyword options, write-backs)`` of one ``torch._fused_adam(w)_``
+call; the write-backs are ``(param, contiguous copy)`` pairs of the params that are not
+dense, whose copies the kernel steps in their place."""
+
+
+def nondense_places(params: Sequence[torch.Tensor]) -> list[int]:
+    """The places in ``params`` of the params that are not dense
+    (:func:`optladder.columns.dense`; contiguity is read in C, the few non-contiguous
+    params are looked at one by one). Empty params count as dense here (nothing to step)."""
+    return [
+        i
+        for i in compress(
+            range(len(params)), map(operator.not_, map(torch.Tensor.is_contiguous, params))
+        )
+        if params[i].numel() and not dense(params[i])
+    ]
+
+
+def refuse_nondense(
+    engine: torch.optim.Optimizer, grads: Sequence[Sequence[torch.Tensor | None]]
+) -> None:
+    """Raise before anything is written when torch's ``step`` of a fused ``engine`` would
+    step a param that is not dense (see the module's docstring): the direct kernel call
+    steps those through copies, torch's ``step`` cannot.
+
+    Raises:
+        ValueError: naming the param and what to do.
+    """
+    for gi, (group, gs) in enumerate(zip(engine.param_groups, grads)):
+        if not group.get("fused"):
+            continue
+        present = [p for p, g in zip(group["params"], gs) if g is not None]
+        places = nondense_places(present)
+        if places:
+            p = present[places[0]]
+            raise ValueError(
+                f"a param of shape {tuple(p.shape)} and stride {p.stride()} in group {gi} "
+                "is not dense (its elements leave gaps in its storage), and this step needs "
+                "torch's fused AdamW step (a tensor hyperparameter, grad scaling set on the "
+                "optimizer, or params of several dtypes or devices in one group), which would "
+                "write over the memory between its elements; give the group Python-number "
+                "hyperparameters and params of one dtype, or optimize a contiguous tensor"
+            )
 
 
 def params_fit(params: Sequence[torch.Tensor]) -> bool:
@@ -64,6 +118,7 @@ def fused_plan(
     engine: torch.optim.Optimizer,
     grads: Sequence[Sequence[torch.Tensor | None]],
     states: Sequence[Sequence[dict[str, Any]]],
+    nondense: Sequence[Sequence[int]],
 ) -> list[FusedCall] | None:
     """The kernel calls of ``engine``'s next step, or None when torch's ``step`` must run.
 
@@ -74,16 +129,23 @@ def fused_plan(
         grads: per group, every param's grad (None where it has none), in order.
         states: per group, the state dicts of the params that have a grad, in order
             (each with its ``exp_avg``, ``exp_avg_sq``, ``step``).
+        nondense: per group, the places among the params that have a grad of those
+            that are not dense (:func:`nondense_places`): each is stepped through a
+            contiguous copy allocated here (with a contiguous copy of its grad when that
+            is not contiguous), written back by :func:`run_fused_plan`.
 
     Returns:
         Per group with a grad, the call :func:`run_fused_plan` makes.
+
+    Raises:
+        Whatever allocating the copies raised (an OOM); nothing is written here.
     """
     if getattr(engine, "grad_scale", None) is not None:
         return None
     if getattr(engine, "found_inf", None) is not None:
         return None
     calls: list[FusedCall] = []
-    for group, gs, sts in zip(engine.param_groups, grads, states, strict=True):
+    for group, gs, sts, nd in zip(engine.param_groups, grads, states, nondense, strict=True):
         if not options_fit(group):
             return None
         params = group["params"]
@@ -93,9 +155,16 @@ def fused_plan(
         if not params:
             continue
         amsgrad = bool(group["amsgrad"])
+        params = list(params)
+        gs = cast(list[torch.Tensor], list(gs))  # the Nones left out above
+        writeback = []
+        for i in nd:
+            copy = params[i].contiguous()
+            writeback.append((params[i], copy))
+            params[i], gs[i] = copy, gs[i].contiguous()
         lists = (
-            list(params),
-            cast(list[torch.Tensor], list(gs)),  # the Nones left out above
+            params,
+            gs,
             list(map(_EXP_AVG, sts)),
             list(map(_EXP_AVG_SQ, sts)),
             list(map(_MAX_EXP_AVG_SQ, sts)) if amsgrad else [],
@@ -114,14 +183,17 @@ def fused_plan(
             "found_inf": None,
         }
         kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
-        calls.append((kernel, lists, options))
+        calls.append((kernel, lists, options, writeback))
     return calls
 
 
 def run_fused_plan(calls: list[FusedCall]) -> None:
     """Make the calls of :func:`fused_plan`: per group, ``step += 1`` then the kernel, as
-    torch's ``_fused_adam`` does (no grad recorded)."""
+    torch's ``_fused_adam`` does (no grad recorded), then the stepped copies of params
+    that are not dense written back into them (in place, allocating nothing)."""
     with torch.no_grad():
-        for kernel, lists, options in calls:
+        for kernel, lists, options, writeback in calls:
             torch._foreach_add_(lists[5], 1)
             kernel(*lists, **options)
+            for param, copy in writeback:
+                param.copy_(copy)

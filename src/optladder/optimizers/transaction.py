@@ -36,8 +36,16 @@ from typing import Any, cast
 
 import torch
 
+from optladder.columns import dense
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
-from optladder.optimizers.fusedstep import FusedCall, fused_plan, params_fit, run_fused_plan
+from optladder.optimizers.fusedstep import (
+    FusedCall,
+    fused_plan,
+    nondense_places,
+    params_fit,
+    refuse_nondense,
+    run_fused_plan,
+)
 from optladder.optimizers.migrate import check_step_range, is_bnb_engine, read_step
 from optladder.optimizers.stepmemo import StepMemo, grad_of
 from optladder.optimizers.steps import STEP_DTYPE
@@ -70,8 +78,9 @@ def check_step_inputs(
     device, bitsandbytes step counts its kernel cannot take (see
     :func:`optladder.optimizers.migrate.step_limit`; :class:`LadderAdamW` checks its own,
     torch's float64 steps cannot leave their range by stepping from a checkpoint that
-    loaded), and (for torch's fused AdamW) grads laid out unlike their param, which its
-    CPU kernel silently mis-updates.
+    loaded), and (for torch's fused AdamW) grads laid out unlike their dense param, which
+    its CPU kernel silently mis-updates (a param that is not dense is stepped through
+    contiguous copies of it and its grad, see :mod:`~.fusedstep`).
 
     Args:
         engine: the rung's optimizer.
@@ -179,7 +188,7 @@ def _check_grads(params: list[torch.Tensor], name: str, strides: bool) -> None:
                 f"{where} has a {g.dtype} grad of shape {tuple(g.shape)} on {g.device}; "
                 f"the param is {p.dtype} of shape {tuple(p.shape)} on {p.device}"
             )
-        if strides and g.stride() != p.stride():
+        if strides and g.stride() != p.stride() and dense(p):  # else stepped through copies
             raise ValueError(
                 f"{where} has a grad with strides {g.stride()} but the param has "
                 f"{p.stride()}; torch's fused AdamW needs them laid out alike (autograd's "
@@ -240,7 +249,9 @@ def prepare_step(
                 extra = None if bnb else _fused_states(engine, grads)
                 memo.record_states(state, params, missing, sizes, extra)
             if memo is not None and memo.states_extra is not None:
-                memo.plan = _plan(engine, grads, memo.states_extra)
+                memo.plan = _plan(engine, grads, *memo.states_extra)
+            if not bnb and (memo is None or memo.plan is None):
+                refuse_nondense(engine, grads)  # torch's step would write past them
     except BaseException:
         rollback_step(engine, created)
         raise
@@ -249,32 +260,36 @@ def prepare_step(
 
 def _fused_states(
     engine: torch.optim.Optimizer, grads: list[list[torch.Tensor | None]]
-) -> list[list[dict[str, Any]]] | None:
+) -> tuple[list[list[dict[str, Any]]], list[list[int]]] | None:
     """Per group, the state dicts of the params with a grad (one lookup per param, once
-    per change of the state or of which params have grads), when every group of a torch
-    Adam engine's params can take the direct fused call (:func:`~.fusedstep.params_fit`)."""
+    per change of the state or of which params have grads) and the places among those of
+    the params that are not dense (:func:`~.fusedstep.nondense_places`), when every group
+    of a torch Adam engine's params can take the direct fused call
+    (:func:`~.fusedstep.params_fit`)."""
     if not isinstance(engine, torch.optim.Adam):
         return None
     state = engine.state
-    out = []
+    out, nondense = [], []
     for group, gs in zip(engine.param_groups, grads):
         if not group.get("fused") or not group["params"] or not params_fit(group["params"]):
             return None
-        present = compress(group["params"], map(operator.is_not, gs, repeat(None)))
+        present = list(compress(group["params"], map(operator.is_not, gs, repeat(None))))
         out.append([state[p] for p in present])
-    return out
+        nondense.append(nondense_places(present))
+    return out, nondense
 
 
 def _plan(
     engine: torch.optim.Optimizer,
     grads: list[list[torch.Tensor | None]],
     states: list[list[dict[str, Any]]],
+    nondense: list[list[int]],
 ) -> list[FusedCall] | None:
     """The commit's kernel calls (:func:`~.fusedstep.fused_plan`), or None for torch's
     ``step`` (an option changed so that a group no longer fits, a state dict lost a
     tensor)."""
     try:
-        return fused_plan(engine, grads, states)
+        return fused_plan(engine, grads, states, nondense)
     except KeyError:
         return None
 
