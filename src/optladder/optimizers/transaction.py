@@ -36,7 +36,7 @@ from typing import Any, cast
 
 import torch
 
-from optladder.columns import dense
+from optladder.columns import PLAIN_TYPES, dense
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
 from optladder.optimizers.fusedstep import (
     FusedCall,
@@ -240,6 +240,8 @@ def prepare_step(
                             engine.init_state(group, p, gi, pi)  # type: ignore[attr-defined]
                         else:
                             state[p].update(_torch_adam_init(group, p))
+            if not ready and not bnb:
+                _lay_out_moments(engine, grads)
             if bnb and hasattr(engine, "prepare_contiguous"):
                 engine.prepare_contiguous()  # copies of non-contiguous params, see eightbit
             prepare_kernel = getattr(engine, "prepare_kernel_step", None)
@@ -256,6 +258,54 @@ def prepare_step(
         rollback_step(engine, created)
         raise
     return created
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_STRIDE = torch.Tensor.stride
+
+
+def _laid_out_like(m: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether moment ``m`` is laid out as torch's fused kernel needs for param ``p``: the
+    same strides over the dims of more than one element when ``p`` is dense (so element
+    ``k`` in memory is the same element of both), contiguous when it is not (such a param
+    is stepped through a contiguous copy, see :mod:`~.fusedstep`)."""
+    if not dense(p):
+        return m.is_contiguous()
+    return all(a == b for a, b, n in zip(m.stride(), p.stride(), p.shape) if n > 1)
+
+
+def _lay_out_moments(engine: torch.optim.Optimizer, grads: list[list[torch.Tensor | None]]) -> None:
+    """Give each moment of a fused group's param that is laid out unlike the param (see
+    :func:`_laid_out_like`) a copy laid out like it, in its state dict (the values stay
+    the same). torch's fused kernel pairs elements by memory order; torch creates
+    moments laid out like the param, but a checkpoint load or a move between rungs makes
+    them contiguous, which would pair a ``channels_last`` or transposed param's elements
+    with other elements' moments. Once per change of the state, before anything is
+    written; plain tensors only (a DTensor's strides describe the global tensor)."""
+    state = engine.state
+    for group, gs in zip(engine.param_groups, grads):
+        if not group.get("fused"):
+            continue
+        params = [p for p, g in zip(group["params"], gs) if g is not None and p in state]
+        for key in _MOMENTS:
+            pairs = [(p, state[p][key]) for p in params if key in state[p]]
+            if all(
+                map(
+                    operator.eq,
+                    map(_STRIDE, (m for _, m in pairs)),
+                    map(_STRIDE, (p for p, _ in pairs)),
+                )
+            ):
+                continue  # laid out like their params: the common case, read in C
+            for p, m in pairs:
+                plain = type(p) in PLAIN_TYPES and type(m) in PLAIN_TYPES
+                if not plain or m.shape != p.shape or _laid_out_like(m, p):
+                    continue
+                if dense(p):
+                    like = torch.empty_like(p, dtype=m.dtype, memory_format=torch.preserve_format)
+                else:
+                    like = torch.empty(p.shape, dtype=m.dtype, device=m.device)
+                state[p][key] = like.copy_(m)
 
 
 def _fused_states(
