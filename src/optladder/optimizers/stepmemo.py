@@ -62,8 +62,14 @@ def same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
 def options_snapshot(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...] | None:
     """The group's options (every key but ``params`` and ``param_names``) as a tuple to
     compare with ``==``, or None when one is a tensor (a tensor lr can change in place:
-    never taken as unchanged)."""
-    items = tuple((k, v) for k, v in group.items() if k != "params" and k != "param_names")
+    never taken as unchanged). A list (``betas`` set as ``[0.9, 0.999]``) is taken as a
+    tuple of its items then: the list itself can change in place, and a snapshot holding
+    it would always equal it."""
+    items = tuple(
+        (k, tuple(v) if isinstance(v, list) else v)
+        for k, v in group.items()
+        if k != "params" and k != "param_names"
+    )
     if any(isinstance(v, torch.Tensor) for _, v in items):
         return None
     return items
