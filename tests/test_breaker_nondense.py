@@ -99,3 +99,23 @@ def test_torchs_step_of_a_column_slice_is_refused_before_any_write() -> None:
     assert torch.equal(buf, before)
     for key, value in state.items():
         assert torch.equal(opt.state[ours[0]][key], value), key
+
+
+def test_a_numpy_lr_steps_a_column_slice_as_torch() -> None:
+    """A scheduler computing with numpy sets a ``numpy.float64`` lr (a float subclass):
+    the direct kernel call takes it as torch's ``step`` would, so the column slice is
+    stepped (not refused as a tensor lr is)."""
+    np = pytest.importorskip("numpy")
+    buf, original, ours, ref = _setup()
+    opt = choose_optimizer(ours, lr=1e-2, free_memory="1GiB", environ={})
+    reference = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    for s in range(3):
+        for group in (*opt.param_groups, *reference.param_groups):
+            group["lr"] = np.float64(1e-2) * np.cos(s / 10)
+        opt.zero_grad()
+        reference.zero_grad()
+        _backward(ours, ref, s)
+        opt.step()
+        reference.step()
+        _assert_equal(opt, ours, reference, ref)
+        assert _outside_untouched(buf, original)

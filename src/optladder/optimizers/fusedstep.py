@@ -104,14 +104,15 @@ def params_fit(params: Sequence[torch.Tensor]) -> bool:
 
 def options_fit(group: dict[str, Any]) -> bool:
     """Whether ``group``'s options take the direct kernel call: fused, not
-    differentiable, hyperparameters that are Python numbers (a tensor lr goes through
+    differentiable, hyperparameters that are Python numbers or numpy float64 scalars (a
+    float subclass, as schedulers written with numpy set; a tensor lr goes through
     torch's ``step``, which moves it to each device)."""
     if not group.get("fused") or group.get("differentiable"):
         return False
     if "decoupled_weight_decay" not in group or "amsgrad" not in group:
         return False
     options = (group["lr"], *group["betas"], group["weight_decay"], group["eps"])
-    return all(type(v) is float or type(v) is int for v in options)
+    return all(isinstance(v, float) or type(v) is int for v in options)  # numpy's float64 too
 
 
 def fused_plan(
