@@ -34,7 +34,7 @@ from typing import Any, cast
 
 import torch
 
-from optladder.columns import dense
+from optladder.columns import PLAIN_TYPES, dense
 
 _EXP_AVG = operator.itemgetter("exp_avg")
 _EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
@@ -51,16 +51,22 @@ call; the write-backs are ``(param, contiguous copy)`` pairs of the params that 
 dense, whose copies the kernel steps in their place."""
 
 
+def steps_through_copy(p: torch.Tensor) -> bool:
+    """Whether the direct kernel call steps ``p`` through a contiguous copy: a plain
+    tensor (not a DTensor or other subclass, whose strides may describe a global
+    tensor) with elements that is not dense (:func:`optladder.columns.dense`)."""
+    return type(p) in PLAIN_TYPES and p.numel() > 0 and not dense(p)
+
+
 def nondense_places(params: Sequence[torch.Tensor]) -> list[int]:
-    """The places in ``params`` of the params that are not dense
-    (:func:`optladder.columns.dense`; contiguity is read in C, the few non-contiguous
-    params are looked at one by one). Empty params count as dense here (nothing to step)."""
+    """The places in ``params`` of the params that :func:`steps_through_copy` (contiguity
+    is read in C, the few non-contiguous params are looked at one by one)."""
     return [
         i
         for i in compress(
             range(len(params)), map(operator.not_, map(torch.Tensor.is_contiguous, params))
         )
-        if params[i].numel() and not dense(params[i])
+        if steps_through_copy(params[i])
     ]
 
 

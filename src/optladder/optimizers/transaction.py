@@ -45,6 +45,7 @@ from optladder.optimizers.fusedstep import (
     params_fit,
     refuse_nondense,
     run_fused_plan,
+    steps_through_copy,
 )
 from optladder.optimizers.migrate import check_step_range, is_bnb_engine, read_step
 from optladder.optimizers.stepmemo import StepMemo, grad_of
@@ -188,7 +189,7 @@ def _check_grads(params: list[torch.Tensor], name: str, strides: bool) -> None:
                 f"{where} has a {g.dtype} grad of shape {tuple(g.shape)} on {g.device}; "
                 f"the param is {p.dtype} of shape {tuple(p.shape)} on {p.device}"
             )
-        if strides and g.stride() != p.stride() and dense(p):  # else stepped through copies
+        if strides and g.stride() != p.stride() and not steps_through_copy(p):
             raise ValueError(
                 f"{where} has a grad with strides {g.stride()} but the param has "
                 f"{p.stride()}; torch's fused AdamW needs them laid out alike (autograd's "
