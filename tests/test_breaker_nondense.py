@@ -119,3 +119,26 @@ def test_a_numpy_lr_steps_a_column_slice_as_torch() -> None:
         reference.step()
         _assert_equal(opt, ours, reference, ref)
         assert _outside_untouched(buf, original)
+
+
+def test_scaled_grads_laid_out_like_a_column_slice_are_unscaled_before_the_kernel() -> None:
+    """Under grad scaling the grads are unscaled in place after prepare (the commit).
+    A grad copied in prepare would keep the scaled values: the copies are filled in the
+    commit, after the unscaling."""
+    buf, original, ours, ref = _setup()
+    opt = choose_optimizer(ours, lr=1e-2, free_memory="1GiB", environ={})
+    reference = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    for s in range(3):
+        gen = torch.Generator().manual_seed(s)
+        g = torch.randn(12, 4, generator=gen)
+        grad_buf = torch.zeros(12, 9)
+        grad_buf[:, 2:6] = g * 4.0  # scaled by 4 (exact), laid out like the param
+        ours[0].grad, ref[0].grad = grad_buf[:, 2:6], g.clone()
+        other = torch.randn(5, 4, generator=gen)
+        ours[1].grad, ref[1].grad = other * 4.0, other.clone()
+        opt.grad_scale = torch.tensor(4.0)  # as torch.amp.GradScaler sets it
+        opt.found_inf = torch.tensor(0.0)
+        opt.step()
+        reference.step()
+        _assert_equal(opt, ours, reference, ref)
+        assert _outside_untouched(buf, original)

@@ -43,12 +43,14 @@ _STEP = operator.itemgetter("step")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 
-FusedCall = tuple[
-    Any, tuple[list[torch.Tensor], ...], dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]
-]
-"""``(kernel, tensor lists, keyword options, write-backs)`` of one ``torch._fused_adam(w)_``
-call; the write-backs are ``(param, contiguous copy)`` pairs of the params that are not
-dense, whose copies the kernel steps in their place."""
+Copies = tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]
+"""``(fills, write-backs)`` of the params stepped through contiguous buffers: ``(buffer,
+source)`` pairs copied before the kernel (the param, and its grad when that is not
+contiguous), ``(param, buffer)`` pairs copied back after it."""
+
+FusedCall = tuple[Any, tuple[list[torch.Tensor], ...], dict[str, Any], Copies]
+"""``(kernel, tensor lists, keyword options, copies)`` of one ``torch._fused_adam(w)_``
+call; see :data:`Copies`."""
 
 
 def steps_through_copy(p: torch.Tensor) -> bool:
@@ -138,8 +140,9 @@ def fused_plan(
             (each with its ``exp_avg``, ``exp_avg_sq``, ``step``).
         nondense: per group, the places among the params that have a grad of those
             that are not dense (:func:`nondense_places`): each is stepped through a
-            contiguous copy allocated here (with a contiguous copy of its grad when that
-            is not contiguous), written back by :func:`run_fused_plan`.
+            contiguous buffer allocated here (and its grad, when that is not contiguous),
+            filled and written back by :func:`run_fused_plan` (the commit: grads are
+            unscaled in place between prepare and commit).
 
     Returns:
         Per group with a grad, the call :func:`run_fused_plan` makes.
@@ -164,11 +167,16 @@ def fused_plan(
         amsgrad = bool(group["amsgrad"])
         params = list(params)
         gs = cast(list[torch.Tensor], list(gs))  # the Nones left out above
-        writeback = []
-        for i in nd:
-            copy = params[i].contiguous()
-            writeback.append((params[i], copy))
-            params[i], gs[i] = copy, gs[i].contiguous()
+        fills: list[tuple[torch.Tensor, torch.Tensor]] = []
+        writeback: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in nd:  # contiguous buffers, filled in the commit (after any unscaling)
+            p, g = params[i], gs[i]
+            params[i] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            fills.append((params[i], p))
+            writeback.append((p, params[i]))
+            if not g.is_contiguous():
+                gs[i] = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+                fills.append((gs[i], g))
         lists = (
             params,
             gs,
@@ -190,17 +198,20 @@ def fused_plan(
             "found_inf": None,
         }
         kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
-        calls.append((kernel, lists, options, writeback))
+        calls.append((kernel, lists, options, (fills, writeback)))
     return calls
 
 
 def run_fused_plan(calls: list[FusedCall]) -> None:
     """Make the calls of :func:`fused_plan`: per group, ``step += 1`` then the kernel, as
-    torch's ``_fused_adam`` does (no grad recorded), then the stepped copies of params
-    that are not dense written back into them (in place, allocating nothing)."""
+    torch's ``_fused_adam`` does (no grad recorded), with the params that are not dense
+    (and their grads) copied into their buffers before and back after (in place,
+    allocating nothing)."""
     with torch.no_grad():
-        for kernel, lists, options, writeback in calls:
+        for kernel, lists, options, (fills, writeback) in calls:
+            for buffer, source in fills:
+                buffer.copy_(source)
             torch._foreach_add_(lists[5], 1)
             kernel(*lists, **options)
-            for param, copy in writeback:
-                param.copy_(copy)
+            for param, buffer in writeback:
+                param.copy_(buffer)
