@@ -43,3 +43,38 @@ def test_betas_changed_in_place_are_checked_again(rung: str) -> None:
         opt.step()
     for p, b in zip(params, before):
         assert torch.equal(p, b)
+
+
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("decoupled", [True, False], ids=["AdamW", "Adam"])
+def test_a_group_switched_to_the_other_weight_decay_mode_is_refused(
+    rung: str, decoupled: bool
+) -> None:
+    """One mode per optimizer (README): construction, ``add_param_group`` and loads refuse
+    a group of the other mode, and the step checks every group's
+    ``decoupled_weight_decay`` before writing. A group switched by hand would otherwise
+    decay the other way on fp32/bf16 (8bit keeps its engine's mode) and save a
+    checkpoint this optimizer refuses to load."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 8, generator=gen)) for _ in range(2)]
+    opt = choose_optimizer(
+        params,
+        lr=1e-2,
+        weight_decay=0.1,
+        rung=rung,
+        free_memory="1GiB",
+        environ={},
+        decoupled_weight_decay=decoupled,
+    )
+    _grads(params, 0)
+    opt.step()
+    opt.param_groups[0]["decoupled_weight_decay"] = not decoupled
+    before = [p.detach().clone() for p in params]
+    _grads(params, 1)
+    with pytest.raises(ValueError, match="decoupled_weight_decay"):
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+    opt.param_groups[0]["decoupled_weight_decay"] = decoupled  # put back: steps again
+    opt.step()
+    assert not torch.equal(params[0], before[0])

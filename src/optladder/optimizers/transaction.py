@@ -75,7 +75,8 @@ def check_step_inputs(
     memo: StepMemo | None = None,
 ) -> list[list[torch.Tensor | None]]:
     """Refuse, before anything is allocated or written, what would fail half-way:
-    out-of-range group hyperparameters, sparse grads, grads of another shape, dtype or
+    out-of-range group hyperparameters, a group switched to the other weight decay mode
+    (``decoupled_weight_decay``), sparse grads, grads of another shape, dtype or
     device, bitsandbytes step counts its kernel cannot take (see
     :func:`optladder.optimizers.migrate.step_limit`; :class:`LadderAdamW` checks its own,
     torch's float64 steps cannot leave their range by stepping from a checkpoint that
@@ -109,6 +110,7 @@ def check_step_inputs(
         if memo is None or not memo.options_unchanged(gi, group):
             try:
                 validate_group_hyperparams(group)
+                _check_decay_mode(engine, group)
             except ValueError as exc:
                 raise ValueError(f"param {names.get(id(group), f'group {gi}')}: {exc}") from None
             if memo is not None:
@@ -127,6 +129,24 @@ def check_step_inputs(
         if memo is not None:
             memo.record_grads(gi, group, params, grads, strides)
     return all_grads
+
+
+def _check_decay_mode(engine: torch.optim.Optimizer, group: Mapping[str, Any]) -> None:
+    """Refuse a group whose ``decoupled_weight_decay`` (set by hand after construction)
+    is not the engine's mode: one mode per optimizer, as construction,
+    ``add_param_group`` and loads require (the 8bit engine keeps its mode as
+    ``coupled_weight_decay`` and would ignore the group's; the others would decay that
+    group the other way, and the checkpoint would not load back)."""
+    if hasattr(engine, "coupled_weight_decay"):
+        mode = not engine.coupled_weight_decay
+    else:
+        mode = bool(engine.defaults.get("decoupled_weight_decay", True))
+    if group.get("decoupled_weight_decay", mode) != mode:
+        raise ValueError(
+            f"decoupled_weight_decay={group['decoupled_weight_decay']!r}, but this optimizer "
+            f"decays the {'AdamW' if mode else 'Adam'} way (decoupled_weight_decay={mode!r}); "
+            "one mode per optimizer: create it with the other mode instead"
+        )
 
 
 _LAYOUT = operator.attrgetter("layout")
