@@ -28,7 +28,7 @@ step that would need it refuses (:func:`refuse_nondense`).
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import compress, repeat
 from typing import Any, cast
 
@@ -73,15 +73,23 @@ def nondense_places(params: Sequence[torch.Tensor]) -> list[int]:
 
 
 def refuse_nondense(
-    engine: torch.optim.Optimizer, grads: Sequence[Sequence[torch.Tensor | None]]
+    engine: torch.optim.Optimizer,
+    grads: Sequence[Sequence[torch.Tensor | None]],
+    group_names: Mapping[int, str] | None = None,
 ) -> None:
     """Raise before anything is written when torch's ``step`` of a fused ``engine`` would
     step a param that is not dense (see the module's docstring): the direct kernel call
     steps those through copies, torch's ``step`` cannot.
 
+    Args:
+        engine: a torch Adam/AdamW engine.
+        grads: per group, every param's grad (None where it has none), in order.
+        group_names: ``id(group) -> name`` for the message (default ``"group {i}"``).
+
     Raises:
         ValueError: naming the param and what to do.
     """
+    names = group_names or {}
     for gi, (group, gs) in enumerate(zip(engine.param_groups, grads)):
         if not group.get("fused"):
             continue
@@ -89,12 +97,13 @@ def refuse_nondense(
         places = nondense_places(present)
         if places:
             p = present[places[0]]
+            pi = next(i for i, q in enumerate(group["params"]) if q is p)
             raise ValueError(
-                f"a param of shape {tuple(p.shape)} and stride {p.stride()} in group {gi} "
-                "is not dense (its elements leave gaps in its storage), and this step needs "
-                "torch's fused AdamW step (a tensor hyperparameter, grad scaling set on the "
-                "optimizer, or params of several dtypes or devices in one group), which would "
-                "write over the memory between its elements; give the group Python-number "
+                f"param {pi} of {names.get(id(group), f'group {gi}')} (shape "
+                f"{tuple(p.shape)}, stride {p.stride()}) is not dense (its elements leave "
+                "gaps in its storage), and this step needs torch's fused AdamW step (a tensor "
+                "hyperparameter, or params of several dtypes or devices in one group), which "
+                "would write over the memory between its elements; give the group Python-number "
                 "hyperparameters and params of one dtype, or optimize a contiguous tensor"
             )
 

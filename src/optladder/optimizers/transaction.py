@@ -274,7 +274,7 @@ def prepare_step(
             if memo is not None and memo.states_extra is not None:
                 memo.plan = _plan(engine, grads, *memo.states_extra)
             if not bnb and (memo is None or memo.plan is None):
-                refuse_nondense(engine, grads)  # torch's step would write past them
+                refuse_nondense(engine, grads, group_names)  # torch's step: past them
     except BaseException:
         rollback_step(engine, created)
         raise
