@@ -15,16 +15,26 @@ Only the common case takes this path: every group fused, not differentiable, Pyt
 numbers as hyperparameters, every param of a group on one device in one dtype (real, not
 complex), no ``grad_scale``/``found_inf`` set on the engine itself. Otherwise
 :func:`fused_plan` returns None and the commit runs torch's ``step``.
+
+A param that is not dense (a column slice of a buffer: its elements leave gaps in its
+storage, :func:`optladder.columns.dense`) is stepped through a contiguous copy made in
+prepare and written back after the kernel: torch's fused kernels step a param's memory as
+``numel`` consecutive elements from its first, so on the param itself they would update
+the wrong elements and write over the elements of the buffer between its rows (torch
+2.13's own ``AdamW(fused=True)`` does). torch's ``step`` cannot step such a param, so a
+step that would need it refuses (:func:`refuse_nondense`).
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import compress, repeat
 from typing import Any, cast
 
 import torch
+
+from optladder.columns import PLAIN_TYPES, dense
 
 _EXP_AVG = operator.itemgetter("exp_avg")
 _EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
@@ -33,8 +43,69 @@ _STEP = operator.itemgetter("step")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 
-FusedCall = tuple[Any, tuple[list[torch.Tensor], ...], dict[str, Any]]
-"""``(kernel, tensor lists, keyword options)`` of one ``torch._fused_adam(w)_`` call."""
+Copies = tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]
+"""``(fills, write-backs)`` of the params stepped through contiguous buffers: ``(buffer,
+source)`` pairs copied before the kernel (the param, and its grad when that is not
+contiguous), ``(param, buffer)`` pairs copied back after it."""
+
+FusedCall = tuple[Any, tuple[list[torch.Tensor], ...], dict[str, Any], Copies]
+"""``(kernel, tensor lists, keyword options, copies)`` of one ``torch._fused_adam(w)_``
+call; see :data:`Copies`."""
+
+
+def steps_through_copy(p: torch.Tensor) -> bool:
+    """Whether the direct kernel call steps ``p`` through a contiguous copy: a plain
+    tensor (not a DTensor or other subclass, whose strides may describe a global
+    tensor) with elements that is not dense (:func:`optladder.columns.dense`)."""
+    return type(p) in PLAIN_TYPES and p.numel() > 0 and not dense(p)
+
+
+def nondense_places(params: Sequence[torch.Tensor]) -> list[int]:
+    """The places in ``params`` of the params that :func:`steps_through_copy` (contiguity
+    is read in C, the few non-contiguous params are looked at one by one)."""
+    return [
+        i
+        for i in compress(
+            range(len(params)), map(operator.not_, map(torch.Tensor.is_contiguous, params))
+        )
+        if steps_through_copy(params[i])
+    ]
+
+
+def refuse_nondense(
+    engine: torch.optim.Optimizer,
+    grads: Sequence[Sequence[torch.Tensor | None]],
+    group_names: Mapping[int, str] | None = None,
+) -> None:
+    """Raise before anything is written when torch's ``step`` of a fused ``engine`` would
+    step a param that is not dense (see the module's docstring): the direct kernel call
+    steps those through copies, torch's ``step`` cannot.
+
+    Args:
+        engine: a torch Adam/AdamW engine.
+        grads: per group, every param's grad (None where it has none), in order.
+        group_names: ``id(group) -> name`` for the message (default ``"group {i}"``).
+
+    Raises:
+        ValueError: naming the param and what to do.
+    """
+    names = group_names or {}
+    for gi, (group, gs) in enumerate(zip(engine.param_groups, grads)):
+        if not group.get("fused"):
+            continue
+        present = [p for p, g in zip(group["params"], gs) if g is not None]
+        places = nondense_places(present)
+        if places:
+            p = present[places[0]]
+            pi = next(i for i, q in enumerate(group["params"]) if q is p)
+            raise ValueError(
+                f"param {pi} of {names.get(id(group), f'group {gi}')} (shape "
+                f"{tuple(p.shape)}, stride {p.stride()}) is not dense (its elements leave "
+                "gaps in its storage), and this step needs torch's fused AdamW step (a tensor "
+                "hyperparameter, or params of several dtypes or devices in one group), which "
+                "would write over the memory between its elements; give the group Python-number "
+                "hyperparameters and params of one dtype, or optimize a contiguous tensor"
+            )
 
 
 def params_fit(params: Sequence[torch.Tensor]) -> bool:
@@ -50,20 +121,22 @@ def params_fit(params: Sequence[torch.Tensor]) -> bool:
 
 def options_fit(group: dict[str, Any]) -> bool:
     """Whether ``group``'s options take the direct kernel call: fused, not
-    differentiable, hyperparameters that are Python numbers (a tensor lr goes through
+    differentiable, hyperparameters that are Python numbers or numpy float64 scalars (a
+    float subclass, as schedulers written with numpy set; a tensor lr goes through
     torch's ``step``, which moves it to each device)."""
     if not group.get("fused") or group.get("differentiable"):
         return False
     if "decoupled_weight_decay" not in group or "amsgrad" not in group:
         return False
     options = (group["lr"], *group["betas"], group["weight_decay"], group["eps"])
-    return all(type(v) is float or type(v) is int for v in options)
+    return all(isinstance(v, float) or type(v) is int for v in options)  # numpy's float64 too
 
 
 def fused_plan(
     engine: torch.optim.Optimizer,
     grads: Sequence[Sequence[torch.Tensor | None]],
     states: Sequence[Sequence[dict[str, Any]]],
+    nondense: Sequence[Sequence[int]],
 ) -> list[FusedCall] | None:
     """The kernel calls of ``engine``'s next step, or None when torch's ``step`` must run.
 
@@ -74,16 +147,24 @@ def fused_plan(
         grads: per group, every param's grad (None where it has none), in order.
         states: per group, the state dicts of the params that have a grad, in order
             (each with its ``exp_avg``, ``exp_avg_sq``, ``step``).
+        nondense: per group, the places among the params that have a grad of those
+            that are not dense (:func:`nondense_places`): each is stepped through a
+            contiguous buffer allocated here (and its grad, when that is not contiguous),
+            filled and written back by :func:`run_fused_plan` (the commit: grads are
+            unscaled in place between prepare and commit).
 
     Returns:
         Per group with a grad, the call :func:`run_fused_plan` makes.
+
+    Raises:
+        Whatever allocating the copies raised (an OOM); nothing is written here.
     """
     if getattr(engine, "grad_scale", None) is not None:
         return None
     if getattr(engine, "found_inf", None) is not None:
         return None
     calls: list[FusedCall] = []
-    for group, gs, sts in zip(engine.param_groups, grads, states, strict=True):
+    for group, gs, sts, nd in zip(engine.param_groups, grads, states, nondense, strict=True):
         if not options_fit(group):
             return None
         params = group["params"]
@@ -93,9 +174,21 @@ def fused_plan(
         if not params:
             continue
         amsgrad = bool(group["amsgrad"])
+        params = list(params)
+        gs = cast(list[torch.Tensor], list(gs))  # the Nones left out above
+        fills: list[tuple[torch.Tensor, torch.Tensor]] = []
+        writeback: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in nd:  # contiguous buffers, filled in the commit (after any unscaling)
+            p, g = params[i], gs[i]
+            params[i] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            fills.append((params[i], p))
+            writeback.append((p, params[i]))
+            if not g.is_contiguous():
+                gs[i] = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+                fills.append((gs[i], g))
         lists = (
-            list(params),
-            cast(list[torch.Tensor], list(gs)),  # the Nones left out above
+            params,
+            gs,
             list(map(_EXP_AVG, sts)),
             list(map(_EXP_AVG_SQ, sts)),
             list(map(_MAX_EXP_AVG_SQ, sts)) if amsgrad else [],
@@ -114,14 +207,20 @@ def fused_plan(
             "found_inf": None,
         }
         kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
-        calls.append((kernel, lists, options))
+        calls.append((kernel, lists, options, (fills, writeback)))
     return calls
 
 
 def run_fused_plan(calls: list[FusedCall]) -> None:
     """Make the calls of :func:`fused_plan`: per group, ``step += 1`` then the kernel, as
-    torch's ``_fused_adam`` does (no grad recorded)."""
+    torch's ``_fused_adam`` does (no grad recorded), with the params that are not dense
+    (and their grads) copied into their buffers before and back after (in place,
+    allocating nothing)."""
     with torch.no_grad():
-        for kernel, lists, options in calls:
+        for kernel, lists, options, (fills, writeback) in calls:
+            for buffer, source in fills:
+                buffer.copy_(source)
             torch._foreach_add_(lists[5], 1)
             kernel(*lists, **options)
+            for param, buffer in writeback:
+                param.copy_(buffer)

@@ -62,8 +62,14 @@ def same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
 def options_snapshot(group: Mapping[str, Any]) -> tuple[tuple[str, Any], ...] | None:
     """The group's options (every key but ``params`` and ``param_names``) as a tuple to
     compare with ``==``, or None when one is a tensor (a tensor lr can change in place:
-    never taken as unchanged)."""
-    items = tuple((k, v) for k, v in group.items() if k != "params" and k != "param_names")
+    never taken as unchanged). A list (``betas`` set as ``[0.9, 0.999]``) is taken as a
+    tuple of its items then: the list itself can change in place, and a snapshot holding
+    it would always equal it."""
+    items = tuple(
+        (k, tuple(v) if isinstance(v, list) else v)
+        for k, v in group.items()
+        if k != "params" and k != "param_names"
+    )
     if any(isinstance(v, torch.Tensor) for _, v in items):
         return None
     return items
@@ -111,29 +117,38 @@ class StepMemo:
     Attributes:
         groups: place in ``param_groups`` -> :class:`GroupMemo`.
         states_ready: after :meth:`record_states`, the state dicts and keys then (in
-            order), the params and which had no grad.
+            order), the params, which had no grad, and how many params each group held.
         states_extra: what the caller derived from that state (see :meth:`record_states`).
         plan: what the prepare phase left for the commit (consumed by it), or None.
     """
 
     groups: dict[int, GroupMemo] = field(default_factory=dict)
-    states_ready: tuple[list[Any], list[Any], list[torch.Tensor], list[bool]] | None = None
+    states_ready: tuple[list[Any], list[Any], list[torch.Tensor], list[bool], list[int]] | None = (
+        None
+    )
     states_extra: Any = None
     plan: Any = None
 
     def states_exist(
-        self, state: Mapping[Any, Any], params: list[torch.Tensor], missing: list[bool]
+        self,
+        state: Mapping[Any, Any],
+        params: list[torch.Tensor],
+        missing: list[bool],
+        sizes: list[int],
     ) -> bool:
         """Whether every param of ``params`` (all groups' params) with a grad had its
         state the last time :meth:`record_states` ran, with the same state mapping now
         (the same keys and state dicts, in order: compared by identity, no hashing), the
         same params and the same params without a grad (``missing``: per param, whether
-        its grad is None), so no state needs creating."""
+        its grad is None), split into groups of the same ``sizes`` (params moved from one
+        group to the next keep the flat list but not what was derived per group), so no
+        state needs creating."""
         if self.states_ready is None:
             return False
-        values, keys, seen, seen_missing = self.states_ready
+        values, keys, seen, seen_missing, seen_sizes = self.states_ready
         return (
             missing == seen_missing
+            and sizes == seen_sizes
             and same_objects(params, seen)
             and same_objects(list(state.values()), values)
             and same_objects(list(state), keys)
@@ -144,12 +159,19 @@ class StepMemo:
         state: Mapping[Any, Any],
         params: list[torch.Tensor],
         missing: list[bool],
+        sizes: list[int],
         extra: Any = None,
     ) -> None:
         """Remember that every param of ``params`` with a grad now has its state, with
-        ``extra`` (whatever the caller derived from that state, read back as
-        :attr:`states_extra` while :meth:`states_exist` holds)."""
-        self.states_ready = (list(state.values()), list(state), list(params), list(missing))
+        ``extra`` (whatever the caller derived from that state and the groups' ``sizes``,
+        read back as :attr:`states_extra` while :meth:`states_exist` holds)."""
+        self.states_ready = (
+            list(state.values()),
+            list(state),
+            list(params),
+            list(missing),
+            list(sizes),
+        )
         self.states_extra = extra
 
     def _memo(self, gi: int, group: dict[str, Any]) -> GroupMemo:

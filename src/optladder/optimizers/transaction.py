@@ -36,8 +36,17 @@ from typing import Any, cast
 
 import torch
 
+from optladder.columns import PLAIN_TYPES, dense
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
-from optladder.optimizers.fusedstep import FusedCall, fused_plan, params_fit, run_fused_plan
+from optladder.optimizers.fusedstep import (
+    FusedCall,
+    fused_plan,
+    nondense_places,
+    params_fit,
+    refuse_nondense,
+    run_fused_plan,
+    steps_through_copy,
+)
 from optladder.optimizers.migrate import check_step_range, is_bnb_engine, read_step
 from optladder.optimizers.stepmemo import StepMemo, grad_of
 from optladder.optimizers.steps import STEP_DTYPE
@@ -66,12 +75,14 @@ def check_step_inputs(
     memo: StepMemo | None = None,
 ) -> list[list[torch.Tensor | None]]:
     """Refuse, before anything is allocated or written, what would fail half-way:
-    out-of-range group hyperparameters, sparse grads, grads of another shape, dtype or
+    out-of-range group hyperparameters, a group switched to the other weight decay mode
+    (``decoupled_weight_decay``), sparse grads, grads of another shape, dtype or
     device, bitsandbytes step counts its kernel cannot take (see
     :func:`optladder.optimizers.migrate.step_limit`; :class:`LadderAdamW` checks its own,
     torch's float64 steps cannot leave their range by stepping from a checkpoint that
-    loaded), and (for torch's fused AdamW) grads laid out unlike their param, which its
-    CPU kernel silently mis-updates.
+    loaded), and (for torch's fused AdamW) grads laid out unlike their dense param, which
+    its CPU kernel silently mis-updates (a param that is not dense is stepped through
+    contiguous copies of it and its grad, see :mod:`~.fusedstep`).
 
     Args:
         engine: the rung's optimizer.
@@ -99,6 +110,7 @@ def check_step_inputs(
         if memo is None or not memo.options_unchanged(gi, group):
             try:
                 validate_group_hyperparams(group)
+                _check_decay_mode(engine, group)
             except ValueError as exc:
                 raise ValueError(f"param {names.get(id(group), f'group {gi}')}: {exc}") from None
             if memo is not None:
@@ -117,6 +129,24 @@ def check_step_inputs(
         if memo is not None:
             memo.record_grads(gi, group, params, grads, strides)
     return all_grads
+
+
+def _check_decay_mode(engine: torch.optim.Optimizer, group: Mapping[str, Any]) -> None:
+    """Refuse a group whose ``decoupled_weight_decay`` (set by hand after construction)
+    is not the engine's mode: one mode per optimizer, as construction,
+    ``add_param_group`` and loads require (the 8bit engine keeps its mode as
+    ``coupled_weight_decay`` and would ignore the group's; the others would decay that
+    group the other way, and the checkpoint would not load back)."""
+    if hasattr(engine, "coupled_weight_decay"):
+        mode = not engine.coupled_weight_decay
+    else:
+        mode = bool(engine.defaults.get("decoupled_weight_decay", True))
+    if group.get("decoupled_weight_decay", mode) != mode:
+        raise ValueError(
+            f"decoupled_weight_decay={group['decoupled_weight_decay']!r}, but this optimizer "
+            f"decays the {'AdamW' if mode else 'Adam'} way (decoupled_weight_decay={mode!r}); "
+            "one mode per optimizer: create it with the other mode instead"
+        )
 
 
 _LAYOUT = operator.attrgetter("layout")
@@ -179,7 +209,7 @@ def _check_grads(params: list[torch.Tensor], name: str, strides: bool) -> None:
                 f"{where} has a {g.dtype} grad of shape {tuple(g.shape)} on {g.device}; "
                 f"the param is {p.dtype} of shape {tuple(p.shape)} on {p.device}"
             )
-        if strides and g.stride() != p.stride():
+        if strides and g.stride() != p.stride() and not steps_through_copy(p):
             raise ValueError(
                 f"{where} has a grad with strides {g.stride()} but the param has "
                 f"{p.stride()}; torch's fused AdamW needs them laid out alike (autograd's "
@@ -219,7 +249,8 @@ def prepare_step(
             state = engine.state
             params = list(chain.from_iterable(map(_PARAMS, engine.param_groups)))
             missing = list(map(operator.is_, chain.from_iterable(grads), repeat(None)))
-            ready = memo is not None and memo.states_exist(state, params, missing)
+            sizes = list(map(len, grads))
+            ready = memo is not None and memo.states_exist(state, params, missing, sizes)
             if not ready:
                 for gi, group in enumerate(engine.param_groups):
                     for pi, p in enumerate(group["params"]):
@@ -230,6 +261,8 @@ def prepare_step(
                             engine.init_state(group, p, gi, pi)  # type: ignore[attr-defined]
                         else:
                             state[p].update(_torch_adam_init(group, p))
+            if not ready and not bnb:
+                _lay_out_moments(engine, grads)
             if bnb and hasattr(engine, "prepare_contiguous"):
                 engine.prepare_contiguous()  # copies of non-contiguous params, see eightbit
             prepare_kernel = getattr(engine, "prepare_kernel_step", None)
@@ -237,43 +270,97 @@ def prepare_step(
                 prepare_kernel()  # the 8-bit CPU kernel's tables
             if memo is not None and not ready:
                 extra = None if bnb else _fused_states(engine, grads)
-                memo.record_states(state, params, missing, extra)
+                memo.record_states(state, params, missing, sizes, extra)
             if memo is not None and memo.states_extra is not None:
-                memo.plan = _plan(engine, grads, memo.states_extra)
+                memo.plan = _plan(engine, grads, *memo.states_extra)
+            if not bnb and (memo is None or memo.plan is None):
+                refuse_nondense(engine, grads, group_names)  # torch's step: past them
     except BaseException:
         rollback_step(engine, created)
         raise
     return created
 
 
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_STRIDE = torch.Tensor.stride
+
+
+def _laid_out_like(m: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether moment ``m`` is laid out as torch's fused kernel needs for param ``p``: the
+    same strides over the dims of more than one element when ``p`` is dense (so element
+    ``k`` in memory is the same element of both), contiguous when it is not (such a param
+    is stepped through a contiguous copy, see :mod:`~.fusedstep`)."""
+    if not dense(p):
+        return m.is_contiguous()
+    return all(a == b for a, b, n in zip(m.stride(), p.stride(), p.shape) if n > 1)
+
+
+def _lay_out_moments(engine: torch.optim.Optimizer, grads: list[list[torch.Tensor | None]]) -> None:
+    """Give each moment of a fused group's param that is laid out unlike the param (see
+    :func:`_laid_out_like`) a copy laid out like it, in its state dict (the values stay
+    the same). torch's fused kernel pairs elements by memory order; torch creates
+    moments laid out like the param, but a checkpoint load or a move between rungs makes
+    them contiguous, which would pair a ``channels_last`` or transposed param's elements
+    with other elements' moments. Once per change of the state, before anything is
+    written; plain tensors only (a DTensor's strides describe the global tensor)."""
+    state = engine.state
+    for group, gs in zip(engine.param_groups, grads):
+        if not group.get("fused"):
+            continue
+        params = [p for p, g in zip(group["params"], gs) if g is not None and p in state]
+        for key in _MOMENTS:
+            pairs = [(p, state[p][key]) for p in params if key in state[p]]
+            if all(
+                map(
+                    operator.eq,
+                    map(_STRIDE, (m for _, m in pairs)),
+                    map(_STRIDE, (p for p, _ in pairs)),
+                )
+            ):
+                continue  # laid out like their params: the common case, read in C
+            for p, m in pairs:
+                plain = type(p) in PLAIN_TYPES and type(m) in PLAIN_TYPES
+                if not plain or m.shape != p.shape or _laid_out_like(m, p):
+                    continue
+                if dense(p):
+                    like = torch.empty_like(p, dtype=m.dtype, memory_format=torch.preserve_format)
+                else:
+                    like = torch.empty(p.shape, dtype=m.dtype, device=m.device)
+                state[p][key] = like.copy_(m)
+
+
 def _fused_states(
     engine: torch.optim.Optimizer, grads: list[list[torch.Tensor | None]]
-) -> list[list[dict[str, Any]]] | None:
+) -> tuple[list[list[dict[str, Any]]], list[list[int]]] | None:
     """Per group, the state dicts of the params with a grad (one lookup per param, once
-    per change of the state or of which params have grads), when every group of a torch
-    Adam engine's params can take the direct fused call (:func:`~.fusedstep.params_fit`)."""
+    per change of the state or of which params have grads) and the places among those of
+    the params that are not dense (:func:`~.fusedstep.nondense_places`), when every group
+    of a torch Adam engine's params can take the direct fused call
+    (:func:`~.fusedstep.params_fit`)."""
     if not isinstance(engine, torch.optim.Adam):
         return None
     state = engine.state
-    out = []
+    out, nondense = [], []
     for group, gs in zip(engine.param_groups, grads):
         if not group.get("fused") or not group["params"] or not params_fit(group["params"]):
             return None
-        present = compress(group["params"], map(operator.is_not, gs, repeat(None)))
+        present = list(compress(group["params"], map(operator.is_not, gs, repeat(None))))
         out.append([state[p] for p in present])
-    return out
+        nondense.append(nondense_places(present))
+    return out, nondense
 
 
 def _plan(
     engine: torch.optim.Optimizer,
     grads: list[list[torch.Tensor | None]],
     states: list[list[dict[str, Any]]],
+    nondense: list[list[int]],
 ) -> list[FusedCall] | None:
     """The commit's kernel calls (:func:`~.fusedstep.fused_plan`), or None for torch's
     ``step`` (an option changed so that a group no longer fits, a state dict lost a
     tensor)."""
     try:
-        return fused_plan(engine, grads, states)
+        return fused_plan(engine, grads, states, nondense)
     except KeyError:
         return None
 

@@ -1,0 +1,144 @@
+"""Params that are not dense (a column slice of a buffer: views of one buffer that do not
+overlap, which construction accepts) on the fp32 rung, whose commit is torch's fused
+kernel: torch 2.13's ``AdamW(fused=True)`` steps such a param's memory as ``numel``
+consecutive elements, so it updates the wrong elements and writes over the buffer's
+other columns. optladder must step them as torch steps a contiguous copy (the
+reference here), leave the rest of the buffer alone, and refuse, before any write, a
+step that only torch's own ``step`` could take."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from optladder import choose_optimizer
+
+
+def _setup() -> tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]:
+    gen = torch.Generator().manual_seed(0)
+    buf = torch.randn(12, 9, generator=gen)
+    original = buf.clone()
+    cols = buf[:, 2:6].requires_grad_()  # stride (9, 1): not dense
+    other = torch.nn.Parameter(torch.randn(5, 4, generator=gen))
+    ref = [torch.nn.Parameter(cols.detach().clone()), torch.nn.Parameter(other.detach().clone())]
+    return buf, original, [cols, other], ref
+
+
+def _backward(ours: list[Any], ref: list[Any], seed: int) -> None:
+    """Autograd's grads: contiguous for the column slice (its layout is not dense)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(p.shape, generator=gen) for p in ours]
+    for ps in (ours, ref):
+        sum(((p * w) ** 2).sum() for p, w in zip(ps, weights)).backward()
+
+
+def _assert_equal(opt: Any, ours: list[Any], reference: Any, ref: list[Any]) -> None:
+    for i, (p, q) in enumerate(zip(ours, ref)):
+        assert torch.equal(p, q), f"param {i}"
+        a, b = opt.state[p], reference.state[q]
+        assert torch.equal(a["exp_avg"], b["exp_avg"]), f"param {i}"
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]), f"param {i}"
+        assert float(a["step"]) == float(b["step"]), f"param {i}"
+
+
+def _outside_untouched(buf: torch.Tensor, original: torch.Tensor) -> bool:
+    return torch.equal(buf[:, :2], original[:, :2]) and torch.equal(buf[:, 6:], original[:, 6:])
+
+
+def test_a_column_slice_steps_as_torch_steps_a_contiguous_copy() -> None:
+    buf, original, ours, ref = _setup()
+    opt = choose_optimizer(ours, lr=1e-2, weight_decay=0.1, free_memory="1GiB", environ={})
+    assert opt.rung == "fp32"
+    reference = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
+    for s in range(4):
+        if s == 2:  # grads kept and accumulated into
+            opt.zero_grad(set_to_none=False)
+            reference.zero_grad(set_to_none=False)
+        else:
+            opt.zero_grad()
+            reference.zero_grad()
+        _backward(ours, ref, s)
+        opt.step()
+        reference.step()
+        _assert_equal(opt, ours, reference, ref)
+        assert _outside_untouched(buf, original), f"step {s} wrote outside the param"
+
+
+def test_a_grad_laid_out_like_the_column_slice_steps_as_torch() -> None:
+    buf, original, ours, ref = _setup()
+    opt = choose_optimizer(ours, lr=1e-2, free_memory="1GiB", environ={})
+    reference = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    for s in range(3):
+        gen = torch.Generator().manual_seed(s)
+        g = torch.randn(12, 4, generator=gen)
+        grad_buf = torch.zeros(12, 9)
+        grad_buf[:, 2:6] = g
+        ours[0].grad, ref[0].grad = grad_buf[:, 2:6], g.clone()  # the param's strides
+        ours[1].grad = torch.randn(5, 4, generator=gen)
+        ref[1].grad = ours[1].grad.clone()
+        opt.step()
+        reference.step()
+        _assert_equal(opt, ours, reference, ref)
+        assert _outside_untouched(buf, original)
+
+
+def test_torchs_step_of_a_column_slice_is_refused_before_any_write() -> None:
+    buf, _, ours, ref = _setup()
+    opt = choose_optimizer(ours, lr=1e-2, free_memory="1GiB", environ={})
+    _backward(ours, ref, 0)
+    opt.step()
+    before = buf.clone()
+    state = {k: v.clone() for k, v in opt.state[ours[0]].items()}
+    for group in opt.param_groups:
+        group["lr"] = torch.tensor(1e-2)  # torch's step, which moves a tensor lr
+    _backward(ours, ref, 1)
+    with pytest.raises(ValueError, match="not dense"):
+        opt.step()
+    assert torch.equal(buf, before)
+    for key, value in state.items():
+        assert torch.equal(opt.state[ours[0]][key], value), key
+
+
+def test_a_numpy_lr_steps_a_column_slice_as_torch() -> None:
+    """A scheduler computing with numpy sets a ``numpy.float64`` lr (a float subclass):
+    the direct kernel call takes it as torch's ``step`` would, so the column slice is
+    stepped (not refused as a tensor lr is)."""
+    np = pytest.importorskip("numpy")
+    buf, original, ours, ref = _setup()
+    opt = choose_optimizer(ours, lr=1e-2, free_memory="1GiB", environ={})
+    reference = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    for s in range(3):
+        for group in (*opt.param_groups, *reference.param_groups):
+            group["lr"] = np.float64(1e-2) * np.cos(s / 10)
+        opt.zero_grad()
+        reference.zero_grad()
+        _backward(ours, ref, s)
+        opt.step()
+        reference.step()
+        _assert_equal(opt, ours, reference, ref)
+        assert _outside_untouched(buf, original)
+
+
+def test_scaled_grads_laid_out_like_a_column_slice_are_unscaled_before_the_kernel() -> None:
+    """Under grad scaling the grads are unscaled in place after prepare (the commit).
+    A grad copied in prepare would keep the scaled values: the copies are filled in the
+    commit, after the unscaling."""
+    buf, original, ours, ref = _setup()
+    opt = choose_optimizer(ours, lr=1e-2, free_memory="1GiB", environ={})
+    reference = torch.optim.AdamW(ref, lr=1e-2, fused=True)
+    for s in range(3):
+        gen = torch.Generator().manual_seed(s)
+        g = torch.randn(12, 4, generator=gen)
+        grad_buf = torch.zeros(12, 9)
+        grad_buf[:, 2:6] = g * 4.0  # scaled by 4 (exact), laid out like the param
+        ours[0].grad, ref[0].grad = grad_buf[:, 2:6], g.clone()
+        other = torch.randn(5, 4, generator=gen)
+        ours[1].grad, ref[1].grad = other * 4.0, other.clone()
+        opt.grad_scale = torch.tensor(4.0)  # as torch.amp.GradScaler sets it
+        opt.found_inf = torch.tensor(0.0)
+        opt.step()
+        reference.step()
+        _assert_equal(opt, ours, reference, ref)
+        assert _outside_untouched(buf, original)

@@ -1,0 +1,80 @@
+"""Group options are checked before every step when they changed (README: "a group dict
+edited by hand"); the step memo compares them with a snapshot. An option that changes
+in place (a betas list) must not compare equal to its own snapshot: the out-of-range
+value is refused before any write."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from optladder import choose_optimizer
+
+
+def _opt(rung: str) -> tuple[Any, list[Any]]:
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 8, generator=gen)) for _ in range(2)]
+    opt = choose_optimizer(params, lr=1e-2, rung=rung, free_memory="1GiB", environ={})
+    return opt, params
+
+
+def _grads(params: list[Any], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def _edit_list(group: dict[str, Any]) -> None:
+    group["betas"][0] = 1.5
+
+
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+def test_betas_changed_in_place_are_checked_again(rung: str) -> None:
+    opt, params = _opt(rung)
+    opt.param_groups[0]["betas"] = [0.9, 0.999]  # edited by hand: checked at the next step
+    _grads(params, 0)
+    opt.step()
+    opt.param_groups[0]["betas"][0] = 1.5  # in place: the list checked at the last step
+    before = [p.detach().clone() for p in params]
+    _grads(params, 1)
+    with pytest.raises(ValueError, match="beta"):
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+
+
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("decoupled", [True, False], ids=["AdamW", "Adam"])
+def test_a_group_switched_to_the_other_weight_decay_mode_is_refused(
+    rung: str, decoupled: bool
+) -> None:
+    """One mode per optimizer (README): construction, ``add_param_group`` and loads refuse
+    a group of the other mode, and the step checks every group's
+    ``decoupled_weight_decay`` before writing. A group switched by hand would otherwise
+    decay the other way on fp32/bf16 (8bit keeps its engine's mode) and save a
+    checkpoint this optimizer refuses to load."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 8, generator=gen)) for _ in range(2)]
+    opt = choose_optimizer(
+        params,
+        lr=1e-2,
+        weight_decay=0.1,
+        rung=rung,
+        free_memory="1GiB",
+        environ={},
+        decoupled_weight_decay=decoupled,
+    )
+    _grads(params, 0)
+    opt.step()
+    opt.param_groups[0]["decoupled_weight_decay"] = not decoupled
+    before = [p.detach().clone() for p in params]
+    _grads(params, 1)
+    with pytest.raises(ValueError, match="decoupled_weight_decay"):
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+    opt.param_groups[0]["decoupled_weight_decay"] = decoupled  # put back: steps again
+    opt.step()
+    assert not torch.equal(params[0], before[0])
