@@ -43,6 +43,34 @@ def test_disjoint_params_and_disjoint_views_of_one_buffer() -> None:
     assert ParamColumns.of(halves).disjoint
 
 
+def _ranges_disjoint(ranges: list[tuple[int, int]]) -> bool:
+    """Reference: every pair of byte ranges ``[start, end)`` compared, O(n**2)."""
+    return all(
+        b_end <= a_start or a_end <= b_start
+        for (a_start, a_end), (b_start, b_end) in itertools.combinations(ranges, 2)
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_disjoint_agrees_with_comparing_every_pair_in_any_order(seed: int) -> None:
+    """Slices of one buffer, shuffled: some sets overlap, some only touch, some have
+    gaps; the two-sort rule must give the pairwise answer."""
+    gen = torch.Generator().manual_seed(seed)
+    buf = torch.zeros(64)
+    count = int(torch.randint(2, 9, (), generator=gen))
+    starts = torch.randint(0, 56, (count,), generator=gen).tolist()
+    sizes = torch.randint(1, 9, (count,), generator=gen).tolist()
+    views = [buf[s : s + n] for s, n in zip(starts, sizes)]
+    ranges = [(4 * s, 4 * (s + v.numel())) for s, v in zip(starts, views)]
+    assert ParamColumns.of(views).disjoint == _ranges_disjoint(ranges)
+
+
+def test_disjoint_slices_out_of_address_order() -> None:
+    buf = torch.zeros(30)
+    assert ParamColumns.of([buf[20:30], buf[0:10], buf[10:20]]).disjoint
+    assert not ParamColumns.of([buf[20:30], buf[0:10], buf[9:20]]).disjoint  # 9 twice
+
+
 def _fills_its_span(t: torch.Tensor) -> bool:
     """Reference for :func:`dense`: the storage offsets of all elements, enumerated one
     by one from the strides, are ``numel`` consecutive offsets, each once."""

@@ -73,6 +73,18 @@ def import_bitsandbytes() -> ModuleType:
 
 
 @functools.cache
+def _code_books() -> tuple[torch.Tensor, torch.Tensor]:
+    """bitsandbytes' signed and unsigned dynamic code books (``create_dynamic_map``, as
+    its ``Optimizer8bit.fill_qmap`` makes them: 256 float32 values each), made once.
+    Callers copy them."""
+    functional = importlib.import_module("bitsandbytes.functional")
+    return (
+        functional.create_dynamic_map(signed=True),
+        functional.create_dynamic_map(signed=False),
+    )
+
+
+@functools.cache
 def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
     """bitsandbytes' ``AdamW8bit``, taught to keep the state format of
     :func:`optladder.bnb_overrides.quantized_8bit`, to step DTensor params on their
@@ -160,6 +172,14 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             # prepare_contiguous and dropped after the step or by release_scratch
             self._contiguous: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]] = {}
             super().__init__(*args, **kwargs)
+
+        def fill_qmap(self) -> None:
+            # bitsandbytes' two code books, copied from the pair made once per process
+            # (its own fill_qmap makes them anew, ~0.3 ms a construction); each engine
+            # owns its copies, as it owns the ones bitsandbytes makes
+            signed, unsigned = _code_books()
+            self.name2qmap["dynamic"] = signed.clone()
+            self.name2qmap["udynamic"] = unsigned.clone()
 
         def get_state_buffer(self, p: torch.Tensor, dtype: torch.dtype = torch.float32) -> Any:
             # bitsandbytes' zeros_like keeps a non-contiguous param's strides, while its
