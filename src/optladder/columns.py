@@ -84,6 +84,8 @@ class ParamColumns:
     Args:
         groups: param groups whose ``"params"`` are lists of tensors (already
             normalized, e.g. by :func:`optladder.policies.normalize_param_groups`).
+        typed: the caller has found every param to be a plain ``torch.Tensor`` or
+            ``nn.Parameter`` (:func:`plain_types`), so their types are not read again.
 
     Attributes:
         params: every group's params, flat, in group order (a param listed twice appears
@@ -108,7 +110,7 @@ class ParamColumns:
             flags of all groups: a False there may come from another group's params.)
     """
 
-    def __init__(self, groups: Iterable[Mapping[str, Any]]) -> None:
+    def __init__(self, groups: Iterable[Mapping[str, Any]], *, typed: bool = False) -> None:
         lists = [g["params"] for g in groups]
         self.params: list[torch.Tensor] = list(chain.from_iterable(lists))
         self.starts: list[int] = [0, *accumulate(map(len, lists))]
@@ -120,7 +122,7 @@ class ParamColumns:
         self.leaves = True
         self.contiguous = True
         self.dense = True
-        self.plain = plain_types(self.params) and self._read()
+        self.plain = (typed or plain_types(self.params)) and self._read()
 
     def _read(self) -> bool:
         """Read the columns of plain-typed params; False for a param on meta or without
