@@ -21,6 +21,7 @@ This module sits below ``policies``, ``optimizers`` and ``selector``, like
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from functools import cached_property
 from itertools import accumulate, chain, islice, repeat
@@ -193,6 +194,11 @@ class ParamColumns:
         return list(map(operator.floordiv, self.nbytes, sizes))
 
     @cached_property
+    def size_counts(self) -> Counter[int]:
+        """How many params have each byte size (:attr:`nbytes`)."""
+        return Counter(self.nbytes)
+
+    @cached_property
     def disjoint(self) -> bool:
         """Whether the params are :func:`dense`, non-empty, on one device, and cover
         disjoint byte ranges (so no param is listed twice and no two share an element),
@@ -222,5 +228,9 @@ class ParamColumns:
         ends = map(operator.add, islice(starts, n - 1), nbytes)
         if all(map(operator.le, ends, islice(starts, 1, None))):
             return True  # in increasing order already
-        first, end = sorted(starts), sorted(map(operator.add, starts, nbytes))
+        first = sorted(starts)
+        if len(self.size_counts) == 1:  # one size: the sorted ends are the sorted starts + it
+            end: Iterable[int] = map(operator.add, first, repeat(nbytes[0]))
+        else:
+            end = sorted(map(operator.add, starts, nbytes))
         return all(map(operator.le, islice(end, n - 1), islice(first, 1, None)))

@@ -437,7 +437,8 @@ def _disjoint_footprint(columns: ParamColumns) -> Footprint:
         nbytes = columns.nbytes if every else list(itertools.compress(columns.nbytes, trainable))
         if not nbytes:
             raise ValueError(_NO_TRAINABLE)
-        counts = Counter({(b // size, dtype): k for b, k in Counter(nbytes).items()})
+        per_size = columns.size_counts if every else Counter(nbytes)
+        counts = Counter({(b // size, dtype): k for b, k in per_size.items()})
         elements = sum(nbytes) // size  # each a whole number of elements
         frozen = 0 if every else sum(columns.nbytes) // size - elements
     else:
