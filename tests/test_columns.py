@@ -23,6 +23,9 @@ def test_columns_hold_each_params_attributes_in_order() -> None:
     assert cols.params == [a, b, c]
     assert cols.starts == [0, 2, 3]
     assert cols.numels == [12, 5, 7]
+    assert cols.nbytes == [48, 20, 14]  # 4-byte float32, 2-byte bfloat16
+    assert cols.size_counts == {48: 1, 20: 1, 14: 1}
+    assert ParamColumns.of(_params((2, 3), (6,), (3,))).size_counts == {24: 2, 12: 1}
     assert cols.dtypes == [torch.float32, torch.float32, torch.bfloat16]
     assert cols.requires_grad == [True, True, False]
     assert cols.data_ptrs == [a.data_ptr(), b.data_ptr(), c.data_ptr()]

@@ -196,7 +196,10 @@ class ParamColumns:
     @cached_property
     def size_counts(self) -> Counter[int]:
         """How many params have each byte size (:attr:`nbytes`)."""
-        return Counter(self.nbytes)
+        nbytes = self.nbytes
+        if nbytes and nbytes.count(nbytes[0]) == len(nbytes):  # one size (a C-level scan)
+            return Counter({nbytes[0]: len(nbytes)})
+        return Counter(nbytes)
 
     @cached_property
     def disjoint(self) -> bool:
