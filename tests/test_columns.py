@@ -39,6 +39,29 @@ def test_columns_hold_each_params_attributes_in_order() -> None:
     assert cols.group(0).requires_grad == [True, True]
 
 
+def test_columns_over_several_chunks_match_each_params_own_attributes() -> None:
+    """More params than one chunk of reading (:data:`optladder.columns._CHUNK`): the
+    columns are each param's own attributes, read one by one here."""
+    from optladder.columns import _CHUNK
+
+    count = 2 * _CHUNK + 7
+    params = [torch.nn.Parameter(torch.zeros(1 + i % 5)) for i in range(count)]
+    params[3].requires_grad_(False)
+    params[_CHUNK + 1] = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    cols = ParamColumns.of(params)
+    assert cols.plain and cols.leaves and cols.contiguous
+    assert cols.data_ptrs == [p.data_ptr() for p in params]
+    assert cols.nbytes == [p.numel() * p.element_size() for p in params]
+    assert cols.numels == [p.numel() for p in params]
+    assert cols.requires_grad == [p.requires_grad for p in params]
+    assert cols.dtypes == [p.dtype for p in params]
+    assert cols.dtype_set == {torch.float32, torch.bfloat16}
+    assert cols.devices == {torch.device("cpu")}
+    w = torch.nn.Parameter(torch.zeros(3))
+    late = [*params[:-1], w * 2]  # a non-leaf in the last chunk
+    assert not ParamColumns.of(late).leaves
+
+
 def test_disjoint_params_and_disjoint_views_of_one_buffer() -> None:
     assert ParamColumns.of(_params((4,), (8, 2), (1,))).disjoint
     buf = torch.zeros(10)

@@ -4,10 +4,9 @@ Construction asks several things of every param: the duplicates and overlap chec
 footprint, each rung's dtype rules, the device whose memory gates the choice. Over tens
 of thousands of small tensors a pass per check and per attribute costs several times
 torch's whole optimizer construction. A :class:`ParamColumns` reads each attribute it
-needs of every param once, one C-level ``map`` per attribute (no Python code per param:
-over 2,000 fresh params, as fast as or faster than one Python loop reading all of them,
-which touches each tensor once but runs bytecode per attribute), and the checks read
-the columns.
+needs of every param once, one C-level ``map`` per attribute over a chunk of params at
+a time (:data:`_CHUNK`: no bytecode per param, and each chunk's tensors stay in cache
+from one attribute to the next), and the checks read the columns.
 
 Only plain params are read this way (:attr:`ParamColumns.plain`: ``torch.Tensor`` and
 ``nn.Parameter`` objects off the meta device). DTensors and other subclasses, whose
@@ -42,6 +41,12 @@ _IS_CPU = operator.attrgetter("is_cpu")
 _CPU = torch.device("cpu")
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
+
+_CHUNK = 512
+"""Params read at a time, each attribute by one C-level ``map``: their memory stays in
+the CPU's caches from one attribute to the next (a ``map`` per attribute over 20,000
+params measured 1.8x slower than over chunks; one Python loop reading all attributes
+of each param, 1.15x slower over 2,000 params)."""
 
 _SLICED = ("dtypes", "requires_grad", "nbytes", "data_ptrs")
 """Per-param columns a group's :class:`ParamColumns` takes from its whole's, sliced."""
@@ -129,23 +134,34 @@ class ParamColumns:
         """Read the columns of plain-typed params; False for a param on meta or without
         a data pointer (then the columns are not used)."""
         params = self.params
-        try:
-            ptrs = list(map(_DATA_PTR, params))  # sparse and mkldnn tensors have none
-            nbytes = list(map(_NBYTES, params))
+        ptrs: list[int] = []
+        nbytes: list[int] = []
+        grads: list[bool] = []
+        dtypes: set[torch.dtype] = set()
+        devices: set[torch.device] = set()
+        contiguous = leaves = True
+        try:  # sparse and mkldnn tensors have no data pointer
+            for start in range(0, len(params), _CHUNK):
+                part = params[start : start + _CHUNK]
+                ptrs += map(_DATA_PTR, part)
+                nbytes += map(_NBYTES, part)
+                dtypes.update(map(_DTYPE, part))
+                grads += map(_REQUIRES_GRAD, part)
+                if all(map(_IS_CPU, part)):  # no device object made per param
+                    devices.add(_CPU)
+                else:
+                    devices.update(map(_DEVICE, part))
+                contiguous = contiguous and all(map(_IS_CONTIGUOUS, part))
+                leaves = leaves and all(map(_IS_LEAF, part))
         except RuntimeError:
             return False
-        self.data_ptrs, self.nbytes = ptrs, nbytes
-        self.dtype_set = set(map(_DTYPE, params))
-        self.requires_grad = list(map(_REQUIRES_GRAD, params))
-        # every param on the CPU (no device object made per param), else read each device
-        cpu = bool(params) and all(map(_IS_CPU, params))
-        self.devices = {_CPU} if cpu else set(map(_DEVICE, params))
-        self.contiguous = all(map(_IS_CONTIGUOUS, params))
-        self.dense = self.contiguous or all(
+        self.data_ptrs, self.nbytes, self.requires_grad = ptrs, nbytes, grads
+        self.dtype_set, self.devices, self.contiguous = dtypes, devices, contiguous
+        self.dense = contiguous or all(
             p.is_contiguous() or dense(p) for p in params
         )  # a transposed or channels_last param keeps the bulk checks
-        self.leaves = all(map(_IS_LEAF, params)) or all(p.is_leaf or p.retains_grad for p in params)
-        return not any(d.type == "meta" for d in self.devices)
+        self.leaves = leaves or all(p.is_leaf or p.retains_grad for p in params)
+        return not any(d.type == "meta" for d in devices)
 
     @cached_property
     def dtypes(self) -> list[torch.dtype]:
