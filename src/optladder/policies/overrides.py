@@ -45,7 +45,6 @@ class OverrideError(ValueError):
     """An override variable or argument has an unknown value or contradicts another."""
 
 
-
 class Overrides(BaseModel):
     """What the user said about rungs, as plain data for :func:`optladder.decide`.
 
