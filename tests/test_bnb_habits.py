@@ -261,6 +261,18 @@ def test_foreign_code_books_are_decoded_then_requantized_on_8bit() -> None:
     assert (kept.reshape(m.shape) - m).abs().max().item() / m.abs().max().item() > 0.2
 
 
+def test_each_engine_owns_bitsandbytes_code_books() -> None:
+    """The 8bit engine's code books are bitsandbytes' own (``create_dynamic_map``, what
+    plain ``AdamW8bit`` holds), and two engines do not share the tensors."""
+    ctl = bnb.optim.AdamW8bit(_model().parameters(), lr=1e-3)
+    first, second = _choose(_model()).engine, _choose(_model()).engine
+    for name, signed in (("dynamic", True), ("udynamic", False)):
+        want = F.create_dynamic_map(signed=signed)
+        assert torch.equal(ctl.name2qmap[name], want)
+        assert torch.equal(first.name2qmap[name], want)
+        assert first.name2qmap[name].data_ptr() != second.name2qmap[name].data_ptr()
+
+
 def test_default_code_books_keep_the_codes_bit_for_bit() -> None:
     model = _model()
     opt = _choose(model)

@@ -23,6 +23,9 @@ def test_columns_hold_each_params_attributes_in_order() -> None:
     assert cols.params == [a, b, c]
     assert cols.starts == [0, 2, 3]
     assert cols.numels == [12, 5, 7]
+    assert cols.nbytes == [48, 20, 14]  # 4-byte float32, 2-byte bfloat16
+    assert cols.size_counts == {48: 1, 20: 1, 14: 1}
+    assert ParamColumns.of(_params((2, 3), (6,), (3,))).size_counts == {24: 2, 12: 1}
     assert cols.dtypes == [torch.float32, torch.float32, torch.bfloat16]
     assert cols.requires_grad == [True, True, False]
     assert cols.data_ptrs == [a.data_ptr(), b.data_ptr(), c.data_ptr()]
@@ -36,11 +39,65 @@ def test_columns_hold_each_params_attributes_in_order() -> None:
     assert cols.group(0).requires_grad == [True, True]
 
 
+def test_columns_over_several_chunks_match_each_params_own_attributes() -> None:
+    """More params than one chunk of reading (:data:`optladder.columns._CHUNK`): the
+    columns are each param's own attributes, read one by one here."""
+    from optladder.columns import _CHUNK
+
+    count = 2 * _CHUNK + 7
+    params = [torch.nn.Parameter(torch.zeros(1 + i % 5)) for i in range(count)]
+    params[3].requires_grad_(False)
+    params[_CHUNK + 1] = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    cols = ParamColumns.of(params)
+    assert cols.plain and cols.leaves and cols.contiguous
+    assert cols.data_ptrs == [p.data_ptr() for p in params]
+    assert cols.nbytes == [p.numel() * p.element_size() for p in params]
+    assert cols.numels == [p.numel() for p in params]
+    assert cols.requires_grad == [p.requires_grad for p in params]
+    assert cols.dtypes == [p.dtype for p in params]
+    assert cols.dtype_set == {torch.float32, torch.bfloat16}
+    assert cols.devices == {torch.device("cpu")}
+    w = torch.nn.Parameter(torch.zeros(3))
+    late = [*params[:-1], w * 2]  # a non-leaf in the last chunk
+    assert not ParamColumns.of(late).leaves
+
+
 def test_disjoint_params_and_disjoint_views_of_one_buffer() -> None:
     assert ParamColumns.of(_params((4,), (8, 2), (1,))).disjoint
     buf = torch.zeros(10)
     halves = [buf[:5], buf[5:]]  # share a storage, not an element
     assert ParamColumns.of(halves).disjoint
+
+
+def _ranges_disjoint(ranges: list[tuple[int, int]]) -> bool:
+    """Reference: every pair of byte ranges ``[start, end)`` compared, O(n**2)."""
+    return all(
+        b_end <= a_start or a_end <= b_start
+        for (a_start, a_end), (b_start, b_end) in itertools.combinations(ranges, 2)
+    )
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_disjoint_agrees_with_comparing_every_pair_in_any_order(seed: int) -> None:
+    """Slices of one buffer, shuffled: some sets overlap, some only touch, some have
+    gaps, half of them all of one size; the two-sort rule must give the pairwise
+    answer."""
+    gen = torch.Generator().manual_seed(seed)
+    buf = torch.zeros(64)
+    count = int(torch.randint(2, 9, (), generator=gen))
+    starts = torch.randint(0, 56, (count,), generator=gen).tolist()
+    sizes = torch.randint(1, 9, (count,), generator=gen).tolist()
+    if seed % 2:
+        sizes = [sizes[0]] * count
+    views = [buf[s : s + n] for s, n in zip(starts, sizes)]
+    ranges = [(4 * s, 4 * (s + v.numel())) for s, v in zip(starts, views)]
+    assert ParamColumns.of(views).disjoint == _ranges_disjoint(ranges)
+
+
+def test_disjoint_slices_out_of_address_order() -> None:
+    buf = torch.zeros(30)
+    assert ParamColumns.of([buf[20:30], buf[0:10], buf[10:20]]).disjoint
+    assert not ParamColumns.of([buf[20:30], buf[0:10], buf[9:20]]).disjoint  # 9 twice
 
 
 def _fills_its_span(t: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@ import math
 import numbers
 import operator
 import re
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from typing import SupportsIndex
 
@@ -86,6 +87,8 @@ def parse_bytes(value: object, name: str = "free_memory") -> int:
 
     if isinstance(value, bool) or value is None:
         raise error(f"a {type(value).__name__} is not a number")
+    if type(value) is str:  # no number type is a str: straight to the text
+        return _parse_bytes_text(value, error)
     if (
         isinstance(value, numbers.Real)
         and not isinstance(value, float)
@@ -109,6 +112,11 @@ def parse_bytes(value: object, name: str = "free_memory") -> int:
         return int(number_int)
     if not isinstance(value, str):
         raise error(f"a {type(value).__name__} is neither a number nor a string")
+    return _parse_bytes_text(value, error)
+
+
+def _parse_bytes_text(value: str, error: Callable[[str], ValueError]) -> int:
+    """:func:`parse_bytes` of a string; ``error`` makes its exception from a reason."""
     text = value.strip()
     if text.startswith("-") and _PATTERN.match(text[1:]):
         raise error("negative")

@@ -15,7 +15,7 @@ from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.eightbit import build_8bit
 from optladder.optimizers.fp32 import build_fp32
 from optladder.optimizers.rounding import Rounding
-from optladder.rungs import RUNG_ACCEPTS, Capabilities, Rung
+from optladder.rungs import LADDER_DTYPES, RUNG_ACCEPTS, Capabilities, Rung
 from optladder.sharding import is_dtensor
 
 ENGINE_KEYS = (
@@ -189,7 +189,11 @@ def build_engine(
             **hyper,
         )
     if rung == "bf16":
-        if checked:  # LadderAdamW's own check of the dtypes, over every param
+        # LadderAdamW's own check of the dtypes, over every param: from the columns when
+        # construction read them (every group's dtypes allowed), else group by group
+        # (which names the first param refused)
+        bulk = columns is not None and columns.dtype_names <= set(LADDER_DTYPES)
+        if checked and not bulk:
             for group in param_groups:
                 refuse_ladder_dtypes(group["params"], torch.bfloat16)
         with first_params_only(param_groups, checked):

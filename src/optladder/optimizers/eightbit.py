@@ -73,6 +73,18 @@ def import_bitsandbytes() -> ModuleType:
 
 
 @functools.cache
+def _code_book_values() -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The values of bitsandbytes' signed and unsigned dynamic code books
+    (``create_dynamic_map``, as its ``Optimizer8bit.fill_qmap`` makes them: 256 float32
+    values each, held exactly as Python floats), computed once."""
+    functional = importlib.import_module("bitsandbytes.functional")
+    return (
+        tuple(functional.create_dynamic_map(signed=True).tolist()),
+        tuple(functional.create_dynamic_map(signed=False).tolist()),
+    )
+
+
+@functools.cache
 def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
     """bitsandbytes' ``AdamW8bit``, taught to keep the state format of
     :func:`optladder.bnb_overrides.quantized_8bit`, to step DTensor params on their
@@ -160,6 +172,14 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             # prepare_contiguous and dropped after the step or by release_scratch
             self._contiguous: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]] = {}
             super().__init__(*args, **kwargs)
+
+        def fill_qmap(self) -> None:
+            # bitsandbytes' two code books, made from their values computed once per
+            # process (its own fill_qmap computes them anew, ~0.3 ms a construction) the
+            # way it makes them (torch.tensor of the values); each engine owns its pair
+            signed, unsigned = _code_book_values()
+            self.name2qmap["dynamic"] = torch.tensor(signed, dtype=torch.float32)
+            self.name2qmap["udynamic"] = torch.tensor(unsigned, dtype=torch.float32)
 
         def get_state_buffer(self, p: torch.Tensor, dtype: torch.dtype = torch.float32) -> Any:
             # bitsandbytes' zeros_like keeps a non-contiguous param's strides, while its

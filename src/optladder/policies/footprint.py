@@ -430,14 +430,25 @@ def _disjoint_footprint(columns: ParamColumns) -> Footprint:
     is distinct, so the trainable ones are those with ``requires_grad``, and every rung's
     state bytes are counted once per distinct (elements, dtype)."""
     trainable = columns.requires_grad
-    numels = list(itertools.compress(columns.numels, trainable))
-    if not numels:
-        raise ValueError(_NO_TRAINABLE)
-    if len(columns.dtype_set) == 1:  # one dtype: count the sizes alone
+    every = all(trainable)  # then nothing to pick out (the common case)
+    if len(columns.dtype_set) == 1:  # one dtype: count the byte sizes alone
         dtype = next(iter(columns.dtype_set))
-        counts = Counter({(n, dtype): k for n, k in Counter(numels).items()})
+        size = dtype.itemsize
+        nbytes = columns.nbytes if every else list(itertools.compress(columns.nbytes, trainable))
+        if not nbytes:
+            raise ValueError(_NO_TRAINABLE)
+        per_size = columns.size_counts if every else Counter(nbytes)
+        counts = Counter({(b // size, dtype): k for b, k in per_size.items()})
+        elements = sum(nbytes) // size  # each a whole number of elements
+        frozen = 0 if every else sum(columns.nbytes) // size - elements
     else:
-        counts = Counter(zip(numels, itertools.compress(columns.dtypes, trainable)))
+        numels = columns.numels if every else list(itertools.compress(columns.numels, trainable))
+        if not numels:
+            raise ValueError(_NO_TRAINABLE)
+        picked = columns.dtypes if every else itertools.compress(columns.dtypes, trainable)
+        counts = Counter(zip(numels, picked))
+        elements = sum(numels)
+        frozen = 0 if every else sum(columns.numels) - elements
     dtypes = {d for _, d in counts}
     quantized = int(any(n >= BNB_MIN_8BIT_SIZE for n, _ in counts))  # one device
     state_bytes = {
@@ -447,9 +458,9 @@ def _disjoint_footprint(columns: ParamColumns) -> Footprint:
         for rung in RUNGS
     }
     return Footprint(
-        trainable_params=sum(numels),
-        param_tensors=len(numels),
-        frozen_params=sum(itertools.compress(columns.numels, map(operator.not_, trainable))),
+        trainable_params=elements,
+        param_tensors=sum(counts.values()),
+        frozen_params=frozen,
         largest_param=max(n for n, _ in counts),
         devices=tuple(sorted(map(str, columns.devices))),
         dtypes=tuple(sorted(str(d).removeprefix("torch.") for d in dtypes)),

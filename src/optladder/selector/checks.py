@@ -293,15 +293,16 @@ def check_pins(groups: list[dict[str, Any]], decision: Decision) -> None:
     Raises:
         ValueError: naming the group, its rung and why it cannot be used.
     """
-    # A pinned group's own params are checked against its rung where its engine is built.
-    real = decision.footprint.model_copy(update={"has_complex": False, "dtypes": ()})
-    allowed, excluded = allowed_rungs(real, decision.capabilities, decision.overrides)
     pins = [group_pin(group, f"param group {gi}") for gi, group in enumerate(groups)]
-    for gi, pin in enumerate(pins):
-        if pin is not None and not allowed[pin]:
-            raise ValueError(
-                f"param group {gi} pins the {pin} rung, which cannot be used: {excluded[pin]}"
-            )
+    if any(pins):  # (no pin, nothing to allow: the common case builds no rung table)
+        # A pinned group's own params are checked against its rung where its engine is built.
+        real = decision.footprint.model_copy(update={"has_complex": False, "dtypes": ()})
+        allowed, excluded = allowed_rungs(real, decision.capabilities, decision.overrides)
+        for gi, pin in enumerate(pins):
+            if pin is not None and not allowed[pin]:
+                raise ValueError(
+                    f"param group {gi} pins the {pin} rung, which cannot be used: {excluded[pin]}"
+                )
     following = (p for g, pin in zip(groups, pins) if pin is None for p in g["params"])
     if not any(p.requires_grad for p in following):
         raise ValueError(

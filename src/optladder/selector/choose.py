@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from optladder.columns import ParamColumns
+from optladder.columns import ParamColumns, plain_types
 from optladder.errors import (  # OptladderWarning re-exported: defined below policies
     OptladderWarning,
     user_stacklevel,
@@ -187,9 +187,18 @@ def decide_and_build(
     check_rounding(rounding)
     check_param_rounding(param_rounding)
     _check_options(policy, environ, max_retries, on_escalate, decoupled_weight_decay, strict)
-    model_or_params = check_param_collections(model_or_params)  # a generator: listed
-    groups = normalize_param_groups(model_or_params)
-    columns = ParamColumns(groups)  # each param's attributes read once, for every check
+    typed = (  # the common call, a list of plain tensors: their types read once, here
+        isinstance(model_or_params, list | tuple)
+        and len(model_or_params) > 0
+        and plain_types(model_or_params)
+    )
+    groups: list[dict[str, Any]]
+    if typed:  # no set to refuse, nothing to name: what normalize_param_groups makes of it
+        groups = [{"params": list(cast(list[torch.Tensor], model_or_params))}]
+    else:
+        model_or_params = check_param_collections(model_or_params)  # a generator: listed
+        groups = normalize_param_groups(model_or_params)
+    columns = ParamColumns(groups, typed=typed)  # each attribute read once, for every check
     check_groups(groups, decoupled_weight_decay, columns)
     refuse_meta_params(groups, columns=columns)
     footprint = groups_footprint(groups, columns)
