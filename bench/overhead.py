@@ -7,8 +7,9 @@ tensors of 256 elements, float32 params and grads on the CPU. For each rung
 
 - construction: seconds to build the optimizer (optladder's includes its one probe of
   the device's fused kernel and the decision; torch's has none);
-- probe: seconds of that probe alone (``probe_capabilities``, timed right after each
-  optladder build), and construction without it (construction minus probe);
+- probe: seconds of that probe alone (``probe_capabilities``, timed where construction
+  calls it, so its cold first step on freshly made params counts as the probe's), and
+  construction without it (construction minus probe);
 - step: seconds of one ``step()`` once the state exists (warm-up steps first).
 
 Each rep builds and steps every implementation once, in an order rotated by one each
@@ -39,11 +40,12 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import optladder
-from optladder.optimizers.capabilities import probe_capabilities
+from optladder.selector import choose
 
 Build = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -80,20 +82,31 @@ def one_rep(
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, tuple[float, float, float]]:
     """Build and step each implementation in ``order``: name -> (build s, probe s, step s);
-    the probe is timed for optladder's implementations only (0 for torch's); ``clock``
-    reads seconds."""
+    the probe is timed inside each build, where ``choose_optimizer`` calls it (0 for
+    torch's); ``clock`` reads seconds."""
     out: dict[str, tuple[float, float, float]] = {}
+    probe = choose.probe_capabilities
+    probe_seconds = [0.0]
+
+    def timed_probe(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return probe(*args, **kwargs)
+        finally:
+            probe_seconds[0] += clock() - t0
+
     for name in order:
         params = make_params(count, numel)
         gc.collect()
-        t0 = clock()
-        opt = impls[name](params)
-        t_build = clock() - t0
-        t_probe = 0.0
-        if name.startswith("optladder"):
+        probe_seconds[0] = 0.0
+        choose.probe_capabilities = timed_probe
+        try:
             t0 = clock()
-            probe_capabilities("cpu", ("float32",))
-            t_probe = clock() - t0
+            opt = impls[name](params)
+            t_build = clock() - t0
+        finally:
+            choose.probe_capabilities = probe
+        t_probe = probe_seconds[0]
         for _ in range(warmup):
             opt.step()
         t0 = clock()
