@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from optladder.dtype_names import dtype_name
+
 PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 """The types whose attributes describe the tensor's own memory (no subclass, no DTensor)."""
 
@@ -198,7 +200,7 @@ class ParamColumns:
     @cached_property
     def dtype_names(self) -> set[str]:
         """The distinct dtypes' names, e.g. ``{"float32", "bfloat16"}``."""
-        return {str(d).removeprefix("torch.") for d in self.dtype_set}
+        return set(map(dtype_name, self.dtype_set))
 
     @cached_property
     def numels(self) -> list[int]:

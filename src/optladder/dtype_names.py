@@ -21,6 +21,12 @@ _CANONICAL: dict[str, str] = {
 }
 
 
+def dtype_name(dtype: object) -> str:
+    """torch's name of a dtype without its module, the form the rung tables and messages
+    use: ``torch.bfloat16`` -> ``"bfloat16"`` (``str()`` of a ``torch.dtype``)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def allowed_spellings() -> str:
     """The accepted spellings in words: ``float32 (fp32, float), bfloat16 (bf16), ...``."""
     return ", ".join(

@@ -34,7 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from optladder import units
-from optladder.dtype_names import canonical_dtype
+from optladder.dtype_names import canonical_dtype, dtype_name
 from optladder.optimizers import probe_capabilities
 from optladder.policies import (
     Decision,
@@ -504,7 +504,7 @@ def make_plan(
             frozen_params=0,
             largest_param=count,
             devices=(str(target),),
-            dtypes=(str(param_dtype).removeprefix("torch."),),
+            dtypes=(dtype_name(param_dtype),),
             has_complex=False,
             state_bytes=state,
         )

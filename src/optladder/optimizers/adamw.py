@@ -22,6 +22,7 @@ from typing import Any, Literal, cast
 import torch
 from torch.optim.optimizer import ParamsT
 
+from optladder.dtype_names import dtype_name
 from optladder.optimizers.eager import step_scalars
 from optladder.optimizers.rounding import (
     Rounding,
@@ -254,7 +255,7 @@ def refuse_ladder_dtypes(params: list[torch.Tensor], moment_dtype: torch.dtype) 
             allowed; complex params first.
     """
     dtypes = LADDER_DTYPES if moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
-    names = {str(d).removeprefix("torch.") for d in set(map(_DTYPE, params))}
+    names = set(map(dtype_name, set(map(_DTYPE, params))))
     for i, p in enumerate(params if not names <= set(dtypes) else ()):
         if p.is_complex():
             raise ValueError(
@@ -262,10 +263,10 @@ def refuse_ladder_dtypes(params: list[torch.Tensor], moment_dtype: torch.dtype) 
                 "optladder's AdamW take real params only: use the fp32 rung "
                 "(rung='fp32') for complex params"
             )
-        if str(p.dtype).removeprefix("torch.") not in dtypes:
+        if dtype_name(p.dtype) not in dtypes:
             raise ValueError(
                 f"param {i} of the new group has dtype {p.dtype}; optladder's AdamW with "
-                f"{str(moment_dtype).removeprefix('torch.')} moments takes "
+                f"{dtype_name(moment_dtype)} moments takes "
                 f"{', '.join(dtypes)} params (float64 params keep float64 moments on the "
                 "fp32 rung's torch AdamW)"
             )

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from optladder.columns import ParamColumns, plain_types
+from optladder.dtype_names import dtype_name
 from optladder.optimizers import spec
 from optladder.optimizers.adamw import LadderAdamW, refuse_ladder_dtypes
 from optladder.optimizers.checked import first_params_only
@@ -103,7 +104,7 @@ def dtype_names(param_groups: list[dict[str, Any]]) -> set[str]:
     """Names of the groups' param dtypes, e.g. ``{"float32", "bfloat16"}`` (the form
     :func:`optladder.optimizers.probe_capabilities` and :mod:`.spec` take)."""
     dtypes = set(map(_DTYPE, chain.from_iterable(g["params"] for g in param_groups)))
-    return {str(d).removeprefix("torch.") for d in dtypes}
+    return set(map(dtype_name, dtypes))
 
 
 _DTYPE = operator.attrgetter("dtype")

@@ -37,6 +37,7 @@ import torch
 
 from optladder.bnb_overrides import no_overrides, quantized_8bit
 from optladder.columns import ParamColumns
+from optladder.dtype_names import dtype_name
 from optladder.oom import is_oom
 from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.migrate import check_step_range
@@ -878,7 +879,7 @@ def check_8bit_param(p: torch.Tensor, where: str) -> None:
     Raises:
         ValueError: naming the param, its dtype and what is allowed.
     """
-    refusal = param_refusal("8bit", str(p.dtype).removeprefix("torch."), sharded=is_dtensor(p))
+    refusal = param_refusal("8bit", dtype_name(p.dtype), sharded=is_dtensor(p))
     if refusal is not None:
         kind = f"is complex ({p.dtype})" if p.is_complex() else f"has dtype {p.dtype}"
         raise ValueError(f"{where} {kind}; {refusal}")

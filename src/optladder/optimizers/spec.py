@@ -15,9 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from optladder.optimizers.adamw import LadderAdamW
 from optladder.optimizers.migrate import is_bnb_engine
-from optladder.rungs import KernelRoute, Rung
-
-LOW_PRECISION_DTYPES = ("bfloat16", "float16")
+from optladder.rungs import LOW_PRECISION_DTYPES, KernelRoute, Rung
 
 KERNEL_DTYPES = ("float32", "bfloat16", "float16")
 """Param dtypes optladder's kernels (C on the CPU, Triton on CUDA) step."""

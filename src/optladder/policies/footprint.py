@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from optladder.bnb_overrides import no_overrides, quantized_8bit
 from optladder.columns import ParamColumns, plain_types
+from optladder.dtype_names import dtype_name
 from optladder.rungs import (
     BNB_BLOCKSIZE,
     BNB_MIN_8BIT_SIZE,
@@ -409,7 +410,7 @@ def groups_footprint(groups: list[dict[str, Any]], columns: ParamColumns) -> Foo
         frozen_params=frozen,
         largest_param=max(numels),
         devices=tuple(sorted({str(d) for d in {p.device for p in params}})),
-        dtypes=tuple(sorted({str(d).removeprefix("torch.") for d in set(map(_DTYPE, following))})),
+        dtypes=tuple(sorted(set(map(dtype_name, set(map(_DTYPE, following)))))),
         has_complex=any(d.is_complex for d in set(map(_DTYPE, following))),
         state_bytes={rung: _state_bytes(following, rung) + pinned for rung in RUNGS},
         sharded=not all_plain(params) and any(is_dtensor(p) for p in params),
@@ -463,7 +464,7 @@ def _disjoint_footprint(columns: ParamColumns) -> Footprint:
         frozen_params=frozen,
         largest_param=max(n for n, _ in counts),
         devices=tuple(sorted(map(str, columns.devices))),
-        dtypes=tuple(sorted(str(d).removeprefix("torch.") for d in dtypes)),
+        dtypes=tuple(sorted(map(dtype_name, dtypes))),
         has_complex=any(d.is_complex for d in dtypes),
         state_bytes=state_bytes,
     )

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from optladder.columns import ParamColumns, plain_types
+from optladder.dtype_names import dtype_name
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
 from optladder.optimizers.eightbit import steps_noncontiguous
 from optladder.optimizers.migrate import foreign_group_reason
@@ -114,10 +115,6 @@ def check_new_group(param_group: object) -> dict[str, Any]:
     return group
 
 
-def _dtype_name(p: torch.Tensor) -> str:
-    return str(p.dtype).removeprefix("torch.")
-
-
 def check_groups(
     groups: list[dict[str, Any]],
     decoupled_weight_decay: bool,
@@ -172,7 +169,7 @@ def check_groups(
                     f"{where} is not a leaf tensor (it is computed from others); optimize leaf "
                     "params such as nn.Parameter"
                 )
-            if _dtype_name(p) not in PARAM_DTYPES:
+            if dtype_name(p.dtype) not in PARAM_DTYPES:
                 raise ValueError(
                     f"{where} has dtype {p.dtype}; the rungs step {', '.join(PARAM_DTYPES)} "
                     "params (float64 and complex ones on fp32 only)"
@@ -349,13 +346,13 @@ def check_params_for_rung(
     for pi, p in enumerate(params):
         name = f"param {pi} of {group}"
         where = f"{name} ({p.dtype})"
-        refusal = param_refusal(rung, _dtype_name(p), sharded=is_dtensor(p))
+        refusal = param_refusal(rung, dtype_name(p.dtype), sharded=is_dtensor(p))
         if refusal is not None:
             kind = f"is complex ({p.dtype})" if p.is_complex() else f"has dtype {p.dtype}"
             raise ValueError(f"{name} {kind}; {refusal}")
         if engine is None:
             continue
-        if isinstance(engine, LadderAdamW) and _dtype_name(p) in FP32_WIDE_DTYPES:
+        if isinstance(engine, LadderAdamW) and dtype_name(p.dtype) in FP32_WIDE_DTYPES:
             raise ValueError(
                 f"{where}: this fp32 rung runs optladder's AdamW (float32 moments and math "
                 f"for bfloat16/float16 params), which takes {', '.join(FLOAT32_MATH_DTYPES)} "
