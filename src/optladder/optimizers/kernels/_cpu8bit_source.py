@@ -231,6 +231,25 @@ OL8_AVX2 __attribute__((noinline)) static int64_t ol8a_encode(
     }
     return whole;
 }
+
+/* Prefetch block b's param, grad and codes (nothing past the param's end); both block
+   paths (AVX-512 and AVX2) call it OL8_PREFETCH_BLOCKS blocks ahead. */
+#define OL8_PREFETCH_BLOCKS 2  /* 2 measured best of 0 to 4 (1 thread, 16M float32
+                                  params, AVX-512: 0 and 4 were 7 to 15% slower) */
+static inline __attribute__((always_inline)) void ol8_prefetch(
+        const ol8_param_t *P, int64_t b, int pd, int gd) {
+    const int64_t lo = b * OL8_BLOCK;
+    if (lo + OL8_BLOCK > P->numel) return;
+    const int psize = pd == OL8_F32 ? 4 : 2, gsize = gd == OL8_F32 ? 4 : 2;
+    const char *p = (const char *)P->param + lo * psize;
+    const char *g = (const char *)P->grad + lo * gsize;
+    for (int i = 0; i < OL8_BLOCK * psize; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+    for (int i = 0; i < OL8_BLOCK * gsize; i += 64) _mm_prefetch(g + i, _MM_HINT_T0);
+    for (int i = 0; i < OL8_BLOCK; i += 64) {
+        _mm_prefetch((const char *)P->state1 + lo + i, _MM_HINT_T0);
+        _mm_prefetch((const char *)P->state2 + lo + i, _MM_HINT_T0);
+    }
+}
 #else
 static int ol8_avx2_ok(void) { return 0; }
 static int64_t ol8a_encode(const int32_t *t, const float *x, int64_t n, uint8_t *o) {
@@ -569,24 +588,6 @@ OL8_AVX512_INLINE void ol8v_block_q(
     P->absmax2[b] = ol8v_quantize(v, top2, P->table2, c2);
 }
 
-/* Prefetch block b's param, grad and codes (nothing past the param's end). */
-OL8_AVX512_INLINE void ol8v_prefetch(const ol8_param_t *P, int64_t b, int pd, int gd) {
-    const int64_t lo = b * OL8_BLOCK;
-    if (lo + OL8_BLOCK > P->numel) return;
-    const int psize = pd == OL8_F32 ? 4 : 2, gsize = gd == OL8_F32 ? 4 : 2;
-    const char *p = (const char *)P->param + lo * psize;
-    const char *g = (const char *)P->grad + lo * gsize;
-    for (int i = 0; i < OL8_BLOCK * psize; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-    for (int i = 0; i < OL8_BLOCK * gsize; i += 64) _mm_prefetch(g + i, _MM_HINT_T0);
-    for (int i = 0; i < OL8_BLOCK; i += 64) {
-        _mm_prefetch((const char *)P->state1 + lo + i, _MM_HINT_T0);
-        _mm_prefetch((const char *)P->state2 + lo + i, _MM_HINT_T0);
-    }
-}
-
-/* Blocks ahead that ol8v_blocks_wd prefetches: 2 measured best of 0 to 4 (1 thread,
-   16M float32 params: 0 and 4 were 7 to 15% slower). */
-#define OL8V_PREFETCH_BLOCKS 2
 
 /* A partial last block: the scalar loop (one copy for every dtype and weight decay). */
 OL8_AVX512 __attribute__((noinline)) static void ol8v_partial_block(
@@ -602,7 +603,7 @@ OL8_AVX512_INLINE void ol8v_blocks_wd(
     ol8v_planes(P->qmap1, &pl1);
     ol8v_planes(P->qmap2, &pl2);
     for (int64_t b = first; b < end; b++) {
-        ol8v_prefetch(P, b + OL8V_PREFETCH_BLOCKS, pd, gd);
+        ol8_prefetch(P, b + OL8_PREFETCH_BLOCKS, pd, gd);
         if ((b + 1) * OL8_BLOCK <= P->numel)
             ol8v_block_q(P, &pl1, &pl2, b, pd, gd, coupled, decoupled);
         else ol8v_partial_block(P, b);
@@ -814,23 +815,6 @@ OL8_AVX2F_INLINE void ol8a_block_q(
     P->absmax2[b] = ol8a_quantize(v, top2, P->table2, c2);
 }
 
-#define OL8_PREFETCH_BLOCKS 2
-
-/* Prefetch block b's param, grad and codes (nothing past the param's end). */
-OL8_AVX2F_INLINE void ol8a_prefetch(const ol8_param_t *P, int64_t b, int pd, int gd) {
-    const int64_t lo = b * OL8_BLOCK;
-    if (lo + OL8_BLOCK > P->numel) return;
-    const int psize = pd == OL8_F32 ? 4 : 2, gsize = gd == OL8_F32 ? 4 : 2;
-    const char *p = (const char *)P->param + lo * psize;
-    const char *g = (const char *)P->grad + lo * gsize;
-    for (int i = 0; i < OL8_BLOCK * psize; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-    for (int i = 0; i < OL8_BLOCK * gsize; i += 64) _mm_prefetch(g + i, _MM_HINT_T0);
-    for (int i = 0; i < OL8_BLOCK; i += 64) {
-        _mm_prefetch((const char *)P->state1 + lo + i, _MM_HINT_T0);
-        _mm_prefetch((const char *)P->state2 + lo + i, _MM_HINT_T0);
-    }
-}
-
 /* A partial last block: the scalar loop, one copy for every dtype and weight decay form
    (a per-form copy in each ol8a_blocks_wd would add compile time, not speed). */
 OL8_AVX2F __attribute__((noinline)) static void ol8a_partial_block(
@@ -843,7 +827,7 @@ OL8_AVX2F_INLINE void ol8a_blocks_wd(
         const ol8_param_t *P, int64_t first, int64_t end, int pd, int gd, int coupled,
         int decoupled) {
     for (int64_t b = first; b < end; b++) {
-        ol8a_prefetch(P, b + OL8_PREFETCH_BLOCKS, pd, gd);
+        ol8_prefetch(P, b + OL8_PREFETCH_BLOCKS, pd, gd);
         if ((b + 1) * OL8_BLOCK <= P->numel) ol8a_block_q(P, b, pd, gd, coupled, decoupled);
         else ol8a_partial_block(P, b);
     }
