@@ -71,3 +71,20 @@ def assert_failed_steps_change_nothing(
         assert_same(snapshot(opt), before)
         opt.step()
         assert_same(snapshot(opt), expected)
+
+
+def assert_steps_as_torch(
+    opt: torch.optim.Optimizer,
+    ours: list[torch.Tensor],
+    reference: torch.optim.Optimizer,
+    ref: list[torch.Tensor],
+) -> None:
+    """Assert that ``opt``'s params ``ours`` and their ``exp_avg``/``exp_avg_sq``/``step``
+    equal, bit for bit, those of a torch AdamW ``reference`` over its params ``ref`` (the
+    same params, stepped side by side), naming the first param that differs."""
+    for i, (p, q) in enumerate(zip(ours, ref, strict=True)):
+        assert torch.equal(p, q), f"param {i}"
+        a, b = opt.state[p], reference.state[q]
+        assert torch.equal(a["exp_avg"], b["exp_avg"]), f"param {i}"
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]), f"param {i}"
+        assert float(a["step"]) == float(b["step"]), f"param {i}"

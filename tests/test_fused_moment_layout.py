@@ -8,20 +8,11 @@ load and a move between rungs make contiguous moments; the step must still equal
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 
 from optladder import choose_optimizer
-
-
-def _assert_equal(opt: Any, ours: list[Any], reference: Any, ref: list[Any]) -> None:
-    for i, (p, q) in enumerate(zip(ours, ref)):
-        assert torch.equal(p, q), f"param {i}"
-        a, b = opt.state[p], reference.state[q]
-        assert torch.equal(a["exp_avg"], b["exp_avg"]), f"param {i}"
-        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]), f"param {i}"
-        assert float(a["step"]) == float(b["step"]), f"param {i}"
+from snapshots import assert_steps_as_torch
 
 
 def test_a_channels_last_weight_resumed_from_a_checkpoint_steps_as_torch() -> None:
@@ -43,7 +34,7 @@ def test_a_channels_last_weight_resumed_from_a_checkpoint_steps_as_torch() -> No
             reference.load_state_dict(copy.deepcopy(reference.state_dict()))
         opt.step()
         reference.step()
-        _assert_equal(opt, list(conv.parameters()), reference, list(twin.parameters()))
+        assert_steps_as_torch(opt, list(conv.parameters()), reference, list(twin.parameters()))
 
 
 def test_a_transposed_weight_moved_back_to_fp32_steps_as_torch() -> None:
@@ -77,4 +68,4 @@ def test_a_transposed_weight_moved_back_to_fp32_steps_as_torch() -> None:
         q.grad = p.grad.clone()
         opt.step()
         reference.step()
-        _assert_equal(opt, [p], reference, [q])
+        assert_steps_as_torch(opt, [p], reference, [q])

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from optladder import choose_optimizer
+from snapshots import assert_steps_as_torch
 
 
 def _setup() -> tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]:
@@ -32,15 +33,6 @@ def _backward(ours: list[Any], ref: list[Any], seed: int) -> None:
     weights = [torch.randn(p.shape, generator=gen) for p in ours]
     for ps in (ours, ref):
         sum(((p * w) ** 2).sum() for p, w in zip(ps, weights)).backward()
-
-
-def _assert_equal(opt: Any, ours: list[Any], reference: Any, ref: list[Any]) -> None:
-    for i, (p, q) in enumerate(zip(ours, ref)):
-        assert torch.equal(p, q), f"param {i}"
-        a, b = opt.state[p], reference.state[q]
-        assert torch.equal(a["exp_avg"], b["exp_avg"]), f"param {i}"
-        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]), f"param {i}"
-        assert float(a["step"]) == float(b["step"]), f"param {i}"
 
 
 def _outside_untouched(buf: torch.Tensor, original: torch.Tensor) -> bool:
@@ -62,7 +54,7 @@ def test_a_column_slice_steps_as_torch_steps_a_contiguous_copy() -> None:
         _backward(ours, ref, s)
         opt.step()
         reference.step()
-        _assert_equal(opt, ours, reference, ref)
+        assert_steps_as_torch(opt, ours, reference, ref)
         assert _outside_untouched(buf, original), f"step {s} wrote outside the param"
 
 
@@ -80,7 +72,7 @@ def test_a_grad_laid_out_like_the_column_slice_steps_as_torch() -> None:
         ref[1].grad = ours[1].grad.clone()
         opt.step()
         reference.step()
-        _assert_equal(opt, ours, reference, ref)
+        assert_steps_as_torch(opt, ours, reference, ref)
         assert _outside_untouched(buf, original)
 
 
@@ -117,7 +109,7 @@ def test_a_numpy_lr_steps_a_column_slice_as_torch() -> None:
         _backward(ours, ref, s)
         opt.step()
         reference.step()
-        _assert_equal(opt, ours, reference, ref)
+        assert_steps_as_torch(opt, ours, reference, ref)
         assert _outside_untouched(buf, original)
 
 
@@ -140,5 +132,5 @@ def test_scaled_grads_laid_out_like_a_column_slice_are_unscaled_before_the_kerne
         opt.found_inf = torch.tensor(0.0)
         opt.step()
         reference.step()
-        _assert_equal(opt, ours, reference, ref)
+        assert_steps_as_torch(opt, ours, reference, ref)
         assert _outside_untouched(buf, original)
