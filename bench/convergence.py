@@ -142,7 +142,10 @@ def run_digits(name: str, make: OptFactory, epochs: int, seed: int) -> Run:
 
 def stdlib_text(max_bytes: int) -> bytes:
     """The standard library's ``.py`` sources, sorted by path, concatenated."""
-    root = Path(__import__("os").__file__).parent
+    os_file = __import__("os").__file__
+    if os_file is None:  # a frozen standard library: no sources next to os
+        raise RuntimeError("os.__file__ is None: no standard library sources to read")
+    root = Path(os_file).parent
     chunks, total = [], 0
     for path in sorted(root.glob("*.py")):
         data = path.read_bytes()

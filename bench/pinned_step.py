@@ -30,10 +30,16 @@ import torch
 
 from optladder import choose_optimizer
 from optladder.optimizers.adamw import LadderAdamW
-from step_time import median_step_seconds, parse_size, state_bytes, warm_process, warmed_up
+from step_time import (
+    Stepper,
+    median_step_seconds,
+    parse_size,
+    state_bytes,
+    warm_process,
+    warmed_up,
+)
 
 Params = tuple[torch.nn.Parameter, torch.nn.Parameter]
-Stepper = Callable[[], None]
 
 
 class _Both:
@@ -51,15 +57,15 @@ class _Both:
             o.step()
 
 
-def _ladder(emb_rung: str | None, body_rung: str) -> Callable[[Params], object]:
-    def make(ps: Params) -> object:
+def _ladder(emb_rung: str | None, body_rung: str) -> Callable[[Params], Stepper]:
+    def make(ps: Params) -> Stepper:
         emb = {"params": [ps[0]]} | ({"rung": emb_rung} if emb_rung else {})
         return choose_optimizer([emb, {"params": [ps[1]]}], rung=body_rung, free_memory="1TiB")
 
     return make
 
 
-IMPLS: dict[str, Callable[[Params], object]] = {
+IMPLS: dict[str, Callable[[Params], Stepper]] = {
     "torch-fused-fp32 (both)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
     "optladder fp32 (both)": _ladder(None, "fp32"),
     "optladder bf16 (both)": _ladder(None, "bf16"),
@@ -84,12 +90,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ap.error(f"--reps and --warmup must be >= 1, got {args.reps} and {args.warmup}")
     device = torch.device(args.device)
     warm_process(device)
-    live: dict[str, torch.optim.Optimizer] = {}
+    live: dict[str, Stepper] = {}
     for name, make in IMPLS.items():
         gen = torch.Generator(device=device).manual_seed(0)
-        ps = tuple(
-            torch.nn.Parameter(torch.randn(n, device=device, generator=gen))
-            for n in (args.emb, args.body)
+        ps: Params = (
+            torch.nn.Parameter(torch.randn(args.emb, device=device, generator=gen)),
+            torch.nn.Parameter(torch.randn(args.body, device=device, generator=gen)),
         )
         for p in ps:
             p.grad = torch.randn(p.shape, device=device, generator=gen) * 1e-3

@@ -34,17 +34,29 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
-from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.adamw import Backend, LadderAdamW
 from optladder.optimizers.eightbit import build_8bit
 from optladder.optimizers.kernels import cpu_unavailable_reason as cpu_kernel_unavailable_reason
 
-Factory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+class Stepper(Protocol):
+    """What the timing functions use of an optimizer: ``step()`` and ``state`` (a torch
+    optimizer, or two stepped one after the other as in ``pinned_step.py``)."""
+
+    @property
+    def state(self) -> Mapping[Any, Any]: ...
+
+    def step(self) -> Any: ...
+
+
+Factory = Callable[[list[torch.nn.Parameter]], Stepper]
 
 PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -133,7 +145,7 @@ def implementations(
         f"torch-fused-{tag}": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
         f"torch-foreach-{tag}": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
     }
-    fused_backend = "triton" if device.type == "cuda" else "cpu"
+    fused_backend: Backend = "triton" if device.type == "cuda" else "cpu"
     if param_dtype != torch.float32:  # the fp32 rung of low-precision params: our kernel
         impls[f"optladder-fp32-{fused_backend}"] = lambda ps: LadderAdamW(
             ps, lr=1e-3, backend=fused_backend, moment_dtype=torch.float32
@@ -166,7 +178,7 @@ def implementations(
     return impls
 
 
-def state_bytes(opt: torch.optim.Optimizer) -> int:
+def state_bytes(opt: Stepper) -> int:
     """Bytes of every tensor in the optimizer's state (moments, codes, scales, steps)."""
     total = 0
     for st in opt.state.values():
@@ -201,8 +213,8 @@ def warm_process(device: torch.device, seconds: float = 1.0) -> None:
 
 
 def warmed_up(
-    make: Callable[[], torch.optim.Optimizer], device: torch.device, warmup: int, label: str
-) -> torch.optim.Optimizer | None:
+    make: Callable[[], Stepper], device: torch.device, warmup: int, label: str
+) -> Stepper | None:
     """The optimizer ``make()`` builds, after ``warmup`` untimed steps (its state then
     exists); None, with ``label`` and the error printed, if building or stepping fails
     (a baseline that cannot run here is reported, not fatal)."""
@@ -218,7 +230,7 @@ def warmed_up(
 
 
 def step_seconds(
-    optimizers: dict[str, torch.optim.Optimizer], device: torch.device, reps: int
+    optimizers: Mapping[str, Stepper], device: torch.device, reps: int
 ) -> dict[str, list[float]]:
     """Seconds of each of ``reps`` ``step()`` calls of every optimizer, timed in turns
     (rep 1 of each, then rep 2 of each, ...), the order rotated by one every rep so that
@@ -236,7 +248,7 @@ def step_seconds(
 
 
 def median_step_seconds(
-    optimizers: dict[str, torch.optim.Optimizer], device: torch.device, reps: int
+    optimizers: Mapping[str, Stepper], device: torch.device, reps: int
 ) -> dict[str, float]:
     """Median seconds of one ``step()`` of each optimizer over ``reps`` steps
     (:func:`step_seconds`)."""
@@ -258,7 +270,7 @@ def measure_size(
     """
     numels = layout_numels(n, layout)
     n = sum(numels)
-    live: dict[str, torch.optim.Optimizer] = {}
+    live: dict[str, Stepper] = {}
     for name, factory in impls.items():
         gen = torch.Generator(device=device).manual_seed(0)
         ps = []
