@@ -404,14 +404,15 @@ def groups_footprint(groups: list[dict[str, Any]], columns: ParamColumns) -> Foo
         if rung in param_pins
     )
     numels = list(map(torch.Tensor.numel, params))
+    dtypes = set(map(_DTYPE, following))
     return Footprint(
         trainable_params=sum(numels),
         param_tensors=len(params),
         frozen_params=frozen,
         largest_param=max(numels),
         devices=tuple(sorted({str(d) for d in {p.device for p in params}})),
-        dtypes=tuple(sorted(set(map(dtype_name, set(map(_DTYPE, following)))))),
-        has_complex=any(d.is_complex for d in set(map(_DTYPE, following))),
+        dtypes=tuple(sorted(map(dtype_name, dtypes))),
+        has_complex=any(d.is_complex for d in dtypes),
         state_bytes={rung: _state_bytes(following, rung) + pinned for rung in RUNGS},
         sharded=not all_plain(params) and any(is_dtensor(p) for p in params),
         pinned_params=sum(n for n, pin in zip(numels, param_pins) if pin is not None),
