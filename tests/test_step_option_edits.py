@@ -13,10 +13,10 @@ import torch
 from optladder import choose_optimizer
 
 
-def _opt(rung: str) -> tuple[Any, list[Any]]:
+def _opt(rung: str, **kwargs: Any) -> tuple[Any, list[Any]]:
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(8, 8, generator=gen)) for _ in range(2)]
-    opt = choose_optimizer(params, lr=1e-2, rung=rung, free_memory="1GiB", environ={})
+    opt = choose_optimizer(params, lr=1e-2, rung=rung, free_memory="1GiB", environ={}, **kwargs)
     return opt, params
 
 
@@ -24,10 +24,6 @@ def _grads(params: list[Any], seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
-
-
-def _edit_list(group: dict[str, Any]) -> None:
-    group["betas"][0] = 1.5
 
 
 @pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
@@ -55,17 +51,7 @@ def test_a_group_switched_to_the_other_weight_decay_mode_is_refused(
     ``decoupled_weight_decay`` before writing. A group switched by hand would otherwise
     decay the other way on fp32/bf16 (8bit keeps its engine's mode) and save a
     checkpoint this optimizer refuses to load."""
-    gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(8, 8, generator=gen)) for _ in range(2)]
-    opt = choose_optimizer(
-        params,
-        lr=1e-2,
-        weight_decay=0.1,
-        rung=rung,
-        free_memory="1GiB",
-        environ={},
-        decoupled_weight_decay=decoupled,
-    )
+    opt, params = _opt(rung, weight_decay=0.1, decoupled_weight_decay=decoupled)
     _grads(params, 0)
     opt.step()
     opt.param_groups[0]["decoupled_weight_decay"] = not decoupled
