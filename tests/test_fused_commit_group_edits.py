@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from optladder import choose_optimizer
+from snapshots import assert_steps_as_torch
 
 SIZES = ((7, 3), (11,), (5, 5), (300,))
 
@@ -36,18 +37,6 @@ def _grads(ours: list[Any], ref: list[Any], seed: int) -> None:
         p.grad, q.grad = g, g.clone()
 
 
-def _assert_equal(opt: Any, ours: list[Any], reference: Any, ref: list[Any]) -> None:
-    for i, (p, q) in enumerate(zip(ours, ref)):
-        assert torch.equal(p, q), f"param {i}"
-        a, b = opt.state.get(p, {}), reference.state.get(q, {})
-        assert a.keys() == b.keys(), f"param {i}"
-        for key in a:
-            if key == "step":
-                assert float(a[key]) == float(b[key]), f"param {i}"
-            else:
-                assert torch.equal(a[key], b[key]), f"param {i} {key}"
-
-
 def test_params_moved_between_groups_step_as_torch_does() -> None:
     """The same params in the same flat order, with the boundary between two groups
     moved (a param handed to the group with the other lr): torch steps it with its new
@@ -62,4 +51,4 @@ def test_params_moved_between_groups_step_as_torch_does() -> None:
                 o.param_groups[1]["params"] = ps[1:]
         opt.step()
         reference.step()
-        _assert_equal(opt, ours, reference, ref)
+        assert_steps_as_torch(opt, ours, reference, ref)
