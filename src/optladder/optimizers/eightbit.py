@@ -460,34 +460,10 @@ _STEP = operator.itemgetter("step")
 _STATE1 = operator.itemgetter("state1")
 _STATE2 = operator.itemgetter("state2")
 
-_PER_PARAM_FIELDS = frozenset(
-    (
-        "param",
-        "grad",
-        "state1",
-        "state2",
-        "absmax1",
-        "absmax2",
-        "qmap1",
-        "qmap2",
-        "bounds1",
-        "bounds2",
-        "table1",
-        "table2",
-        "numel",
-        "param_dtype",
-        "grad_dtype",
-        "quantized",
-    )
-)
-"""Fields of the 8-bit kernel's param row that :func:`cpu8bit.prepare_table` writes from
-the param and its state; every other field is a scalar of the step and the group's
-options, the same for all params of one group, state format and step count."""
 
-
-def _row_bytes(table: Any) -> torch.Tensor:
-    """The table's param rows as a ``(rows, row bytes)`` uint8 view of their memory."""
-    rows = table.params
+def _row_bytes(rows: ctypes.Array[Any]) -> torch.Tensor:
+    """The kernel table's param rows as a ``(rows, row bytes)`` uint8 view of their
+    memory."""
     size = ctypes.sizeof(rows._type_)
     return torch.frombuffer(rows, dtype=torch.uint8)[: len(rows) * size].view(len(rows), size)
 
@@ -497,8 +473,9 @@ class _KernelPlan:
     the groups, params (and their memory), grads' kinds, state and bitsandbytes'
     per-param overrides stay the same; a step then writes only the grad pointers and,
     per (group, state format), the scalars of its step count and the group's options
-    (one row made by :func:`~.kernels.cpu8bit.prepare_table` and copied to the rows of
-    that run, so the scalars are exactly the ones a full table would hold).
+    (written into one row per run by :func:`~.kernels.cpu8bit.write_step_scalars`, the
+    function a full table's rows are written with, and copied to the run's rows in one
+    call, so the scalars are exactly the ones a full table would hold).
 
     Made only for plain CPU params of one step count per run, without per-param
     overrides, DTensors or non-contiguous params; :meth:`make` returns None otherwise
@@ -513,14 +490,16 @@ class _KernelPlan:
         places: list[tuple[int, int]],
         kernel_params: list[torch.Tensor],
     ) -> None:
+        from optladder.optimizers.kernels import cpu8bit
+
         groups = engine.param_groups
         self.groups = list(groups)
         self.params = [list(g["params"]) for g in groups]
         self.kinds = [grad_kinds(list(map(grad_of, g["params"]))) for g in groups]
         self.n_overrides = (len(engine.mng.pid2config), len(engine.mng.index2config))
         self.state_seen = prepared.state_seen
-        self.jobs = [dataclasses.replace(job, grad=job.param) for job in jobs]  # no grads held
-        keep = tuple(getattr(job, f.name) for job in self.jobs for f in dataclasses.fields(job))
+        held = [dataclasses.replace(job, grad=job.param) for job in jobs]  # no grads held
+        keep = tuple(getattr(job, f.name) for job in held for f in dataclasses.fields(job))
         table = dataclasses.replace(  # the tensors it points into, but none of the grads
             prepared.table, tensors=tuple(t for t in keep if isinstance(t, torch.Tensor))
         )
@@ -543,15 +522,29 @@ class _KernelPlan:
                 self.runs[-1] = (gi, self.runs[-1][1], k + 1)
             else:
                 self.runs.append((gi, k, k + 1))
-        self.rows = _row_bytes(prepared.table)
-        fields = prepared.table.params._type_._fields_
-        self.scalar_bytes = [
-            (getattr(prepared.table.params._type_, name).offset, ctypes.sizeof(ctype))
-            for name, ctype in fields
-            if name not in _PER_PARAM_FIELDS
-        ]
-        grad_field = prepared.table.params._type_.grad
+        self.rows = _row_bytes(prepared.table.params)
+        row_type = prepared.table.params._type_
+        spans = sorted(
+            (getattr(row_type, name).offset, getattr(row_type, name).size)
+            for name in cpu8bit.STEP_SCALAR_FIELDS
+        )
+        lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
+        if sum(size for _, size in spans) != hi - lo:  # the C struct keeps them together
+            raise AssertionError(f"the step scalars of a row are not one span: {spans}")
+        self.scalar_span = (lo, hi)
+        grad_field = row_type.grad
         self.grad_column = self.rows.view(torch.int64)[:, grad_field.offset // 8]
+        # each step's scalars: one row per run, copied to the run's rows in one call
+        self.step_rows = cpu8bit.step_rows(len(self.runs))
+        self.step_bytes = _row_bytes(self.step_rows)
+        self.run_of_row = torch.tensor(
+            [r for r, (_, first, end) in enumerate(self.runs) for _ in range(first, end)],
+            dtype=torch.int64,
+        )
+        self.run_formats = [
+            (jobs[first].state1.dtype == torch.uint8, jobs[first].coupled_weight_decay)
+            for _, first, _ in self.runs
+        ]
 
     @classmethod
     def make(
@@ -573,12 +566,11 @@ class _KernelPlan:
             if (gi, pi) in mng.index2config or id(p) in mng.pid2config:
                 return None
         plan = cls(engine, prepared, jobs, places, kernel_params)
-        rows = plan.rows
-        for _, first, end in plan.runs:  # the scalars must be one per run: check
-            for offset, size in plan.scalar_bytes:
-                run = rows[first:end, offset : offset + size]
-                if not bool((run == run[0]).all()):
-                    return None
+        lo, hi = plan.scalar_span  # the scalars must be one per run: check
+        firsts = torch.tensor([first for _, first, _ in plan.runs], dtype=torch.int64)
+        scalars = plan.rows[:, lo:hi]
+        if not torch.equal(scalars, scalars.index_select(0, firsts[plan.run_of_row])):
+            return None
         return plan
 
     def refresh(self, engine: Any) -> _PreparedStep | None:
@@ -628,25 +620,24 @@ class _KernelPlan:
         self.grad_column.copy_(
             torch.tensor(list(map(torch.Tensor.data_ptr, kernel_grads)), dtype=torch.int64)
         )
-        for (gi, first, end), step in zip(self.runs, firsts):
+        corrections: dict[tuple[int, float, float], tuple[float, float]] = {}
+        for r, ((gi, _, _), step, (quantized, coupled)) in enumerate(
+            zip(self.runs, firsts, self.run_formats)
+        ):
             group = groups[gi]
-            betas = group["betas"]
-            one = cpu8bit.prepare_table(
-                [
-                    dataclasses.replace(
-                        self.jobs[first],
-                        grad=cast(torch.Tensor, kernel_grads[first]).detach(),
-                        step=step + 1,
-                        lr=float(group["lr"]),
-                        betas=(float(betas[0]), float(betas[1])),
-                        eps=float(group["eps"]),
-                        weight_decay=float(group["weight_decay"]),
-                    )
-                ]
+            cpu8bit.write_step_scalars(
+                self.step_rows[r],
+                step=step + 1,
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                quantized=quantized,
+                coupled_weight_decay=coupled,
+                corrections=corrections,
             )
-            row = _row_bytes(one)[0]
-            for offset, size in self.scalar_bytes:
-                self.rows[first:end, offset : offset + size] = row[offset : offset + size]
+        lo, hi = self.scalar_span
+        self.rows[:, lo:hi] = self.step_bytes[:, lo:hi].index_select(0, self.run_of_row)
         old = self.prepared
         self.state_seen = state_seen
         return dataclasses.replace(

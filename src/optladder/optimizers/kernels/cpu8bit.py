@@ -537,6 +537,83 @@ def _check_state(k: int, job: Job) -> bool:
     return quantized
 
 
+def step_rows(count: int) -> ctypes.Array[_Param]:
+    """``count`` zeroed param rows of the kernel's table, for :func:`write_step_scalars`
+    (a caller that keeps a table between steps writes each step's scalars into rows of
+    its own and copies their bytes into the table's rows)."""
+    return (_Param * count)()
+
+
+STEP_SCALAR_FIELDS = (
+    "beta1",
+    "one_minus_beta1",
+    "beta2",
+    "one_minus_beta2",
+    "bc2_sqrt",
+    "eps",
+    "step_size",
+    "coupled",
+    "decoupled",
+    "decay",
+    "weight_decay",
+)
+"""The fields of a param row that :func:`write_step_scalars` writes: the same for every
+param of one group, state format (quantized or not) and step count."""
+
+
+def write_step_scalars(
+    row: _Param,
+    *,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    quantized: bool,
+    coupled_weight_decay: bool,
+    corrections: dict[tuple[int, float, float], tuple[float, float]] | None = None,
+) -> None:
+    """Write one step's scalars (:data:`STEP_SCALAR_FIELDS`) into a param row, as
+    :func:`prepare_table` does: bitsandbytes' CPU fallback, each computed in float64 and
+    rounded to float32 in the row; 8-bit state ``step_size = -lr / (1 - beta1**step)``,
+    ``bc2_sqrt = sqrt(1 - beta2**step)``; float32 state ``step_size = -lr * bc2_sqrt /
+    (1 - beta1**step)`` and ``eps * bc2_sqrt``; ``decay = 1 - lr * weight_decay``.
+
+    Args:
+        row: the param row (of a :class:`Table`, or of :func:`step_rows`).
+        step: the step this update makes (``>= 1``; not checked here).
+        lr, betas, eps, weight_decay, coupled_weight_decay: as in :class:`Job`.
+        quantized: whether the param's state is 8-bit codes (else float32).
+        corrections: ``(step, beta1, beta2) -> (1 - beta1**step, sqrt(1 - beta2**step))``
+            computed so far, read and filled here (one computation per distinct key).
+    """
+    beta1, beta2 = float(betas[0]), float(betas[1])
+    lr, wd = float(lr), float(weight_decay)
+    key = (step, beta1, beta2)
+    found = None if corrections is None else corrections.get(key)
+    if found is None:
+        found = (1.0 - beta1**step, math.sqrt(1.0 - beta2**step))
+        if corrections is not None:
+            corrections[key] = found
+    bc1, bc2_sqrt = found
+    row.beta1 = beta1
+    row.one_minus_beta1 = 1.0 - beta1
+    row.beta2 = beta2
+    row.one_minus_beta2 = 1.0 - beta2
+    row.bc2_sqrt = bc2_sqrt
+    if quantized:
+        row.eps = eps
+        row.step_size = -lr / bc1
+    else:
+        row.eps = eps * bc2_sqrt
+        row.step_size = -lr * bc2_sqrt / bc1
+    has_wd = wd > 0.0
+    row.coupled = int(has_wd and coupled_weight_decay)
+    row.decoupled = int(has_wd and not coupled_weight_decay)
+    row.decay = 1.0 - lr * wd if row.decoupled else 1.0
+    row.weight_decay = wd if row.coupled else 0.0
+
+
 def prepare_table(jobs: Sequence[Job], *, num_threads: int | None = None) -> Table:
     """Check the jobs and write the tables of one step (the prepare phase).
 
@@ -572,13 +649,18 @@ def prepare_table(jobs: Sequence[Job], *, num_threads: int | None = None) -> Tab
         if isinstance(job.step, bool) or not isinstance(job.step, int) or job.step < 1:
             raise ValueError(f"jobs[{k}].step must be an int >= 1, got {job.step!r}")
         quantized = _check_state(k, job)
-        beta1, beta2 = float(job.betas[0]), float(job.betas[1])
-        lr, wd = float(job.lr), float(job.weight_decay)
-        key = (job.step, beta1, beta2)
-        if key not in corrections:
-            corrections[key] = (1.0 - beta1**job.step, math.sqrt(1.0 - beta2**job.step))
-        bc1, bc2_sqrt = corrections[key]
         row = params[k]
+        write_step_scalars(
+            row,
+            step=job.step,
+            lr=job.lr,
+            betas=job.betas,
+            eps=job.eps,
+            weight_decay=job.weight_decay,
+            quantized=quantized,
+            coupled_weight_decay=job.coupled_weight_decay,
+            corrections=corrections,
+        )
         row.param = job.param.data_ptr()
         row.grad = job.grad.data_ptr()
         row.state1 = job.state1.data_ptr()
@@ -587,11 +669,6 @@ def prepare_table(jobs: Sequence[Job], *, num_threads: int | None = None) -> Tab
         row.param_dtype = PARAM_DTYPE_CODES[job.param.dtype]
         row.grad_dtype = PARAM_DTYPE_CODES[job.grad.dtype]
         row.quantized = int(quantized)
-        row.beta1 = beta1
-        row.one_minus_beta1 = 1.0 - beta1
-        row.beta2 = beta2
-        row.one_minus_beta2 = 1.0 - beta2
-        row.bc2_sqrt = bc2_sqrt
         if quantized:
             for name in (
                 "absmax1",
@@ -604,16 +681,6 @@ def prepare_table(jobs: Sequence[Job], *, num_threads: int | None = None) -> Tab
                 "table2",
             ):
                 setattr(row, name, getattr(job, name).data_ptr())
-            row.eps = job.eps
-            row.step_size = -lr / bc1
-        else:
-            row.eps = job.eps * bc2_sqrt
-            row.step_size = -lr * bc2_sqrt / bc1
-        has_wd = wd > 0.0
-        row.coupled = int(has_wd and job.coupled_weight_decay)
-        row.decoupled = int(has_wd and not job.coupled_weight_decay)
-        row.decay = 1.0 - lr * wd if row.decoupled else 1.0
-        row.weight_decay = wd if row.coupled else 0.0
         blocks = _ceil_div(row.numel, BLOCK_SIZE)
         for first in range(0, blocks, _BLOCKS_PER_ITEM):
             it = items[item]
