@@ -17,6 +17,7 @@ import math
 import numbers
 import operator
 from collections.abc import Callable, Mapping
+from itertools import chain
 from typing import Any, Literal, cast
 
 import torch
@@ -153,16 +154,14 @@ def unscale_grads_(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
         torch._foreach_mul_(grads, 1.0 / float(grad_scale.item()))
 
 
-_EXP_AVG = operator.itemgetter("exp_avg")
-_EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
-_STEP = operator.itemgetter("step")
+_STATE_TENSORS = operator.itemgetter("exp_avg", "exp_avg_sq", "step")
 _DATA_PTR = torch.Tensor.data_ptr
 _DTYPE = operator.attrgetter("dtype")
 
 
 class _GroupPlan:
     """How one param group of a :class:`LadderAdamW` steps, kept between steps while
-    what it was made from stays the same (see :meth:`still_valid`).
+    what it was made from stays the same (see :meth:`check`).
 
     Attributes:
         group: the group dict.
@@ -196,48 +195,60 @@ class _GroupPlan:
         self._positions = [i - start for _, i in routes["cpu"]]
         self._cpu_params = [p for p, _ in routes["cpu"]]
         self._param_ptrs = list(map(_DATA_PTR, self._cpu_params))
-        self._moments = [list(map(get, states)) for get in (_EXP_AVG, _EXP_AVG_SQ, _STEP)]
+        self._held = self._state_tensors()
         self._grads: GradRefs = []  # the grads whose pointers the table holds
         self._grad_ptrs: list[int] = []
 
-    def _grads_written(self, grads: list[torch.Tensor | None]) -> tuple[bool, list[int]]:
+    def _state_tensors(self) -> list[torch.Tensor]:
+        """The C kernel's params' ``exp_avg``, ``exp_avg_sq`` and ``step``, flat."""
+        return list(chain.from_iterable(map(_STATE_TENSORS, self.states)))
+
+    def grads_written(self, grads: list[torch.Tensor | None]) -> tuple[bool, list[int] | None]:
         """Whether the table already points at these grads (same tensors, same memory),
-        and the C kernel's grads' pointers (the grads at its params' places must not be
-        None: the grads' kinds are this plan's)."""
+        and, when they are the same tensors, their pointers (else None)."""
+        if not same_grads(self._grads, grads):
+            return False, None
         present = cast(list[torch.Tensor], list(map(grads.__getitem__, self._positions)))
-        ptrs = list(map(_DATA_PTR, present))
-        return ptrs == self._grad_ptrs and same_grads(self._grads, grads), ptrs
+        ptrs = list(map(_DATA_PTR, present))  # the same grads: none is None there
+        return ptrs == self._grad_ptrs, ptrs
 
-    def still_valid(
+    def check(
         self, group: dict[str, Any], start: int, grads: list[torch.Tensor | None]
-    ) -> bool:
+    ) -> tuple[bool, list[int] | None] | None:
         """Whether this plan still routes and points right: the same group dict, params
-        and first index; grads of the same kinds (:func:`~.stepmemo.grad_kinds`, read only for
-        grads that are not the ones the table holds); the C kernel's params in the same
-        memory; their state the same tensors (the caller checks that the state dicts
-        are the same objects)."""
-        if group is not self.group or start != self.start:
-            return False
-        if not same_objects(group["params"], self.params):
-            return False
-        written = same_grads(self._grads, grads) and self._grads_written(grads)[0]
-        if not written and grad_kinds(grads) != self._kinds:
-            return False
-        if list(map(_DATA_PTR, self._cpu_params)) != self._param_ptrs:
-            return False
-        return all(
-            same_objects(list(map(get, self.states)), held)
-            for get, held in zip((_EXP_AVG, _EXP_AVG_SQ, _STEP), self._moments)
-        )
+        and first index; grads of the same kinds (:func:`~.stepmemo.grad_kinds`, read
+        only for grads that are not the ones the table holds); the C kernel's params in
+        the same memory; their state the same tensors (the caller checks that the state
+        dicts are the same objects).
 
-    def write_grads(self, grads: list[torch.Tensor | None]) -> None:
-        """Point the C kernel's table at ``grads`` (unless it already does)."""
-        if self.table is None:
+        Returns:
+            None when the plan must be made again, else :meth:`grads_written` of
+            ``grads`` (for :meth:`write_grads`).
+        """
+        if group is not self.group or start != self.start:
+            return None
+        if not same_objects(group["params"], self.params):
+            return None
+        written = self.grads_written(grads)
+        if not written[0] and grad_kinds(grads) != self._kinds:
+            return None
+        if list(map(_DATA_PTR, self._cpu_params)) != self._param_ptrs:
+            return None
+        if not same_objects(self._state_tensors(), self._held):
+            return None
+        return written
+
+    def write_grads(
+        self, grads: list[torch.Tensor | None], written: tuple[bool, list[int] | None]
+    ) -> None:
+        """Point the C kernel's table at ``grads`` unless it already does (``written``:
+        :meth:`grads_written` of ``grads``; the grads at the kernel's params' places
+        must not be None: the grads' kinds are this plan's)."""
+        if self.table is None or written[0]:
             return
-        written, ptrs = self._grads_written(grads)
-        if written:
-            return
-        self.table.set_grads(list(map(grads.__getitem__, self._positions)), ptrs)
+        present = cast(list[torch.Tensor], list(map(grads.__getitem__, self._positions)))
+        ptrs = written[1] if written[1] is not None else list(map(_DATA_PTR, present))
+        self.table.set_grads(present, ptrs)
         self._grads, self._grad_ptrs = grad_refs(grads), ptrs
 
 
@@ -491,10 +502,14 @@ class LadderAdamW(torch.optim.Optimizer):
                 params = group["params"]
                 grads = list(map(grad_of, params))
                 plan = self._group_plans.get(gi)
-                if plan is None or not (state_same and plan.still_valid(group, start, grads)):
+                written = None
+                if plan is not None and state_same:
+                    written = plan.check(group, start, grads)
+                if plan is None or written is None:
                     plan = self._plan_group(group, params, grads, start, env, created)
                     self._group_plans[gi] = plan
-                plan.write_grads(grads)
+                    written = plan.grads_written(grads)
+                plan.write_grads(grads, written)
                 plans.append(plan)
                 start += len(params)
             for gi in [gi for gi in self._group_plans if gi >= len(plans)]:
@@ -622,6 +637,8 @@ class LadderAdamW(torch.optim.Optimizer):
         from optladder.optimizers import eager
 
         limit = BF16_MAX_STEP if self.moment_dtype == torch.bfloat16 else MAX_STEP
+        keys: dict[tuple[int, int], int] = {}  # shared by groups of one seed and step
+        corrections: dict[tuple[float, float, int], tuple[float, float]] = {}
         for plan in plans:
             table = plan.table
             if table is None:
@@ -639,10 +656,16 @@ class LadderAdamW(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             seed = group["seed"]
             new_steps = [s + 1.0 for s in steps]
-            scalars = {
-                s: (step_key(seed, int(s)), *eager.step_scalars(lr, beta1, beta2, int(s)))
-                for s in set(new_steps)
-            }
+            scalars = {}
+            for s in set(new_steps):
+                n = int(s)
+                key = keys.get((seed, n))
+                if key is None:
+                    key = keys[seed, n] = step_key(seed, n)
+                found = corrections.get((beta1, beta2, n))
+                if found is None:
+                    found = corrections[beta1, beta2, n] = eager.bias_corrections(beta1, beta2, n)
+                scalars[s] = (key, -lr / found[0], found[1])  # as eager.step_scalars
             table.set_scalars(new_steps, scalars)
 
     def _check_steps(self, plans: list[_GroupPlan]) -> None:

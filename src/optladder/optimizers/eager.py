@@ -84,14 +84,21 @@ def power(base: float, n: int) -> float:
     return r
 
 
+def bias_corrections(beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    """``(1 - beta1**step, sqrt(1 - beta2**step))`` of a 1-based ``step``, in float64,
+    with :func:`power` (Kingma & Ba, "Adam", ICLR 2015, Algorithm 1)."""
+    return 1.0 - power(beta1, step), math.sqrt(1.0 - power(beta2, step))
+
+
 def step_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
     """``(step_size, bias_correction2_sqrt)`` of a 1-based ``step``, in float64.
 
-    ``step_size = -lr / (1 - beta1**step)`` and ``sqrt(1 - beta2**step)``, with
-    :func:`power` (Kingma & Ba, "Adam", ICLR 2015, Algorithm 1, bias corrections folded
-    into the step size and the denominator as torch's ``_single_tensor_adam`` does).
+    ``step_size = -lr / (1 - beta1**step)`` and ``sqrt(1 - beta2**step)``, from
+    :func:`bias_corrections` (folded into the step size and the denominator as torch's
+    ``_single_tensor_adam`` does).
     """
-    return -lr / (1.0 - power(beta1, step)), math.sqrt(1.0 - power(beta2, step))
+    bc1, bc2_sqrt = bias_corrections(beta1, beta2, step)
+    return -lr / bc1, bc2_sqrt
 
 
 def scratch_length(p: torch.Tensor) -> int:
