@@ -34,6 +34,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -393,8 +394,9 @@ _DTYPE_OF = operator.attrgetter("dtype")
 
 
 _ROW_WRITES = 4
-"""Up to this many rows, :meth:`KernelTable.set_scalars` writes each row's fields (a
-few hundred nanoseconds a row) rather than each column (a few microseconds a column)."""
+"""Up to this many rows, :meth:`KernelTable.set_grads` and :meth:`~KernelTable.set_scalars`
+write each row's fields (a few hundred nanoseconds a row) rather than each column (a few
+microseconds a column)."""
 
 
 class KernelTable:
@@ -469,6 +471,7 @@ class KernelTable:
         self.total = total
         self._columns: dict[str, torch.Tensor] = {}
         self._grad_dtypes: list[torch.dtype] = []
+        self.hyper: tuple[tuple[Any, ...], _Hyper] | None = None  # adamw_step's last options
         self.tensors = (list(params), list(exp_avgs), list(exp_avg_sqs), list(steps))
 
     def read_steps(self, library: ctypes.CDLL | None = None) -> list[float]:
@@ -497,7 +500,8 @@ class KernelTable:
         return self._columns[name]
 
     def set_grads(self, grads: Sequence[torch.Tensor], ptrs: Sequence[int] | None = None) -> None:
-        """Point every row at its param's grad (one vectorized write of the pointers).
+        """Point every row at its param's grad (one vectorized write of the pointers, or
+        row by row for up to :data:`_ROW_WRITES` rows).
 
         Args:
             grads: each param's grad, in row order (float32/bfloat16/float16, contiguous,
@@ -508,8 +512,13 @@ class KernelTable:
             return
         if ptrs is None:
             ptrs = list(map(torch.Tensor.data_ptr, grads))
-        self._column("grad", torch.int64).copy_(torch.tensor(ptrs, dtype=torch.int64))
         dtypes = list(map(_DTYPE_OF, grads))
+        if self.n_params <= _ROW_WRITES:
+            for row, ptr, dtype in zip(self.rows, ptrs, dtypes):
+                row.grad = ptr
+                row.grad_dtype = DTYPE_CODES[dtype]
+            return
+        self._column("grad", torch.int64).copy_(torch.tensor(ptrs, dtype=torch.int64))
         if dtypes != self._grad_dtypes:
             codes = [DTYPE_CODES[d] for d in dtypes]
             self._column("grad_dtype", torch.int32).copy_(torch.tensor(codes, dtype=torch.int32))
@@ -583,8 +592,43 @@ def adamw_step(
     """
     if table.n_params == 0:
         return
+    key = (
+        beta1,
+        beta2,
+        eps,
+        lr,
+        weight_decay,
+        decoupled_weight_decay,
+        maximize,
+        stochastic,
+        param_stochastic,
+    )
+    if table.hyper is not None and table.hyper[0] == key:
+        hyper = table.hyper[1]  # the same options as the table's last step
+    else:
+        hyper = _hyper(table, *key)
+        table.hyper = (key, hyper)
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    threads = max(1, min(threads, table.total // _MIN_ELEMENTS_PER_THREAD))
+    lib = load_library() if library is None else library
+    lib.ol_adamw_step(table.rows, table.n_params, table.offsets, ctypes.byref(hyper), threads)
+
+
+def _hyper(
+    table: KernelTable,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    lr: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    stochastic: bool,
+    param_stochastic: bool,
+) -> _Hyper:
+    """The kernel's per-call options (see :func:`adamw_step`)."""
     has_wd = weight_decay != 0
-    hyper = _Hyper(
+    return _Hyper(
         lerp_weight=1.0 - beta1,
         beta2=beta2,
         one_minus_beta2=1.0 - beta2,
@@ -597,7 +641,3 @@ def adamw_step(
         stochastic=int(stochastic),
         param_stochastic=int(param_stochastic),
     )
-    threads = torch.get_num_threads() if num_threads is None else num_threads
-    threads = max(1, min(threads, table.total // _MIN_ELEMENTS_PER_THREAD))
-    lib = load_library() if library is None else library
-    lib.ol_adamw_step(table.rows, table.n_params, table.offsets, ctypes.byref(hyper), threads)
