@@ -466,7 +466,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self.commit_step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         return loss
 
-    def prepare_step(self) -> list[torch.Tensor]:
+    def prepare_step(self, *, options_checked: bool = False) -> list[torch.Tensor]:
         """Phase one of a step: check the grads, route each param to a backend, and
         allocate everything the step will need (state of params stepping for the first
         time, ``step`` tensors on the Triton device, the eager path's scratch), and write
@@ -478,6 +478,12 @@ class LadderAdamW(torch.optim.Optimizer):
         grads (which are None, their dtypes, devices, element counts, contiguity), its
         params' state (the state dicts and the tensors in them), or a param's index.
         New grad tensors of the same kinds only get their pointers written.
+
+        Args:
+            options_checked: the caller has checked every group's options with
+                :meth:`check_group_options` for this step (the two-phase step of
+                :mod:`optladder.optimizers.transaction` does), so they are not checked
+                again here.
 
         Returns:
             The params whose state this call created.
@@ -496,8 +502,11 @@ class LadderAdamW(torch.optim.Optimizer):
         try:
             start = 0
             for gi, group in enumerate(self.param_groups):
-                if not self._options_memo.options_unchanged(gi, group):
-                    self._check_group_options(gi, group)
+                if not options_checked and not self._options_memo.options_unchanged(gi, group):
+                    try:
+                        self.check_group_options(group)
+                    except ValueError as exc:
+                        raise ValueError(f"param group {gi}: {exc}") from None
                     self._options_memo.record_options(gi, group)
                 params = group["params"]
                 grads = list(map(grad_of, params))
@@ -540,19 +549,20 @@ class LadderAdamW(torch.optim.Optimizer):
         return created
 
     @staticmethod
-    def _check_group_options(gi: int, group: dict[str, Any]) -> None:
+    def check_group_options(group: Mapping[str, Any]) -> None:
         """Refuse a group's ``rounding``, ``param_rounding``, ``seed`` and flags set to
         what this optimizer does not take (keys may be set on a group after
-        construction)."""
-        try:
-            check_rounding(group["rounding"])
-            check_param_rounding(group.get("param_rounding", "stochastic"))
-            check_seed(group["seed"])
-            for flag in ("decoupled_weight_decay", "maximize"):
-                if not isinstance(group.get(flag, False), bool):
-                    raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
-        except ValueError as exc:
-            raise ValueError(f"param group {gi}: {exc}") from None
+        construction).
+
+        Raises:
+            ValueError: naming the option, its value and what is allowed.
+        """
+        check_rounding(group["rounding"])
+        check_param_rounding(group.get("param_rounding", "stochastic"))
+        check_seed(group["seed"])
+        for flag in ("decoupled_weight_decay", "maximize"):
+            if not isinstance(group.get(flag, False), bool):
+                raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
 
     def _plan_group(
         self,

@@ -541,6 +541,8 @@ class _KernelPlan:
             [r for r, (_, first, end) in enumerate(self.runs) for _ in range(first, end)],
             dtype=torch.int64,
         )
+        lo, hi = self.scalar_span
+        self.scalars = torch.empty((len(self.run_of_row), hi - lo), dtype=torch.uint8)
         self.run_formats = [
             (jobs[first].state1.dtype == torch.uint8, jobs[first].coupled_weight_decay)
             for _, first, _ in self.runs
@@ -637,7 +639,8 @@ class _KernelPlan:
                 corrections=corrections,
             )
         lo, hi = self.scalar_span
-        self.rows[:, lo:hi] = self.step_bytes[:, lo:hi].index_select(0, self.run_of_row)
+        torch.index_select(self.step_bytes[:, lo:hi], 0, self.run_of_row, out=self.scalars)
+        self.rows[:, lo:hi].copy_(self.scalars)  # nothing allocated: the step commits next
         old = self.prepared
         self.state_seen = state_seen
         return dataclasses.replace(

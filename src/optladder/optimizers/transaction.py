@@ -75,7 +75,8 @@ def check_step_inputs(
     memo: StepMemo | None = None,
 ) -> list[list[torch.Tensor | None]]:
     """Refuse, before anything is allocated or written, what would fail half-way:
-    out-of-range group hyperparameters, a group switched to the other weight decay mode
+    out-of-range group hyperparameters (and :class:`LadderAdamW`'s own group options,
+    :meth:`LadderAdamW.check_group_options`), a group switched to the other weight decay mode
     (``decoupled_weight_decay``), sparse grads, grads of another shape, dtype or
     device, bitsandbytes step counts its kernel cannot take (see
     :func:`optladder.optimizers.migrate.step_limit`; :class:`LadderAdamW` checks its own,
@@ -100,17 +101,21 @@ def check_step_inputs(
         ValueError: naming the group or param, what was found and what is allowed.
     """
     bnb = is_bnb_engine(engine)
-    fused = not isinstance(engine, LadderAdamW) and not bnb
+    ladder = isinstance(engine, LadderAdamW)
+    fused = not ladder and not bnb
     names = group_names or {}
     groups = engine.param_groups
     if memo is not None:
         memo.trim(len(groups))
     all_grads: list[list[torch.Tensor | None]] = []
+    changed: list[tuple[int, dict[str, Any], list[torch.Tensor], bool]] = []
     for gi, group in enumerate(groups):
         if memo is None or not memo.options_unchanged(gi, group):
             try:
                 validate_group_hyperparams(group)
                 _check_decay_mode(engine, group)
+                if ladder:
+                    LadderAdamW.check_group_options(group)
             except ValueError as exc:
                 raise ValueError(f"param {names.get(id(group), f'group {gi}')}: {exc}") from None
             if memo is not None:
@@ -119,15 +124,22 @@ def check_step_inputs(
         grads = list(map(grad_of, params))
         all_grads.append(grads)
         strides = fused and bool(group.get("fused"))
-        if memo is not None and memo.grads_unchanged(gi, group, params, grads, strides):
+        if memo is None or not memo.grads_unchanged(gi, group, params, grads, strides):
+            changed.append((gi, group, params, strides))
+    for strides in (False, True):  # the groups' grads checked together, in C
+        checks = [(gi, group, params) for gi, group, params, s in changed if s is strides]
+        flat = list(chain.from_iterable(params for _, _, params in checks))
+        flat_grads = list(chain.from_iterable(all_grads[gi] for gi, _, _ in checks))
+        if _grads_match(flat, flat_grads, strides):
             continue
-        name = names.get(id(group), f"group {gi}")
-        if not _grads_match(params, grads, strides):
-            _check_grads(params, name, strides)  # raises, naming what is wrong
+        for gi, group, params in checks:
+            if not _grads_match(params, all_grads[gi], strides):  # raises, naming it:
+                _check_grads(params, names.get(id(group), f"group {gi}"), strides)
+    for gi, group, params, strides in changed:
         if bnb:
-            _check_bnb_steps(engine, params, name)
+            _check_bnb_steps(engine, params, names.get(id(group), f"group {gi}"))
         if memo is not None:
-            memo.record_grads(gi, group, params, grads, strides)
+            memo.record_grads(gi, group, params, all_grads[gi], strides)
     return all_grads
 
 
@@ -243,7 +255,8 @@ def prepare_step(
         memo.plan = None
     try:
         if isinstance(engine, LadderAdamW):
-            return engine.prepare_step()  # rolls back its own state on failure
+            # rolls back its own state on failure; its options were checked above
+            return engine.prepare_step(options_checked=True)
         if is_bnb_engine(engine) or isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
             bnb = is_bnb_engine(engine)
             state = engine.state
