@@ -2,15 +2,22 @@
 torch's fused AdamW on the same params in the same process.
 
 Two transformer-like shapes (issue 9): 2,000 tensors of 4,096 elements and 20,000
-tensors of 256 elements, float32 params and grads on the CPU. For each rung
-(``rung=`` forces it past the memory gate) and for ``torch.optim.AdamW(fused=True)``:
+tensors of 256 elements, float32 params and grads on the CPU, in one param group; and
+many groups (``2000x4096/1000``: the same 2,000 tensors in 1,000 groups of 2, as
+layer-wise learning rates make them: group ``g`` has ``lr = 1e-3 * 0.99**g`` and weight
+decay 0.01 or 0, alternately). For each rung (``rung=`` forces it past the memory gate)
+and for ``torch.optim.AdamW(fused=True)``:
 
 - construction: seconds to build the optimizer (optladder's includes its one probe of
   the device's fused kernel and the decision; torch's has none);
 - probe: seconds of that probe alone (``probe_capabilities``, timed where construction
   calls it, so its cold first step on freshly made params counts as the probe's), and
   construction without it (construction minus probe);
-- step: seconds of one ``step()`` once the state exists (warm-up steps first).
+- step: seconds of one ``step()`` once the state exists (warm-up steps first), on the
+  grads the warm-up steps had (kept: ``zero_grad(set_to_none=False)``, or accumulation);
+- fresh: seconds of the next ``step()`` after every grad is replaced by a new tensor of
+  the same values, as ``zero_grad()`` (set to None) and a backward make them at every
+  step of a training loop (what a step checks and writes again for new grads counts).
 
 Each rep builds and steps every implementation once, in an order rotated by one each
 rep so that no implementation always runs first or last; reported are the median and
@@ -23,6 +30,7 @@ Usage::
     python bench/overhead.py                       # both shapes, 1 and 2 threads, 5 reps
     python bench/overhead.py --reps 9 --shapes 2000x4096 --threads 2
     python bench/overhead.py --threads 1 --clock cpu   # on a shared machine
+    python bench/overhead.py --shapes 2000x4096/1000   # 1,000 param groups
 
 ``--clock cpu`` times with ``time.process_time`` (this process's CPU seconds) instead of
 the wall clock: on a machine other jobs share, it leaves out the time this process waited
@@ -73,6 +81,23 @@ def make_params(count: int, numel: int) -> list[torch.nn.Parameter]:
     return params
 
 
+def make_groups(params: list[torch.nn.Parameter], groups: int) -> Any:
+    """``params`` as they are (one group), or split into ``groups`` param groups of equal
+    size with layer-wise options: group ``g`` has ``lr = 1e-3 * 0.99**g`` and weight decay
+    0.01 (odd ``g``) or 0 (even ``g``: biases and norms)."""
+    if groups == 1:
+        return params
+    size = len(params) // groups
+    return [
+        {
+            "params": params[g * size : (g + 1) * size],
+            "lr": 1e-3 * 0.99**g,
+            "weight_decay": 0.01 if g % 2 else 0.0,
+        }
+        for g in range(groups)
+    ]
+
+
 def one_rep(
     impls: dict[str, Build],
     order: list[str],
@@ -80,11 +105,12 @@ def one_rep(
     numel: int,
     warmup: int,
     clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, tuple[float, float, float]]:
-    """Build and step each implementation in ``order``: name -> (build s, probe s, step s);
-    the probe is timed inside each build, where ``choose_optimizer`` calls it (0 for
-    torch's); ``clock`` reads seconds."""
-    out: dict[str, tuple[float, float, float]] = {}
+    groups: int = 1,
+) -> dict[str, tuple[float, float, float, float]]:
+    """Build and step each implementation in ``order``: name -> (build s, probe s, step s,
+    fresh-grads step s); the probe is timed inside each build, where
+    ``choose_optimizer`` calls it (0 for torch's); ``clock`` reads seconds."""
+    out: dict[str, tuple[float, float, float, float]] = {}
     probe = choose.probe_capabilities
     probe_seconds = [0.0]
 
@@ -102,7 +128,7 @@ def one_rep(
         choose.probe_capabilities = timed_probe
         try:
             t0 = clock()
-            opt = impls[name](params)
+            opt = impls[name](make_groups(params, groups))
             t_build = clock() - t0
         finally:
             choose.probe_capabilities = probe
@@ -112,7 +138,12 @@ def one_rep(
         t0 = clock()
         opt.step()
         t_step = clock() - t0
-        out[name] = (t_build, t_probe, t_step)
+        for p in params:
+            p.grad = p.grad.clone()  # type: ignore[union-attr]
+        t0 = clock()
+        opt.step()
+        t_fresh = clock() - t0
+        out[name] = (t_build, t_probe, t_step, t_fresh)
         del opt, params
     return out
 
@@ -125,7 +156,11 @@ def spread(xs: list[float]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark and print one table per (threads, shape)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--shapes", default="2000x4096,20000x256", help="COUNTxNUMEL,...")
+    ap.add_argument(
+        "--shapes",
+        default="2000x4096,20000x256,2000x4096/1000",
+        help="COUNTxNUMEL[/GROUPS],...",
+    )
     ap.add_argument("--threads", default="1,2", help="torch thread counts to run")
     ap.add_argument("--rungs", default="fp32,bf16,8bit", help="optladder rungs to run")
     ap.add_argument("--reps", type=int, default=5, help="reps (>= 3)")
@@ -140,11 +175,15 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--warmup must be >= 1 (the state must exist), got {args.warmup}")
     shapes = []
     for s in args.shapes.split(","):
+        sizes, _, n_groups = s.lower().partition("/")
         try:
-            count, numel = (int(x) for x in s.lower().split("x"))
+            count, numel = (int(x) for x in sizes.split("x"))
+            groups = int(n_groups or 1)
         except ValueError:
-            ap.error(f"--shapes: {s!r} is not COUNTxNUMEL like 2000x4096")
-        shapes.append((count, numel))
+            ap.error(f"--shapes: {s!r} is not COUNTxNUMEL[/GROUPS] like 2000x4096/1000")
+        if groups < 1 or count % groups:
+            ap.error(f"--shapes: {s!r}: GROUPS must divide COUNT")
+        shapes.append((count, numel, groups))
     rungs = [r for r in args.rungs.split(",") if r]
     unknown = sorted(set(rungs) - set(optladder.RUNGS))
     if unknown:
@@ -160,35 +199,41 @@ def main(argv: list[str] | None = None) -> None:
     )
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        for count, numel in shapes:
+        for count, numel, groups in shapes:
             builds: dict[str, list[float]] = {n: [] for n in names}
             probes: dict[str, list[float]] = {n: [] for n in names}
             steps: dict[str, list[float]] = {n: [] for n in names}
+            fresh: dict[str, list[float]] = {n: [] for n in names}
             clock = time.process_time if args.clock == "cpu" else time.perf_counter
             one_rep(impls, names, min(count, 64), numel, 1)  # untimed: imports, kernel loads
             for rep in range(args.reps):
                 order = names[rep % len(names) :] + names[: rep % len(names)]
-                for name, (b, p, s) in one_rep(
-                    impls, order, count, numel, args.warmup, clock
+                for name, (b, p, s, f) in one_rep(
+                    impls, order, count, numel, args.warmup, clock, groups
                 ).items():
                     builds[name].append(b)
                     probes[name].append(p)
                     steps[name].append(s)
+                    fresh[name].append(f)
             base_b = statistics.median(builds["torch-fused-fp32"])
             base_s = statistics.median(steps["torch-fused-fp32"])
-            print(f"\nthreads={threads}  {count:,} x {numel:,} float32")
+            base_f = statistics.median(fresh["torch-fused-fp32"])
+            in_groups = f" in {groups:,} groups" if groups > 1 else ""
+            print(f"\nthreads={threads}  {count:,} x {numel:,} float32{in_groups}")
             print(
                 f"{'impl':<20}{'build ms':>28}{'x':>7}{'probe ms':>10}{'x-p':>7}"
-                f"{'step ms':>28}{'x':>7}"
+                f"{'step ms':>28}{'x':>7}{'fresh grads ms':>28}{'x':>7}"
             )
             for name in names:
                 rb = base_b / statistics.median(builds[name])
                 without = [b - p for b, p in zip(builds[name], probes[name])]
                 rbp = base_b / statistics.median(without)
                 rs = base_s / statistics.median(steps[name])
+                rf = base_f / statistics.median(fresh[name])
                 line = f"{name:<20}{spread(builds[name]):>28}{rb:7.2f}"
                 line += f"{statistics.median(probes[name]) * 1e3:10.2f}{rbp:7.2f}"
-                print(line + f"{spread(steps[name]):>28}{rs:7.2f}")
+                line += f"{spread(steps[name]):>28}{rs:7.2f}"
+                print(line + f"{spread(fresh[name]):>28}{rf:7.2f}")
 
 
 if __name__ == "__main__":
