@@ -233,16 +233,16 @@ def test_a_commit_that_fails_part_way_is_reported_and_never_rerun(
 def test_the_bf16_cpu_kernel_commit_allocates_nothing_for_any_group(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """rel-02: the C kernel's tables (rows and the offsets prefix sums) are built in
-    prepare and kept, so the commit's kernel calls (one per group) allocate no tensor and
-    cannot fail on input prepare accepted. The result equals one optimizer per group
-    (round to nearest: no param-index keys)."""
+    """rel-02: the C kernel's table (rows, the groups' options and the offsets prefix
+    sums) is built in prepare and kept, so the commit's kernel call (one for all groups)
+    allocates no tensor and cannot fail on input prepare accepted. The result equals one
+    optimizer per group (round to nearest: no param-index keys)."""
     from optladder.optimizers import LadderAdamW
 
     torch.manual_seed(0)
     nets = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)]
     twin = copy.deepcopy(nets)
-    real = cpu.adamw_step
+    real = cpu.run_table
     calls = []
 
     def counting(table, **kwargs):  # type: ignore[no-untyped-def]
@@ -252,7 +252,7 @@ def test_the_bf16_cpu_kernel_commit_allocates_nothing_for_any_group(
         assert counter.count == 0
         return out
 
-    monkeypatch.setattr(cpu, "adamw_step", counting)
+    monkeypatch.setattr(cpu, "run_table", counting)
     hyper = {"lr": 3e-3, "betas": (0.8, 0.99), "weight_decay": 0.1}
     opt = LadderAdamW(
         [{"params": nets[0].parameters()}, {"params": nets[1].parameters(), **hyper}],
@@ -268,14 +268,14 @@ def test_the_bf16_cpu_kernel_commit_allocates_nothing_for_any_group(
         opt.zero_grad()
         nets[1](nets[0](x)).pow(2).mean().backward()
         opt.step()
-    assert calls == [2, 2] * 3  # one call per group, each with its 2 params
+    assert calls == [4] * 3  # one call per step: both groups, 2 params each
     for _ in range(3):
         for r in refs:
             r.zero_grad()
         twin[1](twin[0](x)).pow(2).mean().backward()
         for r in refs:
             r.step()
-    assert calls == [2, 2] * 6
+    assert calls == [4] * 3 + [2, 2] * 3  # the reference optimizers: one group each
     pairs = zip(
         [*nets[0].parameters(), *nets[1].parameters()],
         [*twin[0].parameters(), *twin[1].parameters()],
@@ -550,13 +550,13 @@ def test_ctrl_c_during_the_commit_waits_until_the_step_is_whole(
         for i, p in enumerate(ps):
             p.grad = torch.full_like(p, 0.1 * (i + 1))
     opts[1].step()
-    real = cpu.adamw_step
+    real = cpu.run_table
 
     def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        signal.raise_signal(signal.SIGINT)  # lands mid-commit, before each group's call
+        signal.raise_signal(signal.SIGINT)  # lands mid-commit, before the kernel's call
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cpu, "adamw_step", interrupted)
+    monkeypatch.setattr(cpu, "run_table", interrupted)
     # Python's own SIGINT handler, also when the tests run in a background job (which
     # starts with SIGINT ignored, and then the held signal is rightly dropped)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -305,18 +305,18 @@ def test_kernel_table_is_built_once_and_rebuilt_when_the_params_change() -> None
     for p in params:
         p.grad = torch.randn(p.shape)
     opt.step()
-    table = opt._cpu_tables[0]
+    table = opt._cpu_table
     for p in params:
         p.grad = torch.randn(p.shape)  # new grad storage: only the grad pointers change
     opt.step()
-    assert opt._cpu_tables[0] is table
+    assert opt._cpu_table is table
     assert [opt.state[p]["step"].item() for p in params] == [2.0, 2.0]
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new moment tensors
     opt.step()
-    assert opt._cpu_tables[0] is not table
+    assert opt._cpu_table is not table
     params[1].grad = None  # a different param set
     opt.step()
-    assert opt._cpu_tables[0].n_params == 1
+    assert opt._cpu_table.n_params == 1
     assert [opt.state[p]["step"].item() for p in params] == [4.0, 3.0]
 
 

@@ -170,7 +170,10 @@ class _GroupPlan:
         routes: backend -> ``(param, index)`` of the params it steps.
         reasons: index -> why that param is not on a fused kernel.
         states: the state dicts of the C kernel's params, in table order.
-        table: the C kernel's table of those params, or None.
+        table: the C kernel's table these params are rows of (one table for all groups,
+            :meth:`LadderAdamW.prepare_step`), or None before it is made.
+        first: the table row of its first C kernel param.
+        table_group: its group number in that table (whose options step its rows).
     """
 
     def __init__(
@@ -182,7 +185,6 @@ class _GroupPlan:
         routes: dict[str, list[tuple[torch.Tensor, int]]],
         reasons: dict[int, str],
         states: list[dict[str, Any]],
-        table: Any,
     ) -> None:
         self.group = group
         self.params = list(params)
@@ -190,7 +192,9 @@ class _GroupPlan:
         self.routes = routes
         self.reasons = reasons
         self.states = states
-        self.table = table
+        self.table: Any = None
+        self.first = 0
+        self.table_group = 0
         self._kinds = grad_kinds(grads)
         self._positions = [i - start for _, i in routes["cpu"]]
         self._cpu_params = [p for p, _ in routes["cpu"]]
@@ -248,8 +252,14 @@ class _GroupPlan:
             return
         present = cast(list[torch.Tensor], list(map(grads.__getitem__, self._positions)))
         ptrs = written[1] if written[1] is not None else list(map(_DATA_PTR, present))
-        self.table.set_grads(present, ptrs)
+        self.table.set_grads(present, ptrs, self.first)
         self._grads, self._grad_ptrs = grad_refs(grads), ptrs
+
+    def place(self, table: Any, first: int, table_group: int) -> None:
+        """Make this plan's C kernel params rows ``first, ...`` of ``table`` (a new table:
+        its grads are written at the next :meth:`write_grads`)."""
+        self.table, self.first, self.table_group = table, first, table_group
+        self._grads, self._grad_ptrs = [], []
 
 
 def refuse_ladder_dtypes(params: list[torch.Tensor], moment_dtype: torch.dtype) -> None:
@@ -372,7 +382,8 @@ class LadderAdamW(torch.optim.Optimizer):
         self._cpu_kernel_error: str | None = None
         self._plan: Any = None
         self._scratch: dict[torch.device, Any] = {}
-        self._cpu_tables: dict[int, Any] = {}  # group position -> cpu.KernelTable
+        self._cpu_table: Any = None  # cpu.KernelTable of every group's C kernel params
+        self._table_plans: list[_GroupPlan] = []  # the plans it was made for, in order
         self._group_plans: dict[int, _GroupPlan] = {}  # group position -> its plan
         self._options_memo = StepMemo()  # group options that passed their checks
         self._state_seen: list[Any] = []  # self.state's values after the last prepare
@@ -497,6 +508,7 @@ class LadderAdamW(torch.optim.Optimizer):
 
         env: dict[str, str | None] = {}
         plans: list[_GroupPlan] = []
+        writes: list[tuple[list[torch.Tensor | None], tuple[bool, list[int] | None]]] = []
         created: list[torch.Tensor] = []
         state_same = same_objects(list(self.state.values()), self._state_seen)
         try:
@@ -517,16 +529,20 @@ class LadderAdamW(torch.optim.Optimizer):
                 if plan is None or written is None:
                     plan = self._plan_group(group, params, grads, start, env, created)
                     self._group_plans[gi] = plan
-                    written = plan.grads_written(grads)
-                plan.write_grads(grads, written)
+                    written = (False, None)
                 plans.append(plan)
+                writes.append((grads, written))
                 start += len(params)
             for gi in [gi for gi in self._group_plans if gi >= len(plans)]:
                 del self._group_plans[gi]
+            if self._place_cpu_params(plans):  # a new table: every grad pointer written
+                writes = [(grads, (False, written[1])) for grads, written in writes]
+            for plan, (grads, written) in zip(plans, writes):
+                plan.write_grads(grads, written)
             for plan in plans:
                 if plan.routes["triton"]:
                     self._prepare_triton(plan.group, plan.routes["triton"])
-            self._write_cpu_steps(plans)
+            self._write_cpu_steps()
             self._check_steps(plans)
             need: dict[torch.device, int] = {}
             for plan in plans:
@@ -541,10 +557,10 @@ class LadderAdamW(torch.optim.Optimizer):
             for p in created:
                 self.state.pop(p, None)
             self._group_plans.clear()  # they may point at the state just dropped
+            self._cpu_table, self._table_plans = None, []
             raise
         self._state_seen = list(self.state.values())
         self._plan = plans
-        self._cpu_tables = {gi: p.table for gi, p in enumerate(plans) if p.table is not None}
         self.eager_reasons = {i: r for plan in plans for i, r in plan.reasons.items()}
         return created
 
@@ -608,25 +624,50 @@ class LadderAdamW(torch.optim.Optimizer):
         if routes["cpu"] and not self._load_cpu_kernel(routes["cpu"], reasons):
             routes["eager"] += routes["cpu"]
             routes["cpu"] = []
-        table = None
         states = [self.state[p] for p, _ in routes["cpu"]]
-        if routes["cpu"]:
-            from optladder.optimizers.kernels import cpu
+        return _GroupPlan(group, params, grads, start, routes, reasons, states)
 
-            table = cpu.KernelTable(
-                [p for p, _ in routes["cpu"]],
-                [st["exp_avg"] for st in states],
-                [st["exp_avg_sq"] for st in states],
-                [st["step"] for st in states],
-                [i for _, i in routes["cpu"]],
-            )
-        return _GroupPlan(group, params, grads, start, routes, reasons, states, table)
+    def _place_cpu_params(self, plans: list[_GroupPlan]) -> bool:
+        """Make the C kernel's one table of every group's C kernel params (rows in group
+        order, each group's rows stepped with its options) unless the plans are those it
+        was made for; returns whether it was made.
+
+        Raises:
+            ValueError: from :class:`~.kernels.cpu.KernelTable` (a tensor it cannot
+                point at).
+        """
+        with_rows = [plan for plan in plans if plan.routes["cpu"]]
+        if same_objects(with_rows, self._table_plans) and (
+            self._cpu_table is not None or not with_rows
+        ):
+            return False
+        from optladder.optimizers.kernels import cpu
+
+        self._cpu_table, self._table_plans = None, []
+        if not with_rows:
+            return True
+        items = [(plan, g, p, i) for g, plan in enumerate(with_rows) for p, i in plan.routes["cpu"]]
+        states = [st for plan in with_rows for st in plan.states]
+        table = cpu.KernelTable(
+            [p for _, _, p, _ in items],
+            [st["exp_avg"] for st in states],
+            [st["exp_avg_sq"] for st in states],
+            [st["step"] for st in states],
+            [i for _, _, _, i in items],
+            [g for _, g, _, _ in items],
+        )
+        first = 0
+        for g, plan in enumerate(with_rows):
+            plan.place(table, first, g)
+            first += len(plan.routes["cpu"])
+        self._cpu_table, self._table_plans = table, with_rows
+        return True
 
     def release_scratch(self) -> None:
         """Drop the prepared plan, the eager path's scratch buffers and the kernel tables."""
         self._plan = None
         self._scratch.clear()
-        self._cpu_tables.clear()
+        self._cpu_table, self._table_plans = None, []
         self._group_plans.clear()
         self._lr_tensors.clear()
 
@@ -635,37 +676,42 @@ class LadderAdamW(torch.optim.Optimizer):
         the state moves to another format or is replaced; the next step makes them
         again."""
         self._group_plans.clear()
-        self._cpu_tables.clear()
+        self._cpu_table, self._table_plans = None, []
         self._state_seen = []
 
-    def _write_cpu_steps(self, plans: list[_GroupPlan]) -> None:
-        """Read the step counts of each group's C kernel params (one call per group),
-        refuse those out of range (see :meth:`_check_steps`), and write this step's
-        scalars into the tables: the bias corrections and the random bits' key prefix,
-        computed once per distinct step count (one, when the group's params stepped
-        together)."""
+    def _write_cpu_steps(self) -> None:
+        """Read the step counts of every C kernel param (one call), refuse those out of
+        range (see :meth:`_check_steps`), and write this step's scalars and each
+        group's options into the table: the bias corrections and the random bits' key
+        prefix, computed once per distinct (step count, betas) and (seed, step count)."""
         from optladder.optimizers import eager
 
+        table = self._cpu_table
+        if table is None:
+            return
         limit = BF16_MAX_STEP if self.moment_dtype == torch.bfloat16 else MAX_STEP
+        steps = table.read_steps()
+        if steps and not (min(steps) >= 0 and max(steps) <= limit):
+            rows = [i for plan in self._table_plans for _, i in plan.routes["cpu"]]
+            for i, step in zip(rows, steps):
+                if not 0 <= step <= limit:
+                    raise ValueError(
+                        f"param {i} has step {step:.0f}; this rung steps from counts in "
+                        f"[0, {limit:,}]"
+                    )
+        together = steps.count(steps[0]) == len(steps)  # every param at one count
         keys: dict[tuple[int, int], int] = {}  # shared by groups of one seed and step
         corrections: dict[tuple[float, float, int], tuple[float, float]] = {}
-        for plan in plans:
-            table = plan.table
-            if table is None:
-                continue
+        for plan in self._table_plans:
             group = plan.group
-            steps = table.read_steps()
-            if steps and not (min(steps) >= 0 and max(steps) <= limit):
-                for (_, i), step in zip(plan.routes["cpu"], steps):
-                    if not 0 <= step <= limit:
-                        raise ValueError(
-                            f"param {i} has step {step:.0f}; this rung steps from counts in "
-                            f"[0, {limit:,}]"
-                        )
             lr = float(group["lr"])
             beta1, beta2 = group["betas"]
             seed = group["seed"]
-            new_steps = [s + 1.0 for s in steps]
+            n_rows = len(plan.routes["cpu"])
+            if together:
+                new_steps = [steps[0] + 1.0] * n_rows
+            else:
+                new_steps = [s + 1.0 for s in steps[plan.first : plan.first + n_rows]]
             scalars = {}
             for s in set(new_steps):
                 n = int(s)
@@ -676,7 +722,19 @@ class LadderAdamW(torch.optim.Optimizer):
                 if found is None:
                     found = corrections[beta1, beta2, n] = eager.bias_corrections(beta1, beta2, n)
                 scalars[s] = (key, -lr / found[0], found[1])  # as eager.step_scalars
-            table.set_scalars(new_steps, scalars)
+            table.set_scalars(new_steps, scalars, plan.first)
+            table.set_options(
+                plan.table_group,
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                lr=lr,
+                weight_decay=group["weight_decay"],
+                decoupled_weight_decay=group["decoupled_weight_decay"],
+                maximize=group["maximize"],
+                stochastic=group["rounding"] == "stochastic",
+                param_stochastic=group.get("param_rounding", "stochastic") == "stochastic",
+            )
 
     def _check_steps(self, plans: list[_GroupPlan]) -> None:
         """Refuse a step count this rung cannot step from, before anything is written
@@ -719,6 +777,7 @@ class LadderAdamW(torch.optim.Optimizer):
             raise RuntimeError("commit_step() needs prepare_step() first")
         self._plan = None
         skip_host: bool | None = None
+        host_plans: list[_GroupPlan] = []
         for plan in plans:
             group, routes = plan.group, plan.routes
             if routes["triton"]:
@@ -732,11 +791,13 @@ class LadderAdamW(torch.optim.Optimizer):
                 continue
             if grad_scale is not None:
                 unscale_grads_([cast(torch.Tensor, p.grad) for p, _ in host], grad_scale)
-            if plan.table is not None:
-                self._step_cpu(group, plan.table)
-            for p, i in routes["eager"]:
+            host_plans.append(plan)
+        if self._cpu_table is not None and not skip_host:
+            self._step_cpu(self._cpu_table)  # every group's C kernel params, one call
+        for plan in host_plans:
+            for p, i in plan.routes["eager"]:
                 eager.eager_step(
-                    p, self.state[p], group, i, self.moment_dtype, self._scratch[p.device]
+                    p, self.state[p], plan.group, i, self.moment_dtype, self._scratch[p.device]
                 )
 
     def _route(
@@ -801,25 +862,13 @@ class LadderAdamW(torch.optim.Optimizer):
             return False
         return True
 
-    def _step_cpu(self, group: dict[str, Any], table: Any) -> None:
-        """Step a group's params with the C kernel through its table, whose grads and
-        per-step scalars :meth:`prepare_step` wrote, then bump every step count in one
-        call."""
+    def _step_cpu(self, table: Any) -> None:
+        """Step every group's C kernel params through the one table, whose grads,
+        per-step scalars and group options :meth:`prepare_step` wrote, in one call, then
+        bump every step count in one call."""
         from optladder.optimizers.kernels import cpu
 
-        beta1, beta2 = group["betas"]
-        cpu.adamw_step(
-            table,
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            lr=float(group["lr"]),
-            weight_decay=group["weight_decay"],
-            decoupled_weight_decay=group["decoupled_weight_decay"],
-            maximize=group["maximize"],
-            stochastic=group["rounding"] == "stochastic",
-            param_stochastic=group.get("param_rounding", "stochastic") == "stochastic",
-        )
+        cpu.run_table(table)
         table.bump_steps()
 
     @staticmethod

@@ -46,10 +46,11 @@ typedef struct {
     uint32_t step_key;     /* rounding.step_key(seed, step) of this param's new step */
     float step_size;       /* -lr / bias_correction1, rounded to float */
     float bc2_sqrt;        /* sqrt(bias_correction2), rounded to float */
-    float pad;
+    int32_t hyper_index;   /* its param group's options: hyper[hyper_index] of the call */
 } ol_param_t;
 
-/* Scalars shared by the group, each rounded to float as torch rounds a Python scalar. */
+/* Scalars shared by a param group, each rounded to float as torch rounds a Python
+   scalar (one per group of the table: ol_param_t.hyper_index). */
 typedef struct {
     float lerp_weight;     /* 1 - beta1 */
     float beta2;
@@ -468,7 +469,7 @@ static int ol_cpu_v3(void) {
 typedef struct {
     const ol_param_t *params;
     int64_t n_params;
-    const ol_hyper_t *hyper;
+    const ol_hyper_t *hyper;  /* the groups' options, indexed by hyper_index */
     const int64_t *offsets;  /* offsets[k]: first element of param k; offsets[n] = total */
     int64_t begin, end;      /* range in the concatenation of all params' elements */
     int v3;                  /* 1: ol_range_v3 steps float32 and bfloat16 params */
@@ -488,10 +489,11 @@ static void *ol_run(void *arg) {
         int64_t lo = job->begin > offset ? job->begin - offset : 0;
         int64_t hi = job->end - offset < P->numel ? job->end - offset : P->numel;
         if (lo >= hi) continue;
+        const ol_hyper_t *H = &job->hyper[P->hyper_index];
 #ifdef OL_HAVE_V3
-        if (job->v3 && P->param_dtype != OL_F16) { ol_range_v3(P, job->hyper, lo, hi); continue; }
+        if (job->v3 && P->param_dtype != OL_F16) { ol_range_v3(P, H, lo, hi); continue; }
 #endif
-        ol_range(P, job->hyper, lo, hi);
+        ol_range(P, H, lo, hi);
     }
     return NULL;
 }
@@ -513,8 +515,10 @@ static void ol_split(ol_job_t *job, int64_t total, int64_t t, int64_t n_parts,
    OpenMP runtime torch has already loaded: the kernel runs on torch's own (warm) worker
    threads instead of competing with them. Without OpenMP it starts pthreads. */
 
-/* Update every param of the table. offsets has n_params + 1 entries (the prefix sums of
-   the numels, built by the caller with the table: the kernel allocates nothing).
+/* Update every param of the table, each with the options of its group
+   (hyper[params[k].hyper_index]: the table may hold params of many groups, stepped in
+   one call). offsets has n_params + 1 entries (the prefix sums of the numels, built by
+   the caller with the table: the kernel allocates nothing).
    Returns 0, or -1 if a worker thread could not start (then the update ran on fewer
    threads: the result is the same). */
 int ol_adamw_step(const ol_param_t *params, int64_t n_params, const int64_t *offsets,
@@ -575,5 +579,5 @@ void ol_bump_steps(const ol_param_t *params, int64_t n) {
     for (int64_t k = 0; k < n; k++) *params[k].step += 1.0;
 }
 
-int ol_abi_version(void) { return 4; }
+int ol_abi_version(void) { return 5; }
 """

@@ -90,7 +90,7 @@ class _Param(ctypes.Structure):
         ("step_key", ctypes.c_uint32),
         ("step_size", ctypes.c_float),
         ("bc2_sqrt", ctypes.c_float),
-        ("pad", ctypes.c_float),
+        ("hyper_index", ctypes.c_int32),
     )
 
 
@@ -320,7 +320,7 @@ def _declare(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     return lib
 
 
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 """``ol_abi_version()`` of the source: the layout of ``ol_param_t``/``ol_hyper_t``."""
 
 
@@ -402,12 +402,14 @@ microseconds a column)."""
 class KernelTable:
     """The kernel's param table for a fixed list of params, built once and reused.
 
-    Holds one C row per param (pointers, element count, dtypes, index) and the prefix
-    sums of the element counts, so a step allocates nothing: :meth:`set_grads` and
-    :meth:`set_scalars` rewrite only what changes between steps (grad pointers and dtypes,
-    the per-step scalars; each one vectorized write of all rows), and :meth:`read_steps` /
-    :meth:`bump_steps` read and bump every step count in one call. It holds the params,
-    moments and step tensors it points into (``tensors``), so their memory outlives it.
+    Holds one C row per param (pointers, element count, dtypes, index, group) and the
+    prefix sums of the element counts, so a step allocates nothing: :meth:`set_grads`,
+    :meth:`set_scalars` and :meth:`set_options` rewrite only what changes between steps
+    (grad pointers and dtypes, the per-step scalars, a group's options; each a
+    vectorized write of a run of rows, or row by row for a few), :meth:`read_steps` /
+    :meth:`bump_steps` read and bump every step count in one call, and :func:`run_table`
+    steps every row, of every group, in one call. It holds the params, moments and step
+    tensors it points into (``tensors``), so their memory outlives it.
 
     Args:
         params: float32/bfloat16/float16 CPU tensors, contiguous (see
@@ -416,9 +418,12 @@ class KernelTable:
             the params' shapes.
         steps: their step counts, 0-d float64 CPU tensors (exact to 2**53).
         param_indices: each param's index over all param groups (for the random bits).
+        groups: each param's group number in the table, ``0 <= g < n_groups``, whose
+            options (:meth:`set_options`) step it; default all 0 (one group).
 
     Raises:
-        ValueError: naming the row and tensor that is not as described.
+        ValueError: naming the row and tensor that is not as described, or a group number
+            out of range.
     """
 
     def __init__(
@@ -428,18 +433,26 @@ class KernelTable:
         exp_avg_sqs: Sequence[torch.Tensor],
         steps: Sequence[torch.Tensor],
         param_indices: Sequence[int],
+        groups: Sequence[int] | None = None,
     ) -> None:
         n = len(params)
         moment_dtype = exp_avgs[0].dtype if n else torch.bfloat16
         if moment_dtype not in MOMENT_DTYPE_CODES:
             raise ValueError(f"exp_avgs[0] has dtype {moment_dtype}; need float32 or bfloat16")
+        if groups is None:
+            groups = [0] * n
+        if len(groups) != n or any(g < 0 for g in groups):
+            raise ValueError(f"groups must hold {n} group numbers >= 0, got {list(groups)!r}")
+        self.n_groups = max(groups, default=0) + 1
         self.moment_dtype = moment_dtype
         self.rows = (_Param * max(n, 1))()
         self.offsets = (ctypes.c_int64 * (n + 1))()
         self.step_values = (ctypes.c_double * max(n, 1))()
+        self.hypers = (_Hyper * self.n_groups)()
+        self._options: list[tuple[Any, ...] | None] = [None] * self.n_groups
         total = 0
-        for k, (p, m, v, s, i) in enumerate(
-            zip(params, exp_avgs, exp_avg_sqs, steps, param_indices, strict=True)
+        for k, (p, m, v, s, i, g) in enumerate(
+            zip(params, exp_avgs, exp_avg_sqs, steps, param_indices, groups, strict=True)
         ):
             if s.dtype != torch.float64 or s.device.type != "cpu" or s.numel() != 1:
                 raise ValueError(
@@ -465,13 +478,13 @@ class KernelTable:
             row.numel = p.numel()
             row.param_index = i
             row.param_dtype = DTYPE_CODES[p.dtype]
+            row.hyper_index = g
             total += p.numel()
             self.offsets[k + 1] = total
         self.n_params = n
         self.total = total
         self._columns: dict[str, torch.Tensor] = {}
-        self._grad_dtypes: list[torch.dtype] = []
-        self.hyper: tuple[tuple[Any, ...], _Hyper] | None = None  # adamw_step's last options
+        self._grad_dtypes: list[torch.dtype | None] = [None] * n  # as last written
         self.tensors = (list(params), list(exp_avgs), list(exp_avg_sqs), list(steps))
 
     def read_steps(self, library: ctypes.CDLL | None = None) -> list[float]:
@@ -487,7 +500,7 @@ class KernelTable:
 
     def _column(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """Field ``name`` of every row, as a strided ``dtype`` view of the rows' memory
-        (for writing one field of all rows in one torch call)."""
+        (for writing one field of a run of rows in one torch call)."""
         if name not in self._columns:
             offset = getattr(_Param, name).offset
             width = ctypes.sizeof(_Param) // dtype.itemsize
@@ -499,57 +512,143 @@ class KernelTable:
             ]
         return self._columns[name]
 
-    def set_grads(self, grads: Sequence[torch.Tensor], ptrs: Sequence[int] | None = None) -> None:
-        """Point every row at its param's grad (one vectorized write of the pointers, or
-        row by row for up to :data:`_ROW_WRITES` rows).
+    def set_grads(
+        self, grads: Sequence[torch.Tensor], ptrs: Sequence[int] | None = None, first: int = 0
+    ) -> None:
+        """Point rows ``first, first + 1, ...`` at their params' grads (one vectorized
+        write of the pointers, or row by row for up to :data:`_ROW_WRITES` rows).
 
         Args:
             grads: each param's grad, in row order (float32/bfloat16/float16, contiguous,
                 its param's shape and device: :func:`param_unsupported_reason`).
             ptrs: their ``data_ptr()``s, when the caller has them.
+            first: the first row written.
         """
-        if not self.n_params:
+        n = len(grads)
+        if not n:
             return
         if ptrs is None:
             ptrs = list(map(torch.Tensor.data_ptr, grads))
         dtypes = list(map(_DTYPE_OF, grads))
-        if self.n_params <= _ROW_WRITES:
-            for row, ptr, dtype in zip(self.rows, ptrs, dtypes):
+        end = first + n
+        if n <= _ROW_WRITES:
+            for k, ptr, dtype in zip(range(first, end), ptrs, dtypes):
+                row = self.rows[k]
                 row.grad = ptr
                 row.grad_dtype = DTYPE_CODES[dtype]
+            self._grad_dtypes[first:end] = dtypes
             return
-        self._column("grad", torch.int64).copy_(torch.tensor(ptrs, dtype=torch.int64))
-        if dtypes != self._grad_dtypes:
+        self._column("grad", torch.int64)[first:end].copy_(torch.tensor(ptrs, dtype=torch.int64))
+        if dtypes != self._grad_dtypes[first:end]:
             codes = [DTYPE_CODES[d] for d in dtypes]
-            self._column("grad_dtype", torch.int32).copy_(torch.tensor(codes, dtype=torch.int32))
-            self._grad_dtypes = dtypes
+            column = self._column("grad_dtype", torch.int32)[first:end]
+            column.copy_(torch.tensor(codes, dtype=torch.int32))
+            self._grad_dtypes[first:end] = dtypes
 
     def set_scalars(
-        self, steps: Sequence[float], scalars: dict[float, tuple[int, float, float]]
+        self,
+        steps: Sequence[float],
+        scalars: dict[float, tuple[int, float, float]],
+        first: int = 0,
     ) -> None:
-        """Write this step's per-param scalars: one write of each column when every param
-        takes the same step (the common case) and the table has more than
-        :data:`_ROW_WRITES` rows, else row by row.
+        """Write this step's per-param scalars into rows ``first, first + 1, ...``: one
+        write of each column when every param takes the same step (the common case) and
+        there are more than :data:`_ROW_WRITES` rows, else row by row.
 
         Args:
             steps: each param's new (1-based) step count, in row order.
             scalars: for each distinct step, ``(step_key, step_size, bc2_sqrt)``:
                 :func:`~optladder.optimizers.rounding.step_key`, ``-lr /
                 bias_correction1`` and ``sqrt(bias_correction2)``.
+            first: the first row written.
         """
-        if not self.n_params:
+        n = len(steps)
+        if not n:
             return
-        if len(scalars) == 1 and self.n_params > _ROW_WRITES:
+        end = first + n
+        if len(scalars) == 1 and n > _ROW_WRITES:
             key, step_size, bc2_sqrt = next(iter(scalars.values()))
             # the uint32 key as the int32 of the same bits
-            self._column("step_key", torch.int32).fill_(key - (1 << 32) if key >= 1 << 31 else key)
-            self._column("step_size", torch.float32).fill_(step_size)
-            self._column("bc2_sqrt", torch.float32).fill_(bc2_sqrt)
+            signed = key - (1 << 32) if key >= 1 << 31 else key
+            self._column("step_key", torch.int32)[first:end].fill_(signed)
+            self._column("step_size", torch.float32)[first:end].fill_(step_size)
+            self._column("bc2_sqrt", torch.float32)[first:end].fill_(bc2_sqrt)
             return
         rows = self.rows
-        for k, step in enumerate(steps):
+        for k, step in zip(range(first, end), steps):
             row = rows[k]
             row.step_key, row.step_size, row.bc2_sqrt = scalars[step]
+
+    def set_options(
+        self,
+        group: int,
+        *,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        lr: float,
+        weight_decay: float,
+        decoupled_weight_decay: bool,
+        maximize: bool,
+        stochastic: bool,
+        param_stochastic: bool,
+    ) -> None:
+        """Set the options group ``group``'s rows are stepped with (written only when
+        they differ from the last ones set). Arguments as in :func:`adamw_step`.
+
+        Raises:
+            IndexError: for a group number outside ``[0, n_groups)``.
+        """
+        if not 0 <= group < self.n_groups:
+            raise IndexError(f"group {group} is not in [0, {self.n_groups})")
+        key = (
+            beta1,
+            beta2,
+            eps,
+            lr,
+            weight_decay,
+            decoupled_weight_decay,
+            maximize,
+            stochastic,
+            param_stochastic,
+        )
+        if self._options[group] == key:
+            return
+        has_wd = weight_decay != 0
+        hyper = self.hypers[group]
+        hyper.lerp_weight = 1.0 - beta1
+        hyper.beta2 = beta2
+        hyper.one_minus_beta2 = 1.0 - beta2
+        hyper.eps = eps
+        hyper.decay = (1.0 - lr * weight_decay) if has_wd and decoupled_weight_decay else 1.0
+        hyper.weight_decay = weight_decay if has_wd and not decoupled_weight_decay else 0.0
+        hyper.coupled = int(has_wd and not decoupled_weight_decay)
+        hyper.maximize = int(maximize)
+        hyper.moment_dtype = MOMENT_DTYPE_CODES[self.moment_dtype]
+        hyper.stochastic = int(stochastic)
+        hyper.param_stochastic = int(param_stochastic)
+        self._options[group] = key
+
+
+def run_table(
+    table: KernelTable, *, num_threads: int | None = None, library: ctypes.CDLL | None = None
+) -> None:
+    """Update the params and moments of every row of ``table`` in place, each row with
+    its group's options, in one call (on up to ``num_threads`` threads, default
+    ``torch.get_num_threads()``, fewer for small tables), exactly as the eager oracle
+    does. Allocates nothing: :meth:`KernelTable.set_grads`,
+    :meth:`~KernelTable.set_scalars` and :meth:`~KernelTable.set_options` must have run
+    for this step.
+
+    Raises:
+        KernelBuildError: if the kernel cannot be built or loaded.
+    """
+    if table.n_params == 0:
+        return
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    threads = max(1, min(threads, table.total // _MIN_ELEMENTS_PER_THREAD))
+    lib = load_library() if library is None else library
+    lib.ol_adamw_step(table.rows, table.n_params, table.offsets, table.hypers, threads)
 
 
 def adamw_step(
@@ -567,7 +666,9 @@ def adamw_step(
     num_threads: int | None = None,
     library: ctypes.CDLL | None = None,
 ) -> None:
-    """Update params and moments of ``table`` in place, exactly as the eager oracle does.
+    """Update params and moments of ``table`` in place, every group with the same
+    options, exactly as the eager oracle does (:meth:`KernelTable.set_options` for each
+    group, then :func:`run_table`).
 
     Allocates nothing: :meth:`KernelTable.set_grads` and
     :meth:`KernelTable.set_scalars` must have run for this step.
@@ -590,54 +691,17 @@ def adamw_step(
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
     """
-    if table.n_params == 0:
-        return
-    key = (
-        beta1,
-        beta2,
-        eps,
-        lr,
-        weight_decay,
-        decoupled_weight_decay,
-        maximize,
-        stochastic,
-        param_stochastic,
-    )
-    if table.hyper is not None and table.hyper[0] == key:
-        hyper = table.hyper[1]  # the same options as the table's last step
-    else:
-        hyper = _hyper(table, *key)
-        table.hyper = (key, hyper)
-    threads = torch.get_num_threads() if num_threads is None else num_threads
-    threads = max(1, min(threads, table.total // _MIN_ELEMENTS_PER_THREAD))
-    lib = load_library() if library is None else library
-    lib.ol_adamw_step(table.rows, table.n_params, table.offsets, ctypes.byref(hyper), threads)
-
-
-def _hyper(
-    table: KernelTable,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    lr: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    maximize: bool,
-    stochastic: bool,
-    param_stochastic: bool,
-) -> _Hyper:
-    """The kernel's per-call options (see :func:`adamw_step`)."""
-    has_wd = weight_decay != 0
-    return _Hyper(
-        lerp_weight=1.0 - beta1,
-        beta2=beta2,
-        one_minus_beta2=1.0 - beta2,
-        eps=eps,
-        decay=(1.0 - lr * weight_decay) if has_wd and decoupled_weight_decay else 1.0,
-        weight_decay=weight_decay if has_wd and not decoupled_weight_decay else 0.0,
-        coupled=int(has_wd and not decoupled_weight_decay),
-        maximize=int(maximize),
-        moment_dtype=MOMENT_DTYPE_CODES[table.moment_dtype],
-        stochastic=int(stochastic),
-        param_stochastic=int(param_stochastic),
-    )
+    for group in range(table.n_groups):
+        table.set_options(
+            group,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            lr=lr,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+            maximize=maximize,
+            stochastic=stochastic,
+            param_stochastic=param_stochastic,
+        )
+    run_table(table, num_threads=num_threads, library=library)
