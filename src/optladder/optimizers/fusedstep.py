@@ -7,9 +7,9 @@ dict by a tensor-keyed lookup, four lists) and then sorts the lists by device an
 the kernel. The prepare phase of :mod:`optladder.optimizers.transaction` has already read
 every grad and made every state, so it hands the commit the lists torch would build:
 :func:`fused_plan` (per group, the params with a grad, their grads and state tensors), and
-:func:`run_fused_plan` makes exactly the calls of torch's ``_fused_adam`` (``step += 1``,
-then ``torch._fused_adamw_``, or ``torch._fused_adam_`` for Adam), so the result is bit
-for bit torch's.
+:func:`run_fused_plan` makes the calls of torch's ``_fused_adam`` (``step += 1``, then
+``torch._fused_adamw_``, or ``torch._fused_adam_`` for Adam; the step counts of every
+group bumped in one call), so the result is bit for bit torch's.
 
 Only the common case takes this path: every group fused, not differentiable, Python
 numbers as hyperparameters, every param of a group on one device in one dtype (real, not
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping, Sequence
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from typing import Any, cast
 
 import torch
@@ -212,15 +212,16 @@ def fused_plan(
 
 
 def run_fused_plan(calls: list[FusedCall]) -> None:
-    """Make the calls of :func:`fused_plan`: per group, ``step += 1`` then the kernel, as
-    torch's ``_fused_adam`` does (no grad recorded), with the params that are not dense
-    (and their grads) copied into their buffers before and back after (in place,
-    allocating nothing)."""
+    """Make the calls of :func:`fused_plan`: ``step += 1`` for every group's params (one
+    call for all groups: torch's ``_fused_adam`` makes one per group, and groups share no
+    param), then per group the kernel, as torch's ``_fused_adam`` does (no grad
+    recorded), with the params that are not dense (and their grads) copied into their
+    buffers before and back after (in place, allocating nothing)."""
     with torch.no_grad():
+        torch._foreach_add_(list(chain.from_iterable(call[1][5] for call in calls)), 1)
         for kernel, lists, options, (fills, writeback) in calls:
             for buffer, source in fills:
                 buffer.copy_(source)
-            torch._foreach_add_(lists[5], 1)
             kernel(*lists, **options)
             for param, buffer in writeback:
                 param.copy_(buffer)
