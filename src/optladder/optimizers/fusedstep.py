@@ -27,6 +27,7 @@ step that would need it refuses (:func:`refuse_nondense`).
 
 from __future__ import annotations
 
+import ctypes
 import operator
 from collections.abc import Mapping, Sequence
 from itertools import chain, compress, repeat
@@ -35,6 +36,7 @@ from typing import Any, cast
 import torch
 
 from optladder.columns import PLAIN_TYPES, dense
+from optladder.optimizers.stepmemo import same_objects
 
 _EXP_AVG = operator.itemgetter("exp_avg")
 _EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
@@ -42,6 +44,7 @@ _MAX_EXP_AVG_SQ = operator.itemgetter("max_exp_avg_sq")
 _STEP = operator.itemgetter("step")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
+_DATA_PTR = torch.Tensor.data_ptr
 
 Copies = tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]
 """``(fills, write-backs)`` of the params stepped through contiguous buffers: ``(buffer,
@@ -211,14 +214,64 @@ def fused_plan(
     return calls
 
 
-def run_fused_plan(calls: list[FusedCall]) -> None:
-    """Make the calls of :func:`fused_plan`: ``step += 1`` for every group's params (one
-    call for all groups: torch's ``_fused_adam`` makes one per group, and groups share no
-    param), then per group the kernel, as torch's ``_fused_adam`` does (no grad
-    recorded), with the params that are not dense (and their grads) copied into their
-    buffers before and back after (in place, allocating nothing)."""
+class StepCounts:
+    """Adds one to many step counts, each a one-element float64 CPU tensor (torch's
+    state layout, in float64 here: :mod:`optladder.optimizers.steps`), by writing their
+    memory: ``torch._foreach_add_`` takes ~2 microseconds a tensor on the CPU (the step
+    counts of 20,000 params cost about as much as their kernel), a write ~0.1.
+
+    The addresses are read at every call and the memory cells made again when a tensor
+    or an address changed; step counts of another kind (another dtype or device, as a
+    capturable or CUDA optimizer keeps them) go through ``torch._foreach_add_``.
+    Either way the sum is float64's ``step + 1``, exactly torch's.
+    """
+
+    def __init__(self) -> None:
+        self._steps: list[torch.Tensor] = []
+        self._ptrs: list[int] = []
+        self._cells: list[ctypes.c_double] | None = None
+
+    def bump(self, steps: list[torch.Tensor]) -> None:
+        """Add one to every tensor of ``steps`` in place (allocating no tensor)."""
+        if not steps:
+            return
+        ptrs = list(map(_DATA_PTR, steps))
+        if not (ptrs == self._ptrs and same_objects(steps, self._steps)):
+            cells = None
+            if all(map(_is_cpu_double_cell, steps)):
+                cells = [ctypes.c_double.from_address(ptr) for ptr in ptrs]
+            self._steps, self._ptrs, self._cells = list(steps), ptrs, cells
+        if self._cells is None:
+            torch._foreach_add_(steps, 1)
+            return
+        for cell in self._cells:
+            cell.value += 1.0
+
+
+def _is_cpu_double_cell(t: torch.Tensor) -> bool:
+    return (
+        type(t) in PLAIN_TYPES
+        and t.dtype == torch.float64
+        and t.device.type == "cpu"
+        and t.numel() == 1
+        and not t.requires_grad
+    )
+
+
+def run_fused_plan(calls: list[FusedCall], counts: StepCounts | None = None) -> None:
+    """Make the calls of :func:`fused_plan`: ``step += 1`` for every group's params (all
+    groups at once, with ``counts``' writes when given: torch's ``_fused_adam`` makes one
+    ``_foreach_add_`` per group, and groups share no param), then per group the kernel,
+    as torch's ``_fused_adam`` does (no grad recorded), with the params that are not
+    dense (and their grads) copied into their buffers before and back after (in place,
+    allocating nothing)."""
+    steps = list(chain.from_iterable(call[1][5] for call in calls))
     with torch.no_grad():
-        torch._foreach_add_(list(chain.from_iterable(call[1][5] for call in calls)), 1)
+        if counts is None:
+            if steps:
+                torch._foreach_add_(steps, 1)
+        else:
+            counts.bump(steps)
         for kernel, lists, options, (fills, writeback) in calls:
             for buffer, source in fills:
                 buffer.copy_(source)

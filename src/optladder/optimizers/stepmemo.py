@@ -160,6 +160,8 @@ class StepMemo:
             order), the params, which had no grad, and how many params each group held.
         states_extra: what the caller derived from that state (see :meth:`record_states`).
         plan: what the prepare phase left for the commit (consumed by it), or None.
+        step_counts: what the commit keeps between steps to bump the step counts
+            (:class:`~optladder.optimizers.fusedstep.StepCounts`), or None.
     """
 
     groups: dict[int, GroupMemo] = field(default_factory=dict)
@@ -168,6 +170,7 @@ class StepMemo:
     )
     states_extra: Any = None
     plan: Any = None
+    step_counts: Any = None
 
     def states_exist(
         self,

@@ -40,6 +40,7 @@ from optladder.columns import PLAIN_TYPES, dense
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
 from optladder.optimizers.fusedstep import (
     FusedCall,
+    StepCounts,
     fused_plan,
     nondense_places,
     params_fit,
@@ -404,11 +405,13 @@ def commit_step(engine: torch.optim.Optimizer, memo: StepMemo | None = None) -> 
     ``torch.optim.optimizer.register_optimizer_step_pre_hook``/``_post_hook``): the
     optladder optimizer's own ``step`` already ran them, and they must run once per step.
     """
-    plan = None if memo is None else memo.plan
+    plan = None
     if memo is not None:
-        memo.plan = None  # one commit per prepare
-    if plan is not None:
-        run_fused_plan(plan)
+        plan, memo.plan = memo.plan, None  # one commit per prepare
+    if memo is not None and plan is not None:
+        if memo.step_counts is None:
+            memo.step_counts = StepCounts()
+        run_fused_plan(plan, memo.step_counts)
     elif isinstance(engine, LadderAdamW):
         engine.commit_step()
     else:

@@ -1,0 +1,88 @@
+"""``fusedstep.StepCounts``: the fused commit adds one to every param's step count by
+writing the float64 CPU tensors' memory, not by ``torch._foreach_add_``. Each case is
+compared with torch's own ``_foreach_add_`` on copies of the same tensors, and no tensor
+outside the list is written."""
+
+from __future__ import annotations
+
+import torch
+
+from optladder.optimizers.fusedstep import StepCounts
+
+
+def _steps(values: list[float], dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
+    return [torch.tensor(v, dtype=dtype) for v in values]
+
+
+def _expected(steps: list[torch.Tensor]) -> list[torch.Tensor]:
+    copies = [s.clone() for s in steps]
+    torch._foreach_add_(copies, 1)
+    return copies
+
+
+def _assert_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x, y), (x, y)
+
+
+def test_adds_one_as_foreach_add_does_step_after_step() -> None:
+    # 2**53 - 1 is float64's last whole number with a successor; 2.5 is not a count but
+    # is added to exactly the same way
+    steps = _steps([0.0, 7.0, 2.0**53 - 2, 2.5])
+    counts = StepCounts()
+    for _ in range(3):
+        expected = _expected(steps)
+        counts.bump(steps)
+        _assert_equal(steps, expected)
+    assert [s.item() for s in steps] == [3.0, 10.0, 2.0**53 + 1, 5.5]
+
+
+def test_a_replaced_tensor_is_written_and_the_old_one_is_not() -> None:
+    steps = _steps([1.0, 2.0, 3.0])
+    counts = StepCounts()
+    counts.bump(steps)
+    old = steps[1]
+    steps[1] = torch.tensor(40.0, dtype=torch.float64)  # a load puts new tensors there
+    counts.bump(steps)
+    assert [s.item() for s in steps] == [3.0, 41.0, 5.0]
+    assert old.item() == 3.0  # bumped once, before it left the list
+
+
+def test_a_tensor_given_other_memory_is_written_there() -> None:
+    steps = _steps([1.0, 2.0])
+    counts = StepCounts()
+    counts.bump(steps)
+    before = steps[0].data
+    steps[0].data = torch.tensor(10.0, dtype=torch.float64)  # same tensor, new storage
+    counts.bump(steps)
+    assert [s.item() for s in steps] == [11.0, 4.0]
+    assert before.item() == 2.0
+
+
+def test_other_dtypes_and_mixed_lists_go_through_foreach_add() -> None:
+    for steps in (
+        _steps([1.0, 2.0], torch.float32),  # torch's own float32 steps
+        [*_steps([5.0]), *_steps([6.0], torch.float32)],
+        [torch.tensor(3.0, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)[:1]],
+    ):
+        expected = _expected(steps)
+        StepCounts().bump(steps)
+        _assert_equal(steps, expected)
+
+
+def test_an_empty_list_is_a_no_op() -> None:
+    StepCounts().bump([])
+
+
+def test_a_step_in_which_no_param_has_a_grad_changes_nothing() -> None:
+    from optladder import choose_optimizer
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = choose_optimizer([p], rung="fp32", free_memory="1GiB")
+    p.grad = torch.ones(3)
+    opt.step()
+    before = p.detach().clone()
+    p.grad = None  # the fused commit has no call to make
+    opt.step()
+    assert opt.state[p]["step"].item() == 1.0 and torch.equal(p.detach(), before)
