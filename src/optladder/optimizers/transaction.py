@@ -163,6 +163,7 @@ def _check_decay_mode(engine: torch.optim.Optimizer, group: Mapping[str, Any]) -
 
 
 _LAYOUT = operator.attrgetter("layout")
+_IS_CPU = operator.attrgetter("is_cpu")
 _PARAMS = operator.itemgetter("params")
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
@@ -200,6 +201,8 @@ def _check_bnb_steps(engine: torch.optim.Optimizer, params: list[torch.Tensor], 
     """Refuse a bitsandbytes step count (a Python int) its CUDA kernel cannot step from
     (:func:`~optladder.optimizers.migrate.step_limit`; on the CPU the limit is float64's
     integer range, which stepping cannot pass and loads check)."""
+    if all(map(_IS_CPU, params)):  # the common case, in C
+        return
     for pi, p in enumerate(params):
         if p.grad is None or p.is_cpu:
             continue
