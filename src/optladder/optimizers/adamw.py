@@ -36,12 +36,10 @@ from optladder.optimizers.rounding import (
     step_key,
 )
 from optladder.optimizers.stepmemo import (
-    GradRefs,
+    KeptGrads,
     StepMemo,
     grad_kinds,
     grad_of,
-    grad_refs,
-    same_grads,
     same_objects,
 )
 from optladder.optimizers.steps import BF16_MAX_STEP, MAX_STEP, STEP_DTYPE
@@ -200,7 +198,7 @@ class _GroupPlan:
         self._cpu_params = [p for p, _ in routes["cpu"]]
         self._param_ptrs = list(map(_DATA_PTR, self._cpu_params))
         self._held = self._state_tensors()
-        self._grads: GradRefs = []  # the grads whose pointers the table holds
+        self._grads = KeptGrads()  # the grads whose pointers the table holds
         self._grad_ptrs: list[int] = []
 
     def _state_tensors(self) -> list[torch.Tensor]:
@@ -210,7 +208,7 @@ class _GroupPlan:
     def grads_written(self, grads: list[torch.Tensor | None]) -> tuple[bool, list[int] | None]:
         """Whether the table already points at these grads (same tensors, same memory),
         and, when they are the same tensors, their pointers (else None)."""
-        if not same_grads(self._grads, grads):
+        if not self._grads.same(grads):
             return False, None
         present = cast(list[torch.Tensor], list(map(grads.__getitem__, self._positions)))
         ptrs = list(map(_DATA_PTR, present))  # the same grads: none is None there
@@ -253,13 +251,14 @@ class _GroupPlan:
         present = cast(list[torch.Tensor], list(map(grads.__getitem__, self._positions)))
         ptrs = written[1] if written[1] is not None else list(map(_DATA_PTR, present))
         self.table.set_grads(present, ptrs, self.first)
-        self._grads, self._grad_ptrs = grad_refs(grads), ptrs
+        self._grads.record(grads)
+        self._grad_ptrs = ptrs
 
     def place(self, table: Any, first: int, table_group: int) -> None:
         """Make this plan's C kernel params rows ``first, ...`` of ``table`` (a new table:
         its grads are written at the next :meth:`write_grads`)."""
         self.table, self.first, self.table_group = table, first, table_group
-        self._grads, self._grad_ptrs = [], []
+        self._grads, self._grad_ptrs = KeptGrads(), []
 
 
 def refuse_ladder_dtypes(params: list[torch.Tensor], moment_dtype: torch.dtype) -> None:

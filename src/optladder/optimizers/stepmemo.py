@@ -117,7 +117,48 @@ def same_options(group: Mapping[str, Any], snapshot: OptionsSnapshot) -> bool:
 
 REFS_EVERY = 16
 """While grads are new tensors at every step, one step in this many records them (to
-notice when they start being reused); see :meth:`StepMemo.record_grads`."""
+notice when they start being reused); see :class:`KeptGrads`."""
+
+
+@dataclass
+class KeptGrads:
+    """The grads a check (or a kernel table) last took, as weak references, to tell at
+    the next step whether they are the same tensors.
+
+    While each step brings new grad tensors (``zero_grad()`` sets them to None, the
+    backward makes new ones), the grads are recorded at one step in :data:`REFS_EVERY`
+    only: references that are never found again cost a weak reference per param per
+    step, and their churn sets off the garbage collector (~3 us a grad over 20,000
+    grads, more than the step's kernel).
+
+    Attributes:
+        refs: weak references to the grads last recorded (see :data:`GradRefs`); empty
+            when not recorded (matches no grads).
+        reused: whether a step found the recorded grads again (they are reused: kept
+            between steps, ``zero_grad(set_to_none=False)``).
+        fresh: steps in a row whose grads were new tensors while ``reused`` is False.
+    """
+
+    refs: GradRefs = field(default_factory=list)
+    reused: bool = True
+    fresh: int = 0
+
+    def same(self, grads: Sequence[torch.Tensor | None]) -> bool:
+        """Whether ``grads`` are the grads last recorded (identity)."""
+        hit = same_grads(self.refs, grads)
+        if hit:
+            self.reused = True
+        return hit
+
+    def record(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Record ``grads`` (at one step in :data:`REFS_EVERY` while they are new at
+        every step)."""
+        if self.reused or self.fresh % REFS_EVERY == 0:
+            self.refs = grad_refs(grads)
+        else:
+            self.refs = []  # matches no grads: checked again at the next step
+        self.fresh = 0 if self.reused else self.fresh + 1
+        self.reused = False
 
 
 @dataclass
@@ -129,20 +170,15 @@ class GroupMemo:
         options: :func:`options_snapshot` of the group when its options were checked,
             or None (check again).
         params: its params when its grads were checked, in order (identity).
-        grads: weak references to their grads then (see :data:`GradRefs`).
+        grads: their grads then (:class:`KeptGrads`).
         context: whatever else the grad checks read (e.g. the group's ``fused`` flag).
-        reused: whether a step found the recorded grads again (they are reused: kept
-            between steps, ``zero_grad(set_to_none=False)``).
-        fresh: steps in a row whose grads were new tensors while ``reused`` is False.
     """
 
     group: dict[str, Any]
     options: OptionsSnapshot | None = None
     params: list[torch.Tensor] = field(default_factory=list)
-    grads: GradRefs = field(default_factory=list)
+    grads: KeptGrads = field(default_factory=KeptGrads)
     context: object = None
-    reused: bool = True
-    fresh: int = 0
 
 
 @dataclass
@@ -247,16 +283,13 @@ class StepMemo:
         grad tensors, and ``context`` is equal, as when its grads were last checked
         (:meth:`record_grads`)."""
         memo = self.groups.get(gi)
-        hit = (
+        return (
             memo is not None
             and memo.group is group
             and memo.context == context
             and same_objects(params, memo.params)
-            and same_grads(memo.grads, grads)
+            and memo.grads.same(grads)
         )
-        if hit:
-            memo.reused = True  # type: ignore[union-attr]
-        return hit
 
     def record_grads(
         self,
@@ -267,21 +300,10 @@ class StepMemo:
         context: object,
     ) -> None:
         """Remember group ``gi``'s params and grads as they are now (their checks
-        passed).
-
-        While each step brings new grad tensors (``zero_grad()`` sets them to None, the
-        backward makes new ones), the grads are recorded at one step in
-        :data:`REFS_EVERY` only: references that are never found again cost a weak
-        reference per param per step, and their churn sets off the garbage collector.
-        """
+        passed; the grads as :meth:`KeptGrads.record` keeps them)."""
         memo = self._memo(gi, group)
         memo.params, memo.context = list(params), context
-        if memo.reused or memo.fresh % REFS_EVERY == 0:
-            memo.grads = grad_refs(grads)
-        else:
-            memo.grads = []  # matches no grads: checked again at the next step
-        memo.fresh = 0 if memo.reused else memo.fresh + 1
-        memo.reused = False
+        memo.grads.record(grads)
 
     def trim(self, n_groups: int) -> None:
         """Forget groups at places ``>= n_groups`` (the optimizer has fewer groups)."""
