@@ -247,7 +247,19 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             finally:
                 self.release_scratch()
 
-        def _step(self, closure: Any) -> Any:
+        @torch.no_grad()
+        def commit_step(self) -> None:
+            """The commit of a two-phase step (:mod:`optladder.optimizers.transaction`):
+            the step :meth:`prepare_kernel_step` prepared, run without checking again that
+            its grads and state are the ones prepared (nothing ran in between but the
+            grads' unscaling, in place). Runs no step hooks, as the optladder optimizer's
+            own ``step`` ran them."""
+            try:
+                self._step(None, just_prepared=True)
+            finally:
+                self.release_scratch()
+
+        def _step(self, closure: Any, just_prepared: bool = False) -> Any:
             """One step, as bitsandbytes' ``Optimizer8bit.step``, with every CPU param the
             8-bit CPU kernel can take stepped by one kernel call (see
             :func:`ladder_adamw8bit_class`); the rest through bitsandbytes' ``update_step``.
@@ -261,7 +273,7 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
                 self.to_gpu()
                 self.initialized = True
             prepared, self._prepared = self._prepared, None
-            if prepared is None or not prepared.still_valid(self):
+            if prepared is None or not (just_prepared or prepared.still_valid(self)):
                 self.prepare_contiguous()
                 for gindex, group in enumerate(self.param_groups):
                     for pindex, p in enumerate(group["params"]):

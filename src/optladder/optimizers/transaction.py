@@ -415,8 +415,8 @@ def commit_step(engine: torch.optim.Optimizer, memo: StepMemo | None = None) -> 
         if memo.step_counts is None:
             memo.step_counts = StepCounts()
         run_fused_plan(plan, memo.step_counts)
-    elif isinstance(engine, LadderAdamW):
-        engine.commit_step()
+    elif isinstance(engine, LadderAdamW) or hasattr(engine, "commit_step"):
+        engine.commit_step()  # LadderAdamW, optladder's bitsandbytes engine
     else:
         step: Any = type(engine).step
         if getattr(step, "hooked", False):  # torch's profile_hook_step: unwrap it once
