@@ -5,8 +5,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-# Every pip call below is pinned by constraints.txt (torch==2.13.0), so no dependency can
-# swap the installed torch for another build.
+# Every pip call below is pinned by constraints.txt (torch==2.13.0+cpu, the CPU build), so
+# no dependency can swap the installed torch for another build, CUDA's included.
 export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 

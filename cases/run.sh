@@ -17,7 +17,7 @@ if [ -z "$folder" ]; then
         [ -n "$common" ] && folder="$(dirname "$common")/../shared/cases"
     fi
 fi
-[ -d "$folder" ] || { echo "run.sh: no cases folder: $folder" >&2; exit 2; }
+[ -d "$folder" ] || { echo "run.sh: no cases folder: $folder (pass it: bash cases/run.sh FOLDER)" >&2; exit 2; }
 python="${PYTHON:-.venv/bin/python}"
 export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's sources win
 shopt -s nullglob
