@@ -5,6 +5,7 @@ outside the list is written."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from optladder.optimizers.fusedstep import StepCounts
@@ -86,3 +87,46 @@ def test_a_step_in_which_no_param_has_a_grad_changes_nothing() -> None:
     p.grad = None  # the fused commit has no call to make
     opt.step()
     assert opt.state[p]["step"].item() == 1.0 and torch.equal(p.detach(), before)
+
+
+def test_a_tensor_given_a_narrower_dtype_at_the_same_address_is_not_written_as_float64() -> None:
+    # the same tensor, the same address, now a float32 view of its own 8 bytes: a float64
+    # cell kept from the last call would write both halves; torch adds 1.0 to the first
+    step = torch.tensor(3.0, dtype=torch.float64)
+    counts = StepCounts()
+    counts.bump([step])
+    halves = step.data.reshape(1).view(torch.float32)  # (2,) float32 over the same bytes
+    halves.copy_(torch.tensor([5.0, 7.0]))
+    address = step.data_ptr()
+    step.data = halves[0]
+    assert step.data_ptr() == address and step.dtype == torch.float32
+    counts.bump([step])
+    assert halves.tolist() == [6.0, 7.0]  # 5 + 1, and the other half untouched
+    assert step.dtype == torch.float32 and step.item() == 6.0
+
+
+def test_a_negative_view_is_refused_as_foreach_add_refuses_it() -> None:
+    # a tensor with the negative bit reads as minus its memory: a float64 cell would add
+    # one to the memory (the count it reads going from -3 to -4); torch's _foreach_add_
+    # refuses such a tensor, and so does the bump, writing nothing
+    base = torch.tensor(3.0, dtype=torch.float64)
+    steps = [torch._neg_view(base)]
+    assert steps[0].item() == -3.0
+    with pytest.raises(RuntimeError, match="negation"):
+        torch._foreach_add_(list(steps), 1)
+    with pytest.raises(RuntimeError, match="negation"):
+        StepCounts().bump(steps)
+    assert base.item() == 3.0
+
+
+def test_the_memory_of_kept_cells_is_held_when_a_tensor_moves_away() -> None:
+    step = torch.tensor(3.0, dtype=torch.float64)
+    counts = StepCounts()
+    counts.bump([step])
+    old = step.untyped_storage()
+    address = old.data_ptr()
+    step.data = torch.tensor(10.0, dtype=torch.float64)  # its old memory is free to reuse
+    del old
+    assert any(s.data_ptr() == address for s in counts._storages)  # not while a cell is kept
+    counts.bump([step])
+    assert step.item() == 11.0

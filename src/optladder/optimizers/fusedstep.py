@@ -220,27 +220,53 @@ class StepCounts:
     memory: ``torch._foreach_add_`` takes ~2 microseconds a tensor on the CPU (the step
     counts of 20,000 params cost about as much as their kernel), a write ~0.1.
 
-    The addresses are read at every call and the memory cells made again when a tensor
-    or an address changed; step counts of another kind (another dtype or device, as a
-    capturable or CUDA optimizer keeps them) go through ``torch._foreach_add_``.
+    The addresses and dtypes are read at every call and the memory cells made again
+    when a tensor, an address or a dtype changed (a tensor can be given other memory at
+    the same address: ``t.data = t.data.view(...)``, or a new allocation where its old
+    memory was; a float64 cell written there would write past a smaller element). The
+    cells' storages are held while they are kept, so the memory they point at is not
+    freed and given to another tensor (short of resizing that storage in place). Step
+    counts of another kind (another dtype or device, as a capturable or CUDA optimizer
+    keeps them, a negative view, a tensor subclass) go through ``torch._foreach_add_``.
     Either way the sum is float64's ``step + 1``, exactly torch's.
     """
 
     def __init__(self) -> None:
         self._steps: list[torch.Tensor] = []
         self._ptrs: list[int] = []
+        self._dtypes: list[torch.dtype] = []
+        self._storages: list[torch.UntypedStorage] = []
         self._cells: list[ctypes.c_double] | None = None
+
+    def _keep(
+        self,
+        steps: list[torch.Tensor],
+        ptrs: list[int],
+        dtypes: list[torch.dtype],
+        cells: list[ctypes.c_double] | None,
+    ) -> None:
+        """Keep these tensors' cells (None: they take ``torch._foreach_add_``), holding
+        their storages while the cells point into them."""
+        storages = [] if cells is None else [t.untyped_storage() for t in steps]
+        self._steps, self._ptrs, self._dtypes = list(steps), ptrs, dtypes
+        self._storages, self._cells = storages, cells
 
     def bump(self, steps: list[torch.Tensor]) -> None:
         """Add one to every tensor of ``steps`` in place (allocating no tensor)."""
         if not steps:
             return
-        ptrs = list(map(_DATA_PTR, steps))
-        if not (ptrs == self._ptrs and same_objects(steps, self._steps)):
+        try:
+            ptrs = list(map(_DATA_PTR, steps))
+        except RuntimeError:  # a tensor without storage (a wrapper subclass)
+            self._keep([], [], [], None)
+            torch._foreach_add_(steps, 1)
+            return
+        dtypes = list(map(_DTYPE, steps))
+        if not (ptrs == self._ptrs and dtypes == self._dtypes and same_objects(steps, self._steps)):
             cells = None
             if all(map(_is_cpu_double_cell, steps)):
                 cells = [ctypes.c_double.from_address(ptr) for ptr in ptrs]
-            self._steps, self._ptrs, self._cells = list(steps), ptrs, cells
+            self._keep(steps, ptrs, dtypes, cells)
         if self._cells is None:
             torch._foreach_add_(steps, 1)
             return
@@ -255,6 +281,7 @@ def _is_cpu_double_cell(t: torch.Tensor) -> bool:
         and t.device.type == "cpu"
         and t.numel() == 1
         and not t.requires_grad
+        and not t.is_neg()
     )
 
 
