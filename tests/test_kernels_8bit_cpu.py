@@ -835,3 +835,31 @@ def test_the_prebuild_command_builds_both_cpu_kernels() -> None:
     assert printed == [str(cpu.build()), str(cpu8bit.build())]
     assert printed[0].split("/")[-1].startswith("adamw_bf16_")
     assert printed[1].split("/")[-1].startswith("adamw8bit_")
+
+
+def test_a_numpy_eps_steps_float32_state_as_the_same_python_float() -> None:
+    """A group's ``eps`` set as a numpy float32 (validation takes it) is the number it
+    holds: the kept table's later steps write float32 state's ``eps * sqrt(1 -
+    beta2**step)`` in float64 then round it once, as the first step's full table does
+    (numpy's float32 product would round twice: other bits at steps 3, 4, 8, 9, 12).
+    Params, grads and eps are tiny so the eps term sets the update's bits."""
+    np = pytest.importorskip("numpy")
+    eps = np.float32(1e-8)
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(n, generator=gen) * 1e-9 for n in (100, 64)]  # float32 state
+    grads = [[torch.randn(p.shape, generator=gen) * 1e-14 for p in start] for _ in range(12)]
+    finals = []
+    for value in (eps, float(eps)):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = _engine([{"params": params[:1]}, {"params": params[1:], "lr": 3e-3}], lr=1e-2)
+        for group in opt.param_groups:
+            group["eps"] = value
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        assert opt._kernel_plan is not None  # the later steps took the kept table
+        assert all(opt.state[p]["state1"].dtype == torch.float32 for p in params)
+        finals.append([p.detach().clone() for p in params])
+    for a, b in zip(*finals):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))

@@ -588,7 +588,9 @@ def write_step_scalars(
             computed so far, read and filled here (one computation per distinct key).
     """
     beta1, beta2 = float(betas[0]), float(betas[1])
-    lr, wd = float(lr), float(weight_decay)
+    # Python floats: a numpy float32 option (which validation takes) would make
+    # ``eps * bc2_sqrt`` a float32 product, rounded twice
+    lr, wd, eps = float(lr), float(weight_decay), float(eps)
     key = (step, beta1, beta2)
     found = None if corrections is None else corrections.get(key)
     if found is None:
