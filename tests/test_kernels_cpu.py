@@ -221,3 +221,51 @@ def test_nan_moments_stay_nan() -> None:
     assert torch.isnan(opt.state[p]["exp_avg"].float()).all()
     # the oracle's quiet NaN: high half of the float32 pattern with bit 22 set
     assert ((bits("exp_avg_sq").to(torch.int32) & 0x7FC0) == 0x7FC0).all()
+
+
+def _grouped_run(backend: str, edit: Callable[[LadderAdamW, int], None]) -> list[torch.Tensor]:
+    """Six steps of two groups (one table for both on the C kernel), ``edit`` applied to
+    the groups before each; the params' bits and moments after."""
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (300, 5000, 64)]
+    opt = LadderAdamW(
+        [{"params": params[:2]}, {"params": params[2:], "lr": 3e-3}],
+        lr=0.7640108443576374,
+        weight_decay=0.5,
+        seed=5,
+        backend=backend,  # type: ignore[arg-type]
+    )
+    for step in range(6):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        edit(opt, step)
+        opt.step()
+    moments = [opt.state[p][name] for p in params for name in ("exp_avg", "exp_avg_sq")]
+    return [p.detach().view(torch.int32) for p in params] + [m.view(torch.int16) for m in moments]
+
+
+def _numpy_weight_decay_from_step_3(opt: LadderAdamW, step: int) -> None:
+    np = pytest.importorskip("numpy")
+    # equal to 0.5, but lr * weight_decay is then numpy float32 arithmetic: at this lr,
+    # 1 - lr * weight_decay rounds to another float (0.61799455 rather than 0.6179946)
+    opt.param_groups[0]["weight_decay"] = np.float32(0.5) if step >= 3 else 0.5
+
+
+def _equal_betas_of_two_types(opt: LadderAdamW, step: int) -> None:
+    np = pytest.importorskip("numpy")
+    # equal betas, but numpy float32 powers give other bias corrections than float ones
+    opt.param_groups[0]["betas"] = (0.75, 0.5)
+    opt.param_groups[1]["betas"] = (np.float32(0.75), np.float32(0.5))
+
+
+@pytest.mark.parametrize("edit", [_numpy_weight_decay_from_step_3, _equal_betas_of_two_types])
+def test_options_equal_in_value_but_not_type_step_as_the_oracle(
+    edit: Callable[[LadderAdamW, int], None],
+) -> None:
+    """The table keeps each group's options and a step's bias corrections while they are
+    equal: a numpy float32 option equal to the float one before it (or to another
+    group's) computes other fields, so it must not be taken as the same."""
+    ref = _grouped_run("eager", edit)
+    got = _grouped_run("cpu", edit)
+    for k, (a, b) in enumerate(zip(ref, got, strict=True)):
+        assert torch.equal(a, b), k

@@ -700,7 +700,9 @@ class LadderAdamW(torch.optim.Optimizer):
                     )
         together = steps.count(steps[0]) == len(steps)  # every param at one count
         keys: dict[tuple[int, int], int] = {}  # shared by groups of one seed and step
-        corrections: dict[tuple[float, float, int], tuple[float, float]] = {}
+        # by value and type: a numpy float32 beta equal to a float one (0.75) gives other
+        # bias corrections (numpy float32 arithmetic, as the eager path computes them)
+        corrections: dict[tuple[float, float, int, type, type], tuple[float, float]] = {}
         for plan in self._table_plans:
             group = plan.group
             lr = float(group["lr"])
@@ -717,9 +719,10 @@ class LadderAdamW(torch.optim.Optimizer):
                 key = keys.get((seed, n))
                 if key is None:
                     key = keys[seed, n] = step_key(seed, n)
-                found = corrections.get((beta1, beta2, n))
+                ckey = (beta1, beta2, n, type(beta1), type(beta2))
+                found = corrections.get(ckey)
                 if found is None:
-                    found = corrections[beta1, beta2, n] = eager.bias_corrections(beta1, beta2, n)
+                    found = corrections[ckey] = eager.bias_corrections(beta1, beta2, n)
                 scalars[s] = (key, -lr / found[0], found[1])  # as eager.step_scalars
             table.set_scalars(new_steps, scalars, plan.first)
             table.set_options(

@@ -594,7 +594,7 @@ class KernelTable:
         param_stochastic: bool,
     ) -> None:
         """Set the options group ``group``'s rows are stepped with (written only when
-        they differ from the last ones set). Arguments as in :func:`adamw_step`.
+        they differ, in value or type, from the last ones set). Arguments as in :func:`adamw_step`.
 
         Raises:
             IndexError: for a group number outside ``[0, n_groups)``.
@@ -611,6 +611,9 @@ class KernelTable:
             maximize,
             stochastic,
             param_stochastic,
+            # the types too: a numpy float32 equal to a float (0.5) makes other fields
+            # below (``lr * weight_decay`` in float32 arithmetic)
+            *map(type, (beta1, beta2, eps, lr, weight_decay)),
         )
         if self._options[group] == key:
             return
