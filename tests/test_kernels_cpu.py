@@ -269,3 +269,34 @@ def test_options_equal_in_value_but_not_type_step_as_the_oracle(
     got = _grouped_run("cpu", edit)
     for k, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("name", ["exp_avg", "exp_avg_sq", "step"])
+def test_state_given_other_memory_between_steps_is_stepped_there(name: str) -> None:
+    """``state[name].data = ...`` keeps the tensor but moves its memory: the kept table
+    must point at the new memory (it stepped the old one, left alive here so the wrong
+    result shows without writing freed memory) and give the eager oracle's bits."""
+    results = []
+    for backend in ("eager", "cpu"):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (300, 5000)]
+        opt = LadderAdamW(params, lr=1e-2, backend=backend)  # type: ignore[arg-type]
+        old = []
+        for step in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if step == 2:
+                for p in params:
+                    old.append(opt.state[p][name].data)
+                    opt.state[p][name].data = opt.state[p][name].data.clone()
+            opt.step()
+        if backend == "cpu":
+            assert opt.eager_reasons == {}  # every param on the C kernel's table
+        results.append(
+            [p.detach().view(torch.int32) for p in params]
+            + [opt.state[p][k].clone() for p in params for k in ("exp_avg", "exp_avg_sq")]
+            + [opt.state[p]["step"].clone() for p in params]
+        )
+    for k, (a, b) in enumerate(zip(*results, strict=True)):
+        assert torch.equal(a, b), k
+    assert [s.item() for s in results[1][-2:]] == [4.0, 4.0]

@@ -198,6 +198,7 @@ class _GroupPlan:
         self._cpu_params = [p for p, _ in routes["cpu"]]
         self._param_ptrs = list(map(_DATA_PTR, self._cpu_params))
         self._held = self._state_tensors()
+        self._held_ptrs = list(map(_DATA_PTR, self._held))
         self._grads = KeptGrads()  # the grads whose pointers the table holds
         self._grad_ptrs: list[int] = []
 
@@ -220,8 +221,8 @@ class _GroupPlan:
         """Whether this plan still routes and points right: the same group dict, params
         and first index; grads of the same kinds (:func:`~.stepmemo.grad_kinds`, read
         only for grads that are not the ones the table holds); the C kernel's params in
-        the same memory; their state the same tensors (the caller checks that the state
-        dicts are the same objects).
+        the same memory; their state the same tensors in the same memory (the caller
+        checks that the state dicts are the same objects).
 
         Returns:
             None when the plan must be made again, else :meth:`grads_written` of
@@ -236,7 +237,12 @@ class _GroupPlan:
             return None
         if list(map(_DATA_PTR, self._cpu_params)) != self._param_ptrs:
             return None
-        if not same_objects(self._state_tensors(), self._held):
+        held = self._state_tensors()
+        if not same_objects(held, self._held):
+            return None
+        # the same tensors may hold other memory (``st["exp_avg"].data = ...``): the table
+        # would step the memory they held, freed unless something else holds it
+        if list(map(_DATA_PTR, held)) != self._held_ptrs:
             return None
         return written
 
