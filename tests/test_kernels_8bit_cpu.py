@@ -863,3 +863,41 @@ def test_a_numpy_eps_steps_float32_state_as_the_same_python_float() -> None:
         finals.append([p.detach().clone() for p in params])
     for a, b in zip(*finals):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", ["state1", "state2", "absmax1", "absmax2", "qmap1"])
+@pytest.mark.parametrize("how", ["data", "replace"])
+def test_state_moved_to_other_memory_between_steps_is_stepped_there(name: str, how: str) -> None:
+    """A state tensor given a copy of its memory (``.data = clone``, the same tensor) or
+    replaced by a copy (a new tensor in the same state dict) holds the same values: the
+    steps after must give the bits of a run where nothing moved, so the kept table must
+    point at the new memory (it stepped the old one: kept alive here so the wrong result
+    shows without writing freed memory)."""
+    results = []
+    for move in (False, True):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (1_000, 5_000)]
+        opt = _engine(params, lr=1e-2)
+        old = []
+        for step in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            if move and step == 2:
+                for p in params:
+                    state = opt.state[p]
+                    if name not in state:  # absmax and qmap: 8-bit state only
+                        continue
+                    old.append(state[name].data)
+                    if how == "data":
+                        state[name].data = state[name].data.clone()
+                    else:
+                        state[name] = state[name].clone()
+            opt.step()
+        assert opt._kernel_plan is not None and opt.eager_reasons == {}
+        results.append(
+            [p.detach().clone() for p in params]
+            + [opt.state[p][k].clone() for p in params for k in ("state1", "state2")]
+            + [opt.state[params[1]][k].clone() for k in ("absmax1", "absmax2")]
+        )
+    for k, (a, b) in enumerate(zip(*results, strict=True)):
+        assert torch.equal(a, b), k

@@ -471,6 +471,8 @@ class _PreparedStep:
 _STEP = operator.itemgetter("step")
 _STATE1 = operator.itemgetter("state1")
 _STATE2 = operator.itemgetter("state2")
+_QUANTIZED_STATE = operator.itemgetter("absmax1", "absmax2", "qmap1", "qmap2")
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def _row_bytes(rows: ctypes.Array[Any]) -> torch.Tensor:
@@ -482,8 +484,9 @@ def _row_bytes(rows: ctypes.Array[Any]) -> torch.Tensor:
 
 class _KernelPlan:
     """The 8-bit CPU kernel's table of a ``LadderAdamW8bit``, kept between steps while
-    the groups, params (and their memory), grads' kinds, state and bitsandbytes'
-    per-param overrides stay the same; a step then writes only the grad pointers and,
+    the groups, params (and their memory), grads' kinds, state (the same tensors, in
+    the same memory) and bitsandbytes' per-param overrides stay the same; a step then
+    writes only the grad pointers and,
     per (group, state format), the scalars of its step count and the group's options
     (written into one row per run by :func:`~.kernels.cpu8bit.write_step_scalars`, the
     function a full table's rows are written with, and copied to the run's rows in one
@@ -521,8 +524,11 @@ class _KernelPlan:
         self.kernel_params = kernel_params
         self.param_ptrs = list(map(torch.Tensor.data_ptr, kernel_params))
         self.states = prepared.states
-        self.state1 = list(map(_STATE1, self.states))
-        self.state2 = list(map(_STATE2, self.states))
+        self.quantized_states = [
+            st for st, job in zip(self.states, jobs) if job.absmax1 is not None
+        ]
+        self.held = self.table_state()
+        self.held_ptrs = list(map(_DATA_PTR, self.held))
         self.runs: list[tuple[int, int, int]] = []  # (group, first row, end row)
         for k, (gi, _) in enumerate(places):
             quantized = jobs[k].state1.dtype
@@ -587,6 +593,22 @@ class _KernelPlan:
             return None
         return plan
 
+    def table_state(self) -> list[torch.Tensor]:
+        """The state tensors the table points into, as the state dicts hold them now:
+        every kernel param's ``state1`` and ``state2``, and the 8-bit ones' ``absmax1``,
+        ``absmax2``, ``qmap1`` and ``qmap2``.
+
+        Raises:
+            KeyError: a state dict has lost one of them.
+        """
+        return list(
+            itertools.chain(
+                map(_STATE1, self.states),
+                map(_STATE2, self.states),
+                itertools.chain.from_iterable(map(_QUANTIZED_STATE, self.quantized_states)),
+            )
+        )
+
     def refresh(self, engine: Any) -> _PreparedStep | None:
         """The prepared step for the engine's current grads, step counts and options on
         this plan's table, or None when the plan no longer fits (prepare a full table).
@@ -616,9 +638,15 @@ class _KernelPlan:
             not same_objects(state_seen, self.state_seen)
             or (len(engine.mng.pid2config), len(engine.mng.index2config)) != self.n_overrides
             or list(map(torch.Tensor.data_ptr, self.kernel_params)) != self.param_ptrs
-            or not same_objects(list(map(_STATE1, self.states)), self.state1)
-            or not same_objects(list(map(_STATE2, self.states)), self.state2)
         ):
+            return None
+        try:
+            held = self.table_state()
+        except KeyError:
+            return None
+        # the same tensors, in the same memory (``state["state1"].data = ...`` keeps the
+        # tensor: the table would step the memory it held, freed unless held elsewhere)
+        if not same_objects(held, self.held) or list(map(_DATA_PTR, held)) != self.held_ptrs:
             return None
         steps = list(map(_STEP, self.states))
         if not all(isinstance(step, int) for step in (min(steps), max(steps))):
