@@ -26,10 +26,15 @@ def _grads(params: list[Any], seed: int) -> None:
         p.grad = torch.randn(p.shape, generator=gen)
 
 
+class _ConfigList(list):  # type: ignore[type-arg]
+    """A list subclass, as YAML config loaders make (ruamel's ``CommentedSeq``)."""
+
+
 @pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
-def test_betas_changed_in_place_are_checked_again(rung: str) -> None:
+@pytest.mark.parametrize("kind", [list, _ConfigList], ids=["list", "list-subclass"])
+def test_betas_changed_in_place_are_checked_again(rung: str, kind: type) -> None:
     opt, params = _opt(rung)
-    opt.param_groups[0]["betas"] = [0.9, 0.999]  # edited by hand: checked at the next step
+    opt.param_groups[0]["betas"] = kind([0.9, 0.999])  # by hand: checked at the next step
     _grads(params, 0)
     opt.step()
     opt.param_groups[0]["betas"][0] = 1.5  # in place: the list checked at the last step

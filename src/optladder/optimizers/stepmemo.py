@@ -71,8 +71,9 @@ class _AnyValue:
 
 
 class _ListValue:
-    """A list option (``betas`` set as ``[0.9, 0.999]``) as it was: equal to a list of
-    equal items. The list itself can change in place, so the snapshot holds a copy."""
+    """A list option (``betas`` set as ``[0.9, 0.999]``, or a list subclass) as it was:
+    equal to a list of equal items. The list itself can change in place, so the snapshot
+    holds a copy."""
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -80,7 +81,7 @@ class _ListValue:
         self.items = tuple(items)
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is list and tuple(other) == self.items
+        return isinstance(other, list) and tuple(other) == self.items
 
 
 _ANY = _AnyValue()
@@ -102,7 +103,7 @@ def options_snapshot(group: Mapping[str, Any]) -> OptionsSnapshot | None:
     for i, (key, t) in enumerate(zip(keys, types)):
         if key in _NOT_OPTIONS:
             values[i] = _ANY
-        elif t is list:
+        elif issubclass(t, list):  # a subclass too (a config loader's list)
             values[i] = _ListValue(values[i])
     return keys, types, values
 
