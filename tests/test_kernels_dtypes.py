@@ -373,3 +373,24 @@ def test_nan_and_inf_write_the_same_bits_in_kernel_and_eager(
             assert torch.equal(_bits(a), _bits(b)), name
             assert bool(torch.isnan(b[[0, 12 if name == "exp_avg" else 14]]).all())
         assert bool(torch.isnan(got[0].detach()[[0, 8, 11]]).all())
+
+
+@needs_gcc
+def test_tables_released_between_prepare_and_commit_still_step() -> None:
+    """release_tables() (before state moves) between a prepare and its commit: the commit
+    steps with the table the prepared plans point into, as the eager oracle does."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (10, 20)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = LadderAdamW([{"params": params[:1]}, {"params": params[1:]}], backend="cpu")
+    ref = LadderAdamW([{"params": twins[:1]}, {"params": twins[1:]}], backend="eager")
+    for p, q in zip(params, twins):
+        p.grad = torch.randn(p.shape)
+        q.grad = p.grad.clone()
+    opt.prepare_step()
+    opt.release_tables()
+    opt.commit_step()
+    ref.step()
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"])
+        assert opt.state[p]["step"].item() == 1.0

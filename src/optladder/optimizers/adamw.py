@@ -800,8 +800,11 @@ class LadderAdamW(torch.optim.Optimizer):
             if grad_scale is not None:
                 unscale_grads_([cast(torch.Tensor, p.grad) for p, _ in host], grad_scale)
             host_plans.append(plan)
-        if self._cpu_table is not None and not skip_host:
-            self._step_cpu(self._cpu_table)  # every group's C kernel params, one call
+        # every group's C kernel params, one call; the table the prepared plans point
+        # into (kept by them even if the engine let go of it since, release_tables)
+        table = next((plan.table for plan in host_plans if plan.table is not None), None)
+        if table is not None:
+            self._step_cpu(table)
         for plan in host_plans:
             for p, i in plan.routes["eager"]:
                 eager.eager_step(
