@@ -69,3 +69,35 @@ def test_a_group_switched_to_the_other_weight_decay_mode_is_refused(
     opt.param_groups[0]["decoupled_weight_decay"] = decoupled  # put back: steps again
     opt.step()
     assert not torch.equal(params[0], before[0])
+
+
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("key", ["lr", "betas", "eps", "weight_decay"])
+def test_a_hyperparameter_deleted_from_a_group_is_refused_before_any_write(
+    rung: str, key: str
+) -> None:
+    """``del group[key]`` after construction: torch's own fp32 step wrote the first
+    group's params, then failed on the second (a PartialStepError); the step is refused
+    before any write, naming the group and the key, and runs once the key is back."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 8, generator=gen)) for _ in range(2)]
+    opt = choose_optimizer(
+        [{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.5}],
+        lr=1e-2,
+        rung=rung,
+        free_memory="1GiB",
+        environ={},
+    )
+    _grads(params, 0)
+    opt.step()
+    value = opt.param_groups[1].pop(key)
+    before = [p.detach().clone() for p in params]
+    steps = [float(opt.state[p]["step"]) for p in params]
+    _grads(params, 1)
+    with pytest.raises(ValueError, match=rf"param group 1: the key '{key}' is missing"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert [float(opt.state[p]["step"]) for p in params] == steps == [1.0, 1.0]
+    opt.param_groups[1][key] = value
+    opt.step()
+    assert [float(opt.state[p]["step"]) for p in params] == [2.0, 2.0]

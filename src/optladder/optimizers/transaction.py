@@ -113,6 +113,12 @@ def check_step_inputs(
     for gi, group in enumerate(groups):
         if memo is None or not memo.options_unchanged(gi, group):
             try:
+                missing = [key for key in _HYPERPARAMS if key not in group]
+                if missing:  # deleted by hand: torch's step would fail half-way
+                    raise ValueError(
+                        f"the key {', '.join(map(repr, missing))} is missing (every group "
+                        "of a built optimizer holds it); set it on the group again"
+                    )
                 validate_group_hyperparams(group)
                 _check_decay_mode(engine, group)
                 if ladder:
@@ -162,6 +168,7 @@ def _check_decay_mode(engine: torch.optim.Optimizer, group: Mapping[str, Any]) -
         )
 
 
+_HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")
 _LAYOUT = operator.attrgetter("layout")
 _IS_CPU = operator.attrgetter("is_cpu")
 _PARAMS = operator.itemgetter("params")
