@@ -195,16 +195,9 @@ class _GroupPlan:
         self.table_group = 0
         self._kinds = grad_kinds(grads)
         self._positions = [i - start for _, i in routes["cpu"]]
-        self._cpu_params = [p for p, _ in routes["cpu"]]
-        self._param_ptrs = list(map(_DATA_PTR, self._cpu_params))
-        self._held = self._state_tensors()
-        self._held_ptrs = list(map(_DATA_PTR, self._held))
+        self.cpu_params = [p for p, _ in routes["cpu"]]
         self._grads = KeptGrads()  # the grads whose pointers the table holds
         self._grad_ptrs: list[int] = []
-
-    def _state_tensors(self) -> list[torch.Tensor]:
-        """The C kernel's params' ``exp_avg``, ``exp_avg_sq`` and ``step``, flat."""
-        return list(chain.from_iterable(map(_STATE_TENSORS, self.states)))
 
     def grads_written(self, grads: list[torch.Tensor | None]) -> tuple[bool, list[int] | None]:
         """Whether the table already points at these grads (same tensors, same memory),
@@ -220,9 +213,10 @@ class _GroupPlan:
     ) -> tuple[bool, list[int] | None] | None:
         """Whether this plan still routes and points right: the same group dict, params
         and first index; grads of the same kinds (:func:`~.stepmemo.grad_kinds`, read
-        only for grads that are not the ones the table holds); the C kernel's params in
-        the same memory; their state the same tensors in the same memory (the caller
-        checks that the state dicts are the same objects).
+        only for grads that are not the ones the table holds). The caller checks the
+        rest, for all groups at once: the state dicts are the same objects, and the C
+        kernel's params and their state the same tensors in the same memory
+        (:meth:`LadderAdamW._table_points_right`).
 
         Returns:
             None when the plan must be made again, else :meth:`grads_written` of
@@ -234,15 +228,6 @@ class _GroupPlan:
             return None
         written = self.grads_written(grads)
         if not written[0] and grad_kinds(grads) != self._kinds:
-            return None
-        if list(map(_DATA_PTR, self._cpu_params)) != self._param_ptrs:
-            return None
-        held = self._state_tensors()
-        if not same_objects(held, self._held):
-            return None
-        # the same tensors may hold other memory (``st["exp_avg"].data = ...``): the table
-        # would step the memory they held, freed unless something else holds it
-        if list(map(_DATA_PTR, held)) != self._held_ptrs:
             return None
         return written
 
@@ -389,6 +374,8 @@ class LadderAdamW(torch.optim.Optimizer):
         self._scratch: dict[torch.device, Any] = {}
         self._cpu_table: Any = None  # cpu.KernelTable of every group's C kernel params
         self._table_plans: list[_GroupPlan] = []  # the plans it was made for, in order
+        self._table_held: list[torch.Tensor] = []  # the tensors it points into
+        self._table_ptrs: list[int] = []  # and their addresses then
         self._group_plans: dict[int, _GroupPlan] = {}  # group position -> its plan
         self._options_memo = StepMemo()  # group options that passed their checks
         self._state_seen: list[Any] = []  # self.state's values after the last prepare
@@ -516,6 +503,10 @@ class LadderAdamW(torch.optim.Optimizer):
         writes: list[tuple[list[torch.Tensor | None], tuple[bool, list[int] | None]]] = []
         created: list[torch.Tensor] = []
         state_same = same_objects(list(self.state.values()), self._state_seen)
+        if state_same and not self._table_points_right():
+            self._group_plans.clear()  # made again below, with a new table
+            self._cpu_table, self._table_plans = None, []
+            self._table_held, self._table_ptrs = [], []
         try:
             start = 0
             for gi, group in enumerate(self.param_groups):
@@ -563,6 +554,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 self.state.pop(p, None)
             self._group_plans.clear()  # they may point at the state just dropped
             self._cpu_table, self._table_plans = None, []
+            self._table_held, self._table_ptrs = [], []
             raise
         self._state_seen = list(self.state.values())
         self._plan = plans
@@ -649,6 +641,7 @@ class LadderAdamW(torch.optim.Optimizer):
         from optladder.optimizers.kernels import cpu
 
         self._cpu_table, self._table_plans = None, []
+        self._table_held, self._table_ptrs = [], []
         if not with_rows:
             return True
         items = [(plan, g, p, i) for g, plan in enumerate(with_rows) for p, i in plan.routes["cpu"]]
@@ -666,13 +659,48 @@ class LadderAdamW(torch.optim.Optimizer):
             plan.place(table, first, g)
             first += len(plan.routes["cpu"])
         self._cpu_table, self._table_plans = table, with_rows
+        self._table_held = self._table_tensors(with_rows)
+        self._table_ptrs = list(map(_DATA_PTR, self._table_held))
         return True
+
+    @staticmethod
+    def _table_tensors(plans: list[_GroupPlan]) -> list[torch.Tensor]:
+        """What the C kernel's table points into, as the plans' state dicts hold it now:
+        every row's param, then every row's ``exp_avg``, ``exp_avg_sq`` and ``step``.
+
+        Raises:
+            KeyError: a state dict lost one of them.
+        """
+        states = chain.from_iterable(plan.states for plan in plans)
+        return list(
+            chain(
+                chain.from_iterable(plan.cpu_params for plan in plans),
+                chain.from_iterable(map(_STATE_TENSORS, states)),
+            )
+        )
+
+    def _table_points_right(self) -> bool:
+        """Whether the C kernel's table still points at its params and their state: the
+        same tensors (a load or a hand edit can put new ones in the same state dicts) in
+        the same memory (``st["exp_avg"].data = ...`` keeps the tensor: the table would
+        step the memory it held, freed unless something else holds it). One pass over
+        every row, for all groups; True without a table."""
+        if self._cpu_table is None:
+            return True
+        try:
+            held = self._table_tensors(self._table_plans)
+        except KeyError:
+            return False
+        return same_objects(held, self._table_held) and (
+            list(map(_DATA_PTR, held)) == self._table_ptrs
+        )
 
     def release_scratch(self) -> None:
         """Drop the prepared plan, the eager path's scratch buffers and the kernel tables."""
         self._plan = None
         self._scratch.clear()
         self._cpu_table, self._table_plans = None, []
+        self._table_held, self._table_ptrs = [], []
         self._group_plans.clear()
         self._lr_tensors.clear()
 
@@ -682,6 +710,7 @@ class LadderAdamW(torch.optim.Optimizer):
         again."""
         self._group_plans.clear()
         self._cpu_table, self._table_plans = None, []
+        self._table_held, self._table_ptrs = [], []
         self._state_seen = []
 
     def _write_cpu_steps(self) -> None:
