@@ -471,7 +471,8 @@ class _PreparedStep:
 _STEP = operator.itemgetter("step")
 _STATE1 = operator.itemgetter("state1")
 _STATE2 = operator.itemgetter("state2")
-_QUANTIZED_STATE = operator.itemgetter("absmax1", "absmax2", "qmap1", "qmap2")
+_ABSMAX = operator.itemgetter("absmax1", "absmax2")
+_QMAPS = operator.itemgetter("qmap1", "qmap2")
 _DATA_PTR = torch.Tensor.data_ptr
 
 
@@ -527,8 +528,8 @@ class _KernelPlan:
         self.quantized_states = [
             st for st, job in zip(self.states, jobs) if job.absmax1 is not None
         ]
-        self.held = self.table_state()
-        self.held_ptrs = list(map(_DATA_PTR, self.held))
+        self.held, self.held_qmaps = self.table_state()
+        self.held_ptrs = self.addresses(self.held, self.held_qmaps)
         self.runs: list[tuple[int, int, int]] = []  # (group, first row, end row)
         for k, (gi, _) in enumerate(places):
             quantized = jobs[k].state1.dtype
@@ -593,21 +594,31 @@ class _KernelPlan:
             return None
         return plan
 
-    def table_state(self) -> list[torch.Tensor]:
+    def table_state(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The state tensors the table points into, as the state dicts hold them now:
-        every kernel param's ``state1`` and ``state2``, and the 8-bit ones' ``absmax1``,
-        ``absmax2``, ``qmap1`` and ``qmap2``.
+        every kernel param's ``state1`` and ``state2`` and the 8-bit ones' ``absmax1`` and
+        ``absmax2`` (written by the kernel), then the 8-bit ones' ``qmap1`` and ``qmap2``
+        (read: the engine's code books, the same two tensors for nearly every param).
 
         Raises:
             KeyError: a state dict has lost one of them.
         """
-        return list(
+        written = list(
             itertools.chain(
                 map(_STATE1, self.states),
                 map(_STATE2, self.states),
-                itertools.chain.from_iterable(map(_QUANTIZED_STATE, self.quantized_states)),
+                itertools.chain.from_iterable(map(_ABSMAX, self.quantized_states)),
             )
         )
+        return written, list(itertools.chain.from_iterable(map(_QMAPS, self.quantized_states)))
+
+    @staticmethod
+    def addresses(written: list[torch.Tensor], qmaps: list[torch.Tensor]) -> list[int]:
+        """The memory of :meth:`table_state`'s tensors: each written tensor's address,
+        then each distinct code book's (reading the address touches the tensor's
+        metadata, ~0.3 us a tensor once a step's kernel has moved it out of the cache)."""
+        books = list({id(q): q for q in qmaps}.values())
+        return list(map(_DATA_PTR, itertools.chain(written, books)))
 
     def refresh(self, engine: Any) -> _PreparedStep | None:
         """The prepared step for the engine's current grads, step counts and options on
@@ -641,12 +652,16 @@ class _KernelPlan:
         ):
             return None
         try:
-            held = self.table_state()
+            held, qmaps = self.table_state()
         except KeyError:
             return None
         # the same tensors, in the same memory (``state["state1"].data = ...`` keeps the
         # tensor: the table would step the memory it held, freed unless held elsewhere)
-        if not same_objects(held, self.held) or list(map(_DATA_PTR, held)) != self.held_ptrs:
+        if (
+            not same_objects(held, self.held)
+            or not same_objects(qmaps, self.held_qmaps)
+            or self.addresses(held, qmaps) != self.held_ptrs
+        ):
             return None
         steps = list(map(_STEP, self.states))
         if not all(isinstance(step, int) for step in (min(steps), max(steps))):
