@@ -119,11 +119,11 @@ def _direct_step(threads: int, library: Any = None) -> torch.Tensor:
     assert table.read_steps(library) == [float(k) for k in range(len(params))]
     table.set_grads([p.grad for p in params])
     table.set_scalars([1.0] * len(params), {1.0: (99, -1e-2, 0.03)})
-    cpu.adamw_step(
-        table, beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2, weight_decay=0.01,
+    table.set_options(
+        0, beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2, weight_decay=0.01,
         decoupled_weight_decay=True, maximize=False, stochastic=True, param_stochastic=True,
-        num_threads=threads, library=library,
     )  # fmt: skip
+    cpu.run_table(table, num_threads=threads, library=library)
     table.bump_steps(library)
     assert [s.item() for s in steps] == [k + 1.0 for k in range(len(params))]
     parts = [t.detach().reshape(-1).float() for t in [*params, *moments[0::2]]]

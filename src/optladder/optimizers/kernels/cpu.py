@@ -594,7 +594,22 @@ class KernelTable:
         param_stochastic: bool,
     ) -> None:
         """Set the options group ``group``'s rows are stepped with (written only when
-        they differ, in value or type, from the last ones set). Arguments as in :func:`adamw_step`.
+        they differ, in value or type, from the last ones set).
+
+        Args:
+            group: the group number (``0 <= group < n_groups``).
+            beta1: first-moment decay, in ``[0, 1)``.
+            beta2: second-moment decay, in ``[0, 1)``.
+            eps: denominator term.
+            lr: learning rate (for the decoupled decay factor; the step size is a
+                per-row scalar, :meth:`set_scalars`).
+            weight_decay: decay coefficient; 0 disables it.
+            decoupled_weight_decay: AdamW (True) or Adam's L2 term (False).
+            maximize: ascend.
+            stochastic: stochastic rounding of bfloat16 moments (else round to nearest
+                even).
+            param_stochastic: stochastic rounding of bfloat16/float16 param writes (else
+                round to nearest even).
 
         Raises:
             IndexError: for a group number outside ``[0, n_groups)``.
@@ -652,59 +667,3 @@ def run_table(
     threads = max(1, min(threads, table.total // _MIN_ELEMENTS_PER_THREAD))
     lib = load_library() if library is None else library
     lib.ol_adamw_step(table.rows, table.n_params, table.offsets, table.hypers, threads)
-
-
-def adamw_step(
-    table: KernelTable,
-    *,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    lr: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    maximize: bool,
-    stochastic: bool,
-    param_stochastic: bool,
-    num_threads: int | None = None,
-    library: ctypes.CDLL | None = None,
-) -> None:
-    """Update params and moments of ``table`` in place, every group with the same
-    options, exactly as the eager oracle does (:meth:`KernelTable.set_options` for each
-    group, then :func:`run_table`).
-
-    Allocates nothing: :meth:`KernelTable.set_grads` and
-    :meth:`KernelTable.set_scalars` must have run for this step.
-
-    Args:
-        table: the params (see :class:`KernelTable`).
-        beta1: first-moment decay, in ``[0, 1)``.
-        beta2: second-moment decay, in ``[0, 1)``.
-        eps: denominator term.
-        lr: learning rate (for the decoupled decay factor).
-        weight_decay: decay coefficient; 0 disables it.
-        decoupled_weight_decay: AdamW (True) or Adam's L2 term (False).
-        maximize: ascend.
-        stochastic: stochastic rounding of bfloat16 moments (else round to nearest even).
-        param_stochastic: stochastic rounding of bfloat16/float16 param writes (else round
-            to nearest even).
-        num_threads: worker threads; default ``torch.get_num_threads()``.
-        library: a kernel from :func:`load`; default :func:`load_library`.
-
-    Raises:
-        KernelBuildError: if the kernel cannot be built or loaded.
-    """
-    for group in range(table.n_groups):
-        table.set_options(
-            group,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            lr=lr,
-            weight_decay=weight_decay,
-            decoupled_weight_decay=decoupled_weight_decay,
-            maximize=maximize,
-            stochastic=stochastic,
-            param_stochastic=param_stochastic,
-        )
-    run_table(table, num_threads=num_threads, library=library)
