@@ -469,7 +469,9 @@ class LadderAdamW(torch.optim.Optimizer):
         self.commit_step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         return loss
 
-    def prepare_step(self, *, options_checked: bool = False) -> list[torch.Tensor]:
+    def prepare_step(
+        self, *, checked: list[list[torch.Tensor | None]] | None = None
+    ) -> list[torch.Tensor]:
         """Phase one of a step: check the grads, route each param to a backend, and
         allocate everything the step will need (state of params stepping for the first
         time, ``step`` tensors on the Triton device, the eager path's scratch), and write
@@ -483,10 +485,12 @@ class LadderAdamW(torch.optim.Optimizer):
         New grad tensors of the same kinds only get their pointers written.
 
         Args:
-            options_checked: the caller has checked every group's options with
-                :meth:`check_group_options` for this step (the two-phase step of
-                :mod:`optladder.optimizers.transaction` does), so they are not checked
-                again here.
+            checked: per group, every param's grad (None where it has none) as the
+                caller read it for this step, having checked every group's options
+                with :meth:`check_group_options` (the two-phase step of
+                :mod:`optladder.optimizers.transaction` does): the options are not
+                checked again here, nor the grads read again. None: read and check
+                here.
 
         Returns:
             The params whose state this call created.
@@ -510,14 +514,14 @@ class LadderAdamW(torch.optim.Optimizer):
         try:
             start = 0
             for gi, group in enumerate(self.param_groups):
-                if not options_checked and not self._options_memo.options_unchanged(gi, group):
+                if checked is None and not self._options_memo.options_unchanged(gi, group):
                     try:
                         self.check_group_options(group)
                     except ValueError as exc:
                         raise ValueError(f"param group {gi}: {exc}") from None
                     self._options_memo.record_options(gi, group)
                 params = group["params"]
-                grads = list(map(grad_of, params))
+                grads = list(map(grad_of, params)) if checked is None else checked[gi]
                 plan = self._group_plans.get(gi)
                 written = None
                 if plan is not None and state_same:

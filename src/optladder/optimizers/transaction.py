@@ -266,8 +266,8 @@ def prepare_step(
         memo.plan = None
     try:
         if isinstance(engine, LadderAdamW):
-            # rolls back its own state on failure; its options were checked above
-            return engine.prepare_step(options_checked=True)
+            # rolls back its own state on failure; its options and grads were checked above
+            return engine.prepare_step(checked=grads)
         if is_bnb_engine(engine) or isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
             bnb = is_bnb_engine(engine)
             state = engine.state
