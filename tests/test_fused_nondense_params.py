@@ -58,18 +58,25 @@ def test_a_column_slice_steps_as_torch_steps_a_contiguous_copy() -> None:
         assert _outside_untouched(buf, original), f"step {s} wrote outside the param"
 
 
+def _column_slice_grads(ours: list[Any], ref: list[Any], seed: int, scale: float) -> None:
+    """Grads of step ``seed``: the column slice's laid out like it (a slice of a wider
+    buffer, times ``scale``), the other param's contiguous (times ``scale``); the
+    reference params get the unscaled values, contiguous."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(12, 4, generator=gen)
+    grad_buf = torch.zeros(12, 9)
+    grad_buf[:, 2:6] = g * scale  # the param's strides
+    ours[0].grad, ref[0].grad = grad_buf[:, 2:6], g.clone()
+    other = torch.randn(5, 4, generator=gen)
+    ours[1].grad, ref[1].grad = other * scale, other.clone()
+
+
 def test_a_grad_laid_out_like_the_column_slice_steps_as_torch() -> None:
     buf, original, ours, ref = _setup()
     opt = choose_optimizer(ours, lr=1e-2, free_memory="1GiB", environ={})
     reference = torch.optim.AdamW(ref, lr=1e-2, fused=True)
     for s in range(3):
-        gen = torch.Generator().manual_seed(s)
-        g = torch.randn(12, 4, generator=gen)
-        grad_buf = torch.zeros(12, 9)
-        grad_buf[:, 2:6] = g
-        ours[0].grad, ref[0].grad = grad_buf[:, 2:6], g.clone()  # the param's strides
-        ours[1].grad = torch.randn(5, 4, generator=gen)
-        ref[1].grad = ours[1].grad.clone()
+        _column_slice_grads(ours, ref, s, 1.0)
         opt.step()
         reference.step()
         assert_steps_as_torch(opt, ours, reference, ref)
@@ -121,13 +128,7 @@ def test_scaled_grads_laid_out_like_a_column_slice_are_unscaled_before_the_kerne
     opt = choose_optimizer(ours, lr=1e-2, free_memory="1GiB", environ={})
     reference = torch.optim.AdamW(ref, lr=1e-2, fused=True)
     for s in range(3):
-        gen = torch.Generator().manual_seed(s)
-        g = torch.randn(12, 4, generator=gen)
-        grad_buf = torch.zeros(12, 9)
-        grad_buf[:, 2:6] = g * 4.0  # scaled by 4 (exact), laid out like the param
-        ours[0].grad, ref[0].grad = grad_buf[:, 2:6], g.clone()
-        other = torch.randn(5, 4, generator=gen)
-        ours[1].grad, ref[1].grad = other * 4.0, other.clone()
+        _column_slice_grads(ours, ref, s, 4.0)  # scaled by 4 (exact)
         opt.grad_scale = torch.tensor(4.0)  # as torch.amp.GradScaler sets it
         opt.found_inf = torch.tensor(0.0)
         opt.step()
