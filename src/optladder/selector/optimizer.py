@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from optladder.compilation import run_eagerly
 from optladder.oom import describe_error, is_oom
 from optladder.optimizers.adamw import unscale_grads_
 from optladder.optimizers.build import dtype_names
@@ -345,6 +346,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         """The device whose memory the decision gated."""
         return self._decision.capabilities.device
 
+    @run_eagerly
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (torch's semantics) after the same checks as
         ``choose_optimizer`` (hyperparameters, duplicates, params the rung cannot take);
@@ -400,6 +402,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         from fresh grads from one that accumulates into earlier ones)."""
         return self._zero_grad_calls
 
+    @run_eagerly
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of all params (to None by default, as torch does)."""
         self._zero_grad_calls += 1
@@ -407,10 +410,15 @@ class LadderOptimizer(torch.optim.Optimizer):
             engine.zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ stepping
+    @run_eagerly
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Take one optimizer step; on out-of-memory, escalate one rung and retry it.
 
         The closure (optional) runs once, before the step; a retry reuses its grads.
+
+        Inside ``torch.compile`` the step runs eagerly (a graph break; see
+        :mod:`optladder.compilation`), as do ``zero_grad``, ``add_param_group``,
+        ``state_dict`` and ``load_state_dict``.
 
         Under ``torch.amp.GradScaler`` the scaler unscales the grads and calls this only
         when they are finite (see :attr:`_step_supports_amp_scaling`). A caller that sets
@@ -609,6 +617,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         escalation.migrate(self, rung, reason, origin, force=force)
 
     # ------------------------------------------------------------------ checkpoints
+    @run_eagerly
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state in one layout, whatever the rungs and pins: torch's
         ``Optimizer.state_dict`` layout over every group (state keyed by the param's place
@@ -644,6 +653,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 state_dict = result
         return state_dict
 
+    @run_eagerly
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict`` saved from any rung into this optimizer.
 
