@@ -195,3 +195,27 @@ def test_run_eagerly_keeps_the_function_and_its_result() -> None:
     for _ in range(3):
         assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))
     assert calls == [1, 1, 2, 3]
+
+
+@pytest.mark.parametrize("moment_dtype", [torch.bfloat16, torch.float32])
+def test_ladder_adamw_alone_steps_eagerly_inside_compiled_code(moment_dtype: torch.dtype) -> None:
+    """``LadderAdamW`` on its own (what ``adopt`` takes) steps inside compiled code as
+    eagerly, bit for bit (a traced step failed in TorchDynamo)."""
+    from optladder.optimizers.adamw import LadderAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    twin = copy.deepcopy(model)
+    opt = LadderAdamW(model.parameters(), lr=1e-2, moment_dtype=moment_dtype)
+    ref = LadderAdamW(twin.parameters(), lr=1e-2, moment_dtype=moment_dtype)
+    torch._dynamo.reset()
+    compiled_step = torch.compile(lambda: opt.step(), backend="aot_eager")
+    x = torch.randn(4, 32)
+    for _ in range(2):
+        _backward(model, x)
+        _backward(twin, x)
+        compiled_step()
+        ref.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert _step_count(opt, p) == 2

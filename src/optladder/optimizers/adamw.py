@@ -23,6 +23,7 @@ from typing import Any, Literal, cast
 import torch
 from torch.optim.optimizer import ParamsT
 
+from optladder.compilation import run_eagerly
 from optladder.dtype_names import dtype_name
 from optladder.optimizers.eager import step_scalars
 from optladder.optimizers.rounding import (
@@ -384,6 +385,7 @@ class LadderAdamW(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
 
+    @run_eagerly
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, refusing params this optimizer cannot step.
 
@@ -405,6 +407,7 @@ class LadderAdamW(torch.optim.Optimizer):
         if hasattr(self, "_group_plans"):  # not while torch's __init__ adds the first groups
             self._group_plans.clear()
 
+    @run_eagerly
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load state, keeping the moments in ``moment_dtype`` without a lossy cast.
 
@@ -448,6 +451,7 @@ class LadderAdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros(p.shape, dtype=self.moment_dtype, device=p.device)
         return cast(dict[str, Any], state)
 
+    @run_eagerly
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Take one optimizer step.
