@@ -141,11 +141,20 @@ def step_key(seed: int, step: int) -> int:
         ValueError: if ``seed`` or ``step`` is out of range.
     """
     check_seed(seed)
+    k = _mix(0x5EED, seed & MASK32)
+    return step_key_from_prefix(_mix(k, seed >> 32), step)
+
+
+def step_key_from_prefix(prefix: int, step: int) -> int:
+    """:func:`step_key` from the seed's part of it (``kernels.ops.seed_prefix(seed)``,
+    what the kernels' op takes) and the 1-based step.
+
+    Raises:
+        ValueError: if ``step`` is outside ``[0, 2**32)``.
+    """
     if not 0 <= step < 2**32:
         raise ValueError(f"step must be in [0, 2**32), got {step}")
-    k = _mix(0x5EED, seed & MASK32)
-    k = _mix(k, seed >> 32)
-    return _mix(k, step)
+    return _mix(prefix, step)
 
 
 def index_key(step_key_: int, param_index: int) -> int:

@@ -1,21 +1,31 @@
-"""``torch.ops.optladder.adamw_bf16_``: the Triton kernel as a torch.library custom op.
+"""``torch.ops.optladder.adamw_bf16_``: optladder's fused AdamW kernels as one
+torch.library custom op, one implementation per device.
 
-Importing this module registers the op (and nothing else); it is imported only when a step
-needs the Triton backend, or by user code that calls the op directly. Triton itself is
-imported at the op's first call. As a custom op with declared mutations, it can be called
-inside ``torch.compile``d code (it is opaque to the compiler) and captured in CUDA graphs
-after one warm-up call (see :mod:`.triton_adamw`).
+- CUDA (and any device but the CPU): the Triton kernel (:mod:`.triton_adamw`).
+- CPU: the C kernel (:mod:`.cpu`), the one :class:`~optladder.optimizers.LadderAdamW`
+  runs on CPU params; under ``TRITON_INTERPRET=1`` the Triton kernel in Triton's
+  interpreter instead (how the Triton kernel is tested without a GPU).
+
+So torch's dispatcher is the table that picks the kernel by device, and both give the
+bits of the eager oracle (:mod:`optladder.optimizers.eager`). Importing this module
+registers the op (and nothing else); it is imported only when a step needs the Triton
+backend, or by user code that calls the op directly. Triton is imported at the op's
+first Triton call, the C kernel built or loaded at its first CPU call. As a custom op
+with declared mutations, it can be called inside ``torch.compile``d code (it is opaque to
+the compiler) and captured in CUDA graphs after one warm-up call (see :mod:`.triton_adamw`).
 
 Annotations here are real (not postponed) because ``torch.library`` reads them to build
 the op's schema.
 """
 
+import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from optladder.optimizers.rounding import MASK32, hash32
+from optladder.optimizers.eager import bias_corrections
+from optladder.optimizers.rounding import MASK32, hash32, step_key_from_prefix
 
 _GOLDEN = 0x9E3779B9
 
@@ -98,6 +108,51 @@ def adamw_bf16_(
     """
     if not params:
         return
+    _triton_step(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        steps,
+        param_indices,
+        lr,
+        lr_tensor,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        decoupled_weight_decay,
+        maximize,
+        stochastic,
+        param_stochastic,
+        seed_key,
+        grad_scale,
+        found_inf,
+    )
+
+
+def _triton_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    param_indices: list[int],
+    lr: float,
+    lr_tensor: Optional[Tensor],  # noqa: UP045
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    stochastic: bool,
+    param_stochastic: bool,
+    seed_key: int,
+    grad_scale: Optional[Tensor],  # noqa: UP045
+    found_inf: Optional[Tensor],  # noqa: UP045
+) -> None:
+    """The op on the Triton kernel (its arguments as :func:`adamw_bf16_` documents)."""
     from optladder.optimizers.kernels import triton_adamw  # imports Triton
 
     torch._foreach_add_(steps, 1.0)
@@ -124,6 +179,116 @@ def adamw_bf16_(
     )
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf.reshape(())] * len(steps))
+
+
+@adamw_bf16_.register_kernel("cpu")
+def _adamw_bf16_cpu(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    param_indices: list[int],
+    lr: float,
+    lr_tensor: Optional[Tensor],  # noqa: UP045
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
+    stochastic: bool,
+    param_stochastic: bool,
+    seed_key: int,
+    grad_scale: Optional[Tensor],  # noqa: UP045
+    found_inf: Optional[Tensor],  # noqa: UP045
+) -> None:
+    """The op on CPU tensors: the C kernel over a table of these params, in one call.
+
+    The same contract as on CUDA: each step count is incremented first, with a nonzero
+    ``found_inf`` nothing changes (read on the host: a CPU tensor, no device to wait
+    for), grads are divided in place by ``grad_scale`` (a GradScaler's power of two, so
+    the quotient is exact) before the update. The table is built for this call (its
+    rows, about 1 us per param on the host; :class:`LadderAdamW` keeps one across
+    steps instead).
+
+    Raises:
+        ValueError: a tensor the C kernel cannot point at (:class:`~.cpu.KernelTable`
+            names it), a grad unlike its param (:func:`~.cpu.param_unsupported_reason`),
+            lists of different lengths, or a step count outside ``[0, 2**32 - 2]`` (the
+            random bits' key takes 32-bit steps).
+        optladder.optimizers.kernels.cpu.KernelBuildError: no C compiler to build the
+            kernel (LadderAdamW then steps eagerly; called directly, the op cannot).
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":  # Triton's interpreter on CPU tensors
+        if params:
+            _triton_step(
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                steps,
+                param_indices,
+                lr,
+                lr_tensor,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                decoupled_weight_decay,
+                maximize,
+                stochastic,
+                param_stochastic,
+                seed_key,
+                grad_scale,
+                found_inf,
+            )
+        return
+    from optladder.optimizers.kernels import cpu
+
+    n = len(params)
+    lengths = [len(grads), len(exp_avgs), len(exp_avg_sqs), len(steps), len(param_indices)]
+    if lengths != [n] * 5:
+        raise ValueError(
+            f"params, grads, exp_avgs, exp_avg_sqs, steps and param_indices must have one "
+            f"entry per param; got lengths {[n, *lengths]}"
+        )
+    if n == 0 or (found_inf is not None and float(found_inf) != 0):
+        return
+    for k, (p, g) in enumerate(zip(params, grads)):
+        reason = cpu.param_unsupported_reason(p, g)
+        if reason is not None:
+            raise ValueError(f"params[{k}]: {reason}")
+    table = cpu.KernelTable(params, exp_avgs, exp_avg_sqs, steps, param_indices)
+    library = cpu.load_library()
+    old = table.read_steps(library)
+    bad = [s for s in old if not 0 <= s <= MASK32 - 1]
+    if bad:
+        raise ValueError(f"steps hold {bad[0]:.0f}; the op steps from counts in [0, 2**32 - 2]")
+    lr_value = float(lr_tensor) if lr_tensor is not None else lr
+    if grad_scale is not None:
+        torch._foreach_div_(grads, float(grad_scale))
+    new = [s + 1.0 for s in old]
+    scalars = {}
+    for s in set(new):
+        bc1, bc2_sqrt = bias_corrections(beta1, beta2, int(s))
+        scalars[s] = (step_key_from_prefix(seed_key, int(s)), -lr_value / bc1, bc2_sqrt)
+    table.set_grads(grads)
+    table.set_scalars(new, scalars)
+    table.set_options(
+        0,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        lr=lr_value,
+        weight_decay=weight_decay,
+        decoupled_weight_decay=decoupled_weight_decay,
+        maximize=maximize,
+        stochastic=stochastic,
+        param_stochastic=param_stochastic,
+    )
+    cpu.run_table(table, library=library)
+    table.bump_steps(library)
 
 
 @adamw_bf16_.register_fake
