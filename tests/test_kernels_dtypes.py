@@ -341,6 +341,42 @@ def test_choose_optimizer_takes_param_rounding_on_both_rungs() -> None:
         assert torch.equal(_bits(p), _bits(ref.detach().to(torch.bfloat16)))
 
 
+def test_the_fp32_rung_takes_the_seed_and_keeps_it_and_rounding_across_a_move() -> None:
+    """bf16 params on the fp32 rung are written with the random bits of the given seed
+    (the eager oracle with that seed gives the same bits; seed 0, the default, other
+    bits), and the groups keep the seed and the moments' rounding, so a move to the bf16
+    rung steps with them (the fp32 engine once dropped both: seed 0 and stochastic)."""
+    from optladder import choose_optimizer
+
+    def params() -> list[torch.nn.Parameter]:
+        gen = torch.Generator().manual_seed(1)
+        return [torch.nn.Parameter(torch.randn(n, generator=gen).bfloat16()) for n in (5000, 300)]
+
+    def run(opt: Any, ps: list[torch.nn.Parameter]) -> None:
+        for k in range(3):
+            gen = torch.Generator().manual_seed(100 + k)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen).bfloat16()
+            opt.step()
+
+    live, ref, zero = params(), params(), params()
+    opt = choose_optimizer(live, lr=1e-2, rung="fp32", free_memory="64GiB", environ={}, seed=5)
+    run(opt, live)
+    run(LadderAdamW(ref, lr=1e-2, backend="eager", moment_dtype=torch.float32, seed=5), ref)
+    run(LadderAdamW(zero, lr=1e-2, backend="eager", moment_dtype=torch.float32, seed=0), zero)
+    assert [g["seed"] for g in opt.param_groups] == [5]
+    for a, b, c in zip(live, ref, zero, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+        assert not torch.equal(_bits(a), _bits(c))  # the seed matters to these bits
+    moved = choose_optimizer(
+        params(), lr=1e-2, free_memory="64GiB", environ={}, seed=5, rounding="nearest"
+    )
+    assert moved.rung == "fp32"
+    moved.migrate_to("bf16", "a test's move", force=True)
+    assert moved.param_groups[0]["seed"] == 5
+    assert moved.param_groups[0]["rounding"] == "nearest"
+
+
 @pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_gcc), "triton"])
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 @pytest.mark.parametrize("param_dtype", DTYPES)

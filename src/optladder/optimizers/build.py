@@ -185,6 +185,8 @@ def build_engine(
         return build_fp32(
             param_groups,
             engine=fp32_engine,
+            seed=seed,
+            rounding=rounding,
             param_rounding=param_rounding,
             checked=checked,
             **hyper,

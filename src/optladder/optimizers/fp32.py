@@ -21,6 +21,8 @@ def build_fp32(
     eps: float,
     weight_decay: float,
     decoupled_weight_decay: bool = True,
+    seed: int = 0,
+    rounding: Rounding = "stochastic",
     param_rounding: Rounding = "stochastic",
     checked: bool = False,
 ) -> torch.optim.Optimizer:
@@ -35,6 +37,12 @@ def build_fp32(
         lr, betas, eps, weight_decay: AdamW hyperparameters.
         decoupled_weight_decay: True for AdamW, False for Adam (``grad += wd * param``):
             ``torch.optim.Adam`` then, with the same fused/foreach choice.
+        seed: the ``"ladder"`` engine's stochastic-rounding seed, ``0 <= seed < 2**64``
+            (its param writes' random bits; kept in each group, so a move to the bf16
+            rung keeps it).
+        rounding: the bf16 rung's moment rounding, kept in each group of the
+            ``"ladder"`` engine for a move to the bf16 rung (float32 moments are not
+            rounded).
         param_rounding: how the ``"ladder"`` engine writes bfloat16/float16 params.
         checked: the params passed construction's checks: torch's per-param checks run
             over each group's first param only (:mod:`optladder.optimizers.checked`).
@@ -55,6 +63,8 @@ def build_fp32(
                 weight_decay=weight_decay,
                 decoupled_weight_decay=decoupled_weight_decay,
                 moment_dtype=torch.float32,
+                seed=seed,
+                rounding=rounding,
                 param_rounding=param_rounding,
             )
     flags = {"fused": True} if engine == "fused" else {"foreach": True}
