@@ -489,6 +489,37 @@ def test_step_errors_name_the_users_group_and_change_nothing() -> None:
     assert_same(snapshot(opt), before)
 
 
+@pytest.mark.parametrize(("gi", "edit"), [(1, "bf16"), (0, "8bit"), (1, None)])
+def test_a_group_rung_edited_by_hand_is_refused_and_changes_nothing(
+    gi: int, edit: str | None
+) -> None:
+    """A group's ``"rung"`` set by hand (a following group's or a pinned one's, or
+    deleted) would make steps and checkpoints name a rung its state is not on: step()
+    and state_dict() refuse it, naming the group, and nothing changes; put back, the
+    optimizer goes on."""
+    model = _model()
+    opt = choose_optimizer(_groups(model, "fp32"), rung="fp32", free_memory="1GiB")
+    _set_grads(_params(model), 0)
+    opt.step()
+    before = snapshot(opt)
+    old = opt.param_groups[gi]["rung"]
+    if edit is None:
+        del opt.param_groups[gi]["rung"]
+    else:
+        opt.param_groups[gi]["rung"] = edit
+    _set_grads(_params(model), 1)
+    match = rf"param group {gi} has rung={edit!r}, but its state is on the fp32 rung"
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    with pytest.raises(ValueError, match=match):
+        opt.state_dict()
+    opt.param_groups[gi]["rung"] = old
+    assert_same(snapshot(opt), before)
+    opt.step()
+    assert int(opt.state[model.emb.weight]["step"]) == 2
+    assert torch.equal(model.emb.weight.detach(), _torch_adamw_emb(2))
+
+
 def test_the_optimizer_refuses_to_be_copied() -> None:
     opt = choose_optimizer(_groups(_model()), free_memory="1GiB")
     with pytest.raises(TypeError, match=r"cannot be pickled or deep-copied; save opt.state_dict"):

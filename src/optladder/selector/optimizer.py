@@ -434,6 +434,9 @@ class LadderOptimizer(torch.optim.Optimizer):
             OptimizerOutOfMemoryError: out of memory with no rung left to move to (the
                 original error chained), the rung fixed by ``rung=``, or ``max_retries``
                 used up.
+            ValueError: before anything changes: a group's options, grads or step counts
+                the rung cannot take (naming them), or a group's ``"rung"`` edited by
+                hand.
         """
         loss = None
         if closure is not None:
@@ -453,7 +456,33 @@ class LadderOptimizer(torch.optim.Optimizer):
             retries += 1
             self.escalate(f"out of memory in the optimizer step on {self.rung} ({failure})")
 
+    def _check_group_rungs(self) -> None:
+        """Refuse a group whose ``"rung"`` entry was edited by hand: its state is on the
+        rung of the engine holding it, and a step or a checkpoint under another name
+        would contradict it (a checkpoint saying bf16 beside float32 moments).
+
+        Raises:
+            ValueError: naming the group, the value found and the rung its state is on.
+        """
+        for rung, engine in [(self.rung, self.engine), *self._pinned.items()]:
+            groups = engine.param_groups
+            if all(g.get(RUNG_KEY) == rung for g in groups):  # the common case
+                continue
+            for group in groups:
+                found = group.get(RUNG_KEY)
+                if found != rung:
+                    gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+                    raise ValueError(
+                        f"param group {gi} has rung={found!r}, but its state is on the "
+                        f"{rung} rung: a group's rung is not edited by hand. Give a group "
+                        "its own rung when it is added ({'params': ..., 'rung': 'fp32'} to "
+                        "choose_optimizer or add_param_group), or move every group that "
+                        f"follows the decision with opt.migrate_to(rung, reason); set "
+                        f"param_groups[{gi}]['rung'] = {rung!r} back to go on"
+                    )
+
     def _two_phase_step(self, retries: int, grad_scale: torch.Tensor | None) -> str | None:
+        self._check_group_rungs()
         engines = self._engines()
         names = self._group_names()
         prepared: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
@@ -642,10 +671,13 @@ class LadderOptimizer(torch.optim.Optimizer):
         torch runs them.
 
         Raises:
-            ValueError: for 8-bit state of a DTensor param not sharded on dim 0.
+            ValueError: for 8-bit state of a DTensor param not sharded on dim 0; for a
+                group whose ``"rung"`` was edited by hand (the checkpoint would say one
+                rung beside state of another).
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        self._check_group_rungs()
         state_dict = checkpointing.state_dict(self)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
