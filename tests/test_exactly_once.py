@@ -654,6 +654,51 @@ def test_an_oom_in_a_micro_batch_does_not_drop_accumulated_grads() -> None:
         assert torch.equal(p.grad, 2 * g)  # type: ignore[arg-type]  # kept, not zeroed
 
 
+@pytest.mark.parametrize("previous", ["skipped by the scaler", "committed"])
+def test_a_forward_oom_after_a_whole_train_step_is_rerun(previous: str) -> None:
+    """A train step that asked for an optimizer step (committed, or skipped by the
+    GradScaler for an inf grad) spent its grads, even when it leaves them as zeros
+    (``zero_grad(set_to_none=False)`` at its end): a forward OOM in the next call is
+    rerun one rung down, once, not refused as gradient accumulation. The rerun step
+    equals a reference optimizer's one step on the same grads (bf16 rung, eager oracle
+    bits), and the step counts are 1 (the skipped step counted none)."""
+    from optladder.optimizers.adamw import LadderAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    ref_model = copy.deepcopy(model)
+    opt = choose_optimizer(model, lr=1e-3, free_memory="8GiB", environ={})
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    ladder = Ladder(opt, scaler=scaler)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    flags = {"overflow": previous == "skipped by the scaler", "fail": False}
+
+    def train_step() -> None:
+        if flags["fail"]:  # out of memory in forward, before any backward of this call
+            flags["fail"] = False
+            raise torch.OutOfMemoryError("CUDA out of memory (forward)")
+        loss = model(x).square().mean() * (float("inf") if flags["overflow"] else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=False)
+
+    ladder.run(train_step)
+    assert opt.last_step_skipped == flags["overflow"]
+    stepped = 0 if flags["overflow"] else 1
+    assert opt.committed_steps == stepped
+    flags["overflow"], flags["fail"] = False, True
+    ladder.run(train_step)
+    assert opt.rung == "bf16" and opt.committed_steps == stepped + 1
+    assert int(opt.state[model.weight]["step"]) == stepped + 1
+    if previous == "skipped by the scaler":  # one real step, taken on bf16
+        ref = LadderAdamW(ref_model.parameters(), lr=1e-3, backend="eager")
+        ref_model(x).square().mean().backward()
+        ref.step()
+        for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+            assert torch.equal(p, q)
+
+
 def test_a_grad_scaler_is_reset_for_the_rerun() -> None:
     model = torch.nn.Linear(16, 4)
     opt = choose_optimizer(model, lr=1e-3, free_memory="8GiB")

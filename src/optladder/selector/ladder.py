@@ -16,10 +16,12 @@ activations) and reruns the step. The rules:
   allocation asked for, and moving the optimizer as far down as it may go would free
   less, it raises :class:`OptimizerOutOfMemoryError` naming both and leaves the rung.
 - Grads accumulated before the call are not zeroed silently: when the previous call
-  committed no optimizer step and left grads, none was committed since, and this call
-  added into those grads (no ``opt.zero_grad()`` in it), the OOM is re-raised as
-  :class:`OptimizerOutOfMemoryError` saying so, and nothing moves. Guard the whole
-  accumulation window instead.
+  asked for no optimizer step (none committed, none skipped by a ``GradScaler`` for an
+  inf/NaN grad: ``LadderOptimizer.step_requests``) and left grads, none was committed
+  since, and this call added into those grads (no ``opt.zero_grad()`` in it), the OOM
+  is re-raised as :class:`OptimizerOutOfMemoryError` saying so, and nothing moves. Guard
+  the whole accumulation window instead. (A call whose step the scaler skipped is a
+  whole train step: its grads are spent, and a rerun of the next call loses nothing.)
 
 Under DDP or FSDP an OOM in forward or backward on one rank cannot be recovered in the
 process: the other ranks wait in a collective that never completes. There the recovery
@@ -151,6 +153,7 @@ class Ladder:
         while True:
             rng = _rng_state()
             committed, zeroed = opt.committed_steps, opt.zero_grad_calls
+            requested = opt.step_requests
             entry = [
                 (p, weakref.ref(p.grad))
                 for g in opt.param_groups
@@ -160,9 +163,9 @@ class Ladder:
             message = None
             try:
                 result = train_step(*args, **kwargs)
-                self._accumulating_at = (
-                    opt.committed_steps if opt.committed_steps == committed else None
-                )
+                # a call that asked for no step (none committed, none skipped by a
+                # GradScaler) may be a micro-batch: the next call may add into its grads
+                self._accumulating_at = committed if opt.step_requests == requested else None
                 return result
             except (OptimizerOutOfMemoryError, PartialStepError):
                 raise  # the optimizer already climbed as far as it could / no rerun

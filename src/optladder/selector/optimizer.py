@@ -184,6 +184,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         is True until :meth:`step` runs.
         """
         self._scaler_step_began = True
+        self._step_requests += 1
         return False
 
     @property
@@ -221,6 +222,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._steps = 0
         self._commits = 0
         self._zero_grad_calls = 0
+        self._step_requests = 0
         self.partial_step: PartialStepError | None = None
         self._warned: set[tuple[Rung, str]] = set()
         # per engine, what passed the step checks (weak: a replaced engine's goes with it)
@@ -397,6 +399,16 @@ class LadderOptimizer(torch.optim.Optimizer):
         return self._commits
 
     @property
+    def step_requests(self) -> int:
+        """How many optimizer steps were asked for: :meth:`step` calls and
+        ``torch.amp.GradScaler.step`` calls (which skip :meth:`step` on an inf/NaN grad;
+        a scaler step that goes on counts twice). :class:`optladder.Ladder` compares it
+        before and after a train step: one that asked for a step ends its grads' use
+        (they were stepped or skipped), one that did not may be a micro-batch whose
+        grads the next call adds into."""
+        return self._step_requests
+
+    @property
     def zero_grad_calls(self) -> int:
         """How many times :meth:`zero_grad` ran (Ladder tells a train step that starts
         from fresh grads from one that accumulates into earlier ones)."""
@@ -438,6 +450,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 the rung cannot take (naming them), or a group's ``"rung"`` edited by
                 hand.
         """
+        self._step_requests += 1
         loss = None
         if closure is not None:
             with torch.enable_grad():
