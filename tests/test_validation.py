@@ -830,3 +830,49 @@ def test_random_arguments_property() -> None:
             opt.step()
             ref.step()
         assert all(torch.equal(a, b) for a, b in zip(m.parameters(), ref_model.parameters()))
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+@pytest.mark.parametrize("grads", ["fresh", "kept"])
+@pytest.mark.parametrize("resize", ["new memory", "same address", "smaller"])
+def test_a_param_resized_under_the_optimizer_is_refused_on_every_rung(
+    rung: str, grads: str, resize: str
+) -> None:
+    """``param.data = other`` of another element count after the state was made (model
+    surgery): the next step is refused before anything is written, naming the param and
+    the tensor whose size differs; torch's fused CPU kernel would write past the old
+    moments (heap corruption), the C kernels would step part of the param. With the
+    param's state dropped, the optimizer goes on from a fresh state, as torch's AdamW
+    does for a new param (the fp32 rung's step equals torch's)."""
+    if rung == "8bit":
+        pytest.importorskip("bitsandbytes")
+    buf = torch.randn(20_000, generator=torch.Generator().manual_seed(0))
+    keep = torch.nn.Parameter(torch.randn(300, generator=torch.Generator().manual_seed(1)))
+    q = torch.nn.Parameter(buf[:5_000])
+    opt = choose_optimizer([keep, q], lr=1e-3, rung=rung, free_memory="64GiB", environ={})
+    keep.grad, q.grad = torch.ones(300), torch.ones(5_000)
+    opt.step()
+    before = [keep.detach().clone(), q.detach().clone()]
+    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[q].items()}
+    n = {"new memory": 8_000, "same address": 8_000, "smaller": 3_000}[resize]
+    q.data = torch.randn(n) if resize == "new memory" else buf[:n]
+    resized = q.detach().clone()
+    if grads == "fresh":  # new grad tensors: every grad is checked again
+        q.grad, keep.grad = torch.ones(n), torch.full((300,), 2.0)
+    tensor = "grad" if grads == "kept" else ("state1" if rung == "8bit" else "exp_avg")
+    match = rf"param 1 of group 0 has {n:,} elements but its {tensor} has "
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert torch.equal(keep.detach(), before[0]) and torch.equal(q.detach(), resized)
+    for key, value in opt.state[q].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, state[key]), key
+    del opt.state[q]
+    q.grad = torch.ones(n)
+    opt.step()
+    assert int(opt.state[q]["step"]) == 1 and int(opt.state[keep]["step"]) == 2
+    if rung == "fp32":
+        ref_param = torch.nn.Parameter(resized.clone())
+        ref_param.grad = torch.ones(n)
+        torch.optim.AdamW([ref_param], lr=1e-3, fused=True).step()
+        assert torch.equal(q.detach(), ref_param.detach())

@@ -37,6 +37,7 @@ import torch
 
 from optladder.columns import PLAIN_TYPES, dense
 from optladder.optimizers.stepmemo import same_objects
+from optladder.sharding import local_numel
 
 _EXP_AVG = operator.itemgetter("exp_avg")
 _EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
@@ -109,6 +110,81 @@ def refuse_nondense(
                 "would write over the memory between its elements; give the group Python-number "
                 "hyperparameters and params of one dtype, or optimize a contiguous tensor"
             )
+
+
+_NUMEL = torch.Tensor.numel
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "state1", "state2")
+"""The per-param state tensors of a param's shape: the Adam layout's moments, and
+bitsandbytes' 8-bit codes (or float32 moments below its size rule)."""
+
+
+def refuse_resized(
+    engine: torch.optim.Optimizer,
+    grads: Sequence[Sequence[torch.Tensor | None]],
+    group_names: Mapping[int, str] | None = None,
+    *,
+    local: bool = False,
+) -> None:
+    """Raise before anything is allocated or written when a param with a grad no longer
+    has its grad's or its state tensors' element count: its ``.data`` was replaced by a tensor of
+    another size after its state was made or its grad computed (model surgery, pruning
+    or growing code).
+
+    The kernels step ``param.numel()`` elements of every tensor of the param: torch's
+    fused CPU kernel would read and write past the smaller ones (heap corruption, then an
+    abort), optladder's C kernels would step part of the param, and the eager paths fail
+    on the size mismatch part-way through a commit. Every step, for every group: one read
+    of each param's, grad's and state tensor's element count (in C; a resize keeps the
+    param the same object at the same address or not, so nothing cheaper notices it).
+
+    Args:
+        engine: an engine whose state prepare has made (the Adam layout's moments, or
+            bitsandbytes' ``state1``/``state2``).
+        grads: per group, every param's grad (None where it has none), in order.
+        group_names: ``id(group) -> name`` for the message (default ``"group {i}"``).
+        local: state tensors hold the local shard of a DTensor param (bitsandbytes'
+            layout); the param's local element count is compared with them.
+
+    Raises:
+        ValueError: naming the param, its element count and the tensor that differs.
+    """
+    state = engine.state
+    for gi, (group, gs) in enumerate(zip(engine.param_groups, grads)):
+        present = list(map(operator.is_not, gs, repeat(None)))
+        params, live = group["params"], cast(list[torch.Tensor], gs)
+        if not all(present):
+            params = list(compress(params, present))
+            live = list(compress(cast(list[torch.Tensor], gs), present))
+        if not params:
+            continue
+        states = [state.get(p) for p in params]
+        numels = list(map(_NUMEL, params))
+        mine = numels if not local or all(map(_plain, params)) else list(map(local_numel, params))
+        keys = [k for k in _STATE_KEYS if any(st and k in st for st in states)]
+        tensors: list[tuple[str, list[Any], list[int]]] = [("grad", live, numels)]
+        tensors += [(k, [st.get(k) if st else None for st in states], mine) for k in keys]
+        for name, column, want in tensors:
+            if not any(map(operator.is_, column, repeat(None))):  # not `in`: Tensor ==
+                if want == list(map(_NUMEL, column)):
+                    continue
+            elif all(t is None or t.numel() == n for t, n in zip(column, want)):
+                continue
+            for p, n, t in zip(params, want, column, strict=True):
+                if t is not None and t.numel() != n:
+                    pi = next(i for i, q in enumerate(group["params"]) if q is p)
+                    where = group_names.get(id(group)) if group_names else None
+                    raise ValueError(
+                        f"param {pi} of {where or f'group {gi}'} has {n:,} elements but "
+                        f"its {name} has {t.numel():,}: the param was resized (its .data "
+                        "replaced) after its state was made or its grad computed, and "
+                        "stepping it would write past the smaller tensor. Build a new "
+                        "optimizer for the resized model, or drop the param's state (del "
+                        "opt.state[param]) to start it afresh"
+                    )
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) in PLAIN_TYPES
 
 
 def params_fit(params: Sequence[torch.Tensor]) -> bool:
