@@ -876,3 +876,73 @@ def test_a_param_resized_under_the_optimizer_is_refused_on_every_rung(
         ref_param.grad = torch.ones(n)
         torch.optim.AdamW([ref_param], lr=1e-3, fused=True).step()
         assert torch.equal(q.detach(), ref_param.detach())
+
+
+@pytest.mark.parametrize(
+    ("rung", "dtype", "match"),
+    [
+        ("fp32", torch.float64, r"is torch.float64 but its exp_avg is torch.float32"),
+        ("fp32", torch.bfloat16, r"runs torch's AdamW, which would keep its moments"),
+        ("8bit", torch.float64, r"float64"),
+    ],
+)
+def test_params_converted_by_module_to_after_their_state_are_refused(
+    rung: str, dtype: torch.dtype, match: str
+) -> None:
+    """``module.to(dtype)`` keeps the Parameter objects and swaps their data: a dtype the
+    rung's engine cannot step from the state it has (torch's AdamW keeps moments in the
+    param's dtype; 8bit would round float64 params through float32) is refused before
+    anything changes, step counts and ``committed_steps`` included (it failed in the
+    commit, or stepped float64 params in float32)."""
+    if rung == "8bit":
+        pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 64)
+    opt = choose_optimizer(model, lr=1e-2, rung=rung, free_memory="64GiB", environ={})
+    model(torch.randn(4, 128)).sum().backward()
+    opt.step()
+    model.to(dtype)
+    before = [p.detach().clone() for p in model.parameters()]
+    steps = [opt.state[p]["step"] for p in model.parameters()]
+    steps = [int(s) for s in steps]
+    with pytest.raises(ValueError, match=match) as info:
+        opt.step()
+    assert "the params changed since the last step" in str(info.value)
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), b)
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == steps == [1, 1]
+    assert opt.committed_steps == 1
+
+
+@pytest.mark.parametrize("where", ["same group", "another group", "a pinned group"])
+def test_a_param_appended_twice_by_hand_is_refused_and_a_new_one_is_stepped(where: str) -> None:
+    """Progressive unfreezing by ``opt.param_groups[i]["params"].append(p)``: a param the
+    optimizer already holds is refused before the step (it was stepped twice, or broke
+    the commit across engines), naming both places; a new param appended so is stepped
+    from a fresh state, as torch's AdamW does (its values equal torch's)."""
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(64)) for _ in range(3))
+    second = {"params": [b]} if where != "a pinned group" else {"params": [b], "rung": "bf16"}
+    opt = choose_optimizer(
+        [{"params": [a]}, second], lr=1e-2, rung="fp32", free_memory="64GiB", environ={}
+    )
+    for p in (a, b):
+        p.grad = torch.ones(64)
+    opt.step()
+    target = opt.param_groups[0 if where == "same group" else 1]["params"]
+    target.append(a)
+    before = [p.detach().clone() for p in (a, b)]
+    with pytest.raises(ValueError, match=r"is the same tensor as param 0 of group 0; list it"):
+        opt.step()
+    assert torch.equal(a.detach(), before[0]) and torch.equal(b.detach(), before[1])
+    assert int(opt.state[a]["step"]) == int(opt.state[b]["step"]) == 1
+    target.pop()
+    start = c.detach().clone()
+    opt.param_groups[0]["params"].append(c)
+    c.grad = torch.ones(64)
+    opt.step()
+    assert int(opt.state[a]["step"]) == 2 and int(opt.state[c]["step"]) == 1
+    ref = torch.nn.Parameter(start)
+    ref.grad = torch.ones(64)
+    torch.optim.AdamW([ref], lr=1e-2, fused=True).step()
+    assert torch.equal(c.detach(), ref.detach())

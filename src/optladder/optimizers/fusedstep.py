@@ -113,7 +113,8 @@ def refuse_nondense(
 
 
 _NUMEL = torch.Tensor.numel
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "state1", "state2")
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_STATE_KEYS = (*_MOMENT_KEYS, "state1", "state2")
 """The per-param state tensors of a param's shape: the Adam layout's moments, and
 bitsandbytes' 8-bit codes (or float32 moments below its size rule)."""
 
@@ -124,6 +125,7 @@ def refuse_resized(
     group_names: Mapping[int, str] | None = None,
     *,
     local: bool = False,
+    moments_like_params: bool = False,
 ) -> None:
     """Raise before anything is allocated or written when a param with a grad no longer
     has its grad's or its state tensors' element count: its ``.data`` was replaced by a tensor of
@@ -144,9 +146,13 @@ def refuse_resized(
         group_names: ``id(group) -> name`` for the message (default ``"group {i}"``).
         local: state tensors hold the local shard of a DTensor param (bitsandbytes'
             layout); the param's local element count is compared with them.
+        moments_like_params: the moments must have their param's dtype (torch's AdamW
+            keeps them so, and its kernels refuse a mix: a param converted by
+            ``module.to(dtype)`` after its state was made would fail in the commit).
 
     Raises:
-        ValueError: naming the param, its element count and the tensor that differs.
+        ValueError: naming the param, its element count (or dtype) and the tensor that
+            differs.
     """
     state = engine.state
     for gi, (group, gs) in enumerate(zip(engine.param_groups, grads)):
@@ -181,6 +187,33 @@ def refuse_resized(
                         "optimizer for the resized model, or drop the param's state (del "
                         "opt.state[param]) to start it afresh"
                     )
+        if moments_like_params:
+            _refuse_moment_dtypes(group, gi, params, states, group_names)
+
+
+def _refuse_moment_dtypes(
+    group: dict[str, Any],
+    gi: int,
+    params: list[torch.Tensor],
+    states: list[Any],
+    group_names: Mapping[int, str] | None,
+) -> None:
+    """The dtype rule of :func:`refuse_resized` for one group's params (with grads)."""
+    for key in _MOMENT_KEYS:
+        for p, st in zip(params, states):
+            m = st.get(key) if st else None
+            if m is None or m.dtype == p.dtype:
+                continue
+            pi = next(i for i, q in enumerate(group["params"]) if q is p)
+            where = group_names.get(id(group)) if group_names else None
+            raise ValueError(
+                f"param {pi} of {where or f'group {gi}'} is {p.dtype} but its {key} is "
+                f"{m.dtype}: torch's AdamW keeps the moments in the param's dtype and its "
+                "kernels refuse a mix, so the param's dtype changed after its state was "
+                "made (module.to(dtype)). Build the optimizer after converting the model "
+                "(and load a checkpoint into it), or drop the param's state (del "
+                "opt.state[param]) to start it afresh"
+            )
 
 
 def _plain(t: torch.Tensor) -> bool:

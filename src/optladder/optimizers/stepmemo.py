@@ -199,9 +199,6 @@ class StepMemo:
         plan: what the prepare phase left for the commit (consumed by it), or None.
         step_counts: what the commit keeps between steps to bump the step counts
             (:class:`~optladder.optimizers.fusedstep.StepCounts`), or None.
-        param_numels: every param's element count (all groups, in order) when they were
-            last found to match their grads' and state tensors' (see
-            :func:`~optladder.optimizers.fusedstep.refuse_resized`), or None.
     """
 
     groups: dict[int, GroupMemo] = field(default_factory=dict)
@@ -211,7 +208,6 @@ class StepMemo:
     states_extra: Any = None
     plan: Any = None
     step_counts: Any = None
-    param_numels: list[int] | None = None
 
     def states_exist(
         self,

@@ -175,7 +175,6 @@ _IS_CPU = operator.attrgetter("is_cpu")
 _PARAMS = operator.itemgetter("params")
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
-_NUMEL = torch.Tensor.numel
 
 
 def _grads_match(
@@ -263,14 +262,8 @@ def prepare_step(
         first, so the engine is as it was.
     """
     grads = check_step_inputs(engine, group_names, memo)
-    # a param resized under its state (param.data = ...): every param's element count,
-    # in C, against those last checked with the grads and state (a full check when any
-    # differs); new grads were checked against their params above
-    numels = list(map(_NUMEL, chain.from_iterable(map(_PARAMS, engine.param_groups))))
-    if memo is None or memo.param_numels != numels:
+    if memo is None:  # with a memo, the optimizer checks this when params change
         refuse_resized(engine, grads, group_names, local=is_bnb_engine(engine))
-        if memo is not None:
-            memo.param_numels = numels
     created: list[torch.Tensor] = []
     if memo is not None:
         memo.plan = None

@@ -17,9 +17,11 @@ cheaper rung and retries the step, once per rung. The rest sits in a module of i
 from __future__ import annotations
 
 import logging
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import torch
@@ -29,7 +31,9 @@ from optladder.oom import describe_error, is_oom
 from optladder.optimizers.adamw import unscale_grads_
 from optladder.optimizers.build import dtype_names
 from optladder.optimizers.capabilities import probe_capabilities
-from optladder.optimizers.stepmemo import StepMemo
+from optladder.optimizers.fusedstep import refuse_resized
+from optladder.optimizers.migrate import is_bnb_engine
+from optladder.optimizers.stepmemo import StepMemo, grad_of, same_objects
 from optladder.optimizers.transaction import (
     commit_step,
     deferred_interrupts,
@@ -60,6 +64,9 @@ from optladder.selector.escalation import Escalation
 from optladder.units import format_bytes
 
 logger = logging.getLogger("optladder")
+
+_PARAMS = operator.itemgetter("params")
+_NBYTES = operator.attrgetter("nbytes")
 
 __all__ = [
     "ORIGIN_KEY",
@@ -223,6 +230,8 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._commits = 0
         self._zero_grad_calls = 0
         self._step_requests = 0
+        # the params (flat, all groups) and their byte counts when _check_params passed
+        self._checked_params: tuple[list[torch.Tensor] | None, list[int] | None] = (None, None)
         self.partial_step: PartialStepError | None = None
         self._warned: set[tuple[Rung, str]] = set()
         # per engine, what passed the step checks (weak: a replaced engine's goes with it)
@@ -252,6 +261,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         for pin, indexed in pinned.items():  # one engine per rung, over all its groups
             for (gi, _), held_group in zip(indexed, self._add_pinned(pin, indexed)):
                 order[gi] = held_group
+        self._params_checked()
         self._warn_unfused()
 
     # ------------------------------------------------------------------ plumbing
@@ -390,6 +400,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._decision = self._decision.model_copy(
             update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
         )
+        self._params_checked()
 
     @property
     def committed_steps(self) -> int:
@@ -494,8 +505,59 @@ class LadderOptimizer(torch.optim.Optimizer):
                         f"param_groups[{gi}]['rung'] = {rung!r} back to go on"
                     )
 
+    def _check_params(self) -> None:
+        """Construction's param checks again when the params changed since they last
+        passed: a group's ``"params"`` list edited by hand (a param appended twice, or
+        one of a dtype or layout the group's rung cannot take) or a param's ``.data``
+        replaced (``module.to(dtype)``, a resize) after its state was made. Once per step,
+        in C: every param's identity and byte count against the last ones checked.
+
+        Raises:
+            ValueError: what construction would say of the params (a param listed twice,
+                params sharing memory, a dtype the rung or its engine cannot take), or a
+                grad or state tensor of another size than its param
+                (:func:`~optladder.optimizers.fusedstep.refuse_resized`), with a note
+                that the params changed; nothing is changed.
+        """
+        flat = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
+        sizes = list(map(_NBYTES, flat))
+        seen, seen_sizes = self._checked_params
+        if seen is not None and sizes == seen_sizes and same_objects(flat, seen):
+            return
+        names = self._group_names()
+        place = {id(g): gi for gi, g in enumerate(self.param_groups)}
+        try:
+            decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
+            check_groups(self.param_groups, decoupled)
+            refuse_meta_params(self.param_groups)
+            for rung, engine in [(self.rung, self.engine), *self._pinned.items()]:
+                for group in engine.param_groups:
+                    where = f"group {place[id(group)]}"
+                    check_params_for_rung(group["params"], rung, engine, where)
+                grads = [list(map(grad_of, g["params"])) for g in engine.param_groups]
+                refuse_resized(
+                    engine,
+                    grads,
+                    names,
+                    local=is_bnb_engine(engine),
+                    moments_like_params=isinstance(engine, torch.optim.Adam | torch.optim.AdamW),
+                )
+        except ValueError as exc:
+            raise ValueError(
+                f"{exc} (the params changed since the last step: a group's params list was "
+                "edited, or a param's .data replaced, e.g. by module.to(dtype))"
+            ) from None
+        self._checked_params = (flat, sizes)
+
+    def _params_checked(self) -> None:
+        """Record the params as checked (construction and ``add_param_group`` checked
+        them), so :meth:`_check_params` has nothing to do until they change."""
+        flat = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
+        self._checked_params = (flat, list(map(_NBYTES, flat)))
+
     def _two_phase_step(self, retries: int, grad_scale: torch.Tensor | None) -> str | None:
         self._check_group_rungs()
+        self._check_params()
         engines = self._engines()
         names = self._group_names()
         prepared: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
