@@ -461,6 +461,32 @@ def test_add_param_group_names_what_it_found_in_params(params: object, found: st
     assert len(opt.param_groups) == 1 and len(opt.engine.param_groups) == 1
 
 
+def test_add_param_group_without_params_says_the_key_is_missing() -> None:
+    opt = choose_optimizer([torch.nn.Parameter(torch.zeros(4))], free_memory=GiB)
+    with pytest.raises(ValueError, match=r"missing its 'params' key \(it holds 'lr'\)"):
+        opt.add_param_group({"lr": 1e-3})
+    assert len(opt.param_groups) == 1
+
+
+def test_a_complex_param_added_beside_fused_float32_ones_is_told_to_pin_fp32() -> None:
+    """The refusal says what works, and what it says works: a group pinning fp32 gets
+    an engine of its own (torch's foreach AdamW), whose step equals torch's AdamW."""
+    opt = choose_optimizer(
+        [torch.nn.Parameter(torch.zeros(4))], rung="fp32", free_memory=GiB, environ={}
+    )
+    z = torch.nn.Parameter(torch.randn(8, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"pins the fp32 rung \(\{'params': \.\.\., 'rung'"):
+        opt.add_param_group({"params": [z]})
+    start = z.detach().clone()
+    opt.add_param_group({"params": [z], "rung": "fp32"})
+    z.grad = torch.full((8,), 1 + 1j, dtype=torch.complex64)
+    opt.step()
+    ref = torch.nn.Parameter(start)
+    ref.grad = torch.full((8,), 1 + 1j, dtype=torch.complex64)
+    torch.optim.AdamW([ref], lr=1e-3, foreach=True).step()
+    assert torch.equal(z.detach(), ref.detach())
+
+
 # ---------------------------------------------------------------- checkpoints
 
 

@@ -95,6 +95,12 @@ def check_new_group(param_group: object) -> dict[str, Any]:
             f"takes), got {type(param_group).__name__}; wrap it: {{'params': [...]}}"
         )
     group = dict(param_group)
+    if "params" not in group:
+        keys = ", ".join(map(repr, group)) or "no keys"
+        raise ValueError(
+            f"param_group is missing its 'params' key (it holds {keys}); add_param_group takes a "
+            "dict whose 'params' is a non-empty list of tensors: {'params': [...], ...}"
+        )
     params = group.get("params")
     if isinstance(params, set | frozenset):
         raise TypeError(
@@ -367,7 +373,12 @@ def check_params_for_rung(
                 "these params so that the fp32 rung keeps float32 moments for them"
             )
         if torch_engine and p.is_complex() and engine.defaults.get("fused"):
-            raise ValueError(f"{where}: torch's fused AdamW has no kernel for complex params")
+            raise ValueError(
+                f"{where}: this optimizer's fp32 rung runs torch's fused AdamW, which has no "
+                "kernel for complex params; add them in a group that pins the fp32 rung "
+                "({'params': ..., 'rung': 'fp32'}: an engine of its own, torch's foreach "
+                "AdamW), or create the optimizer with them"
+            )
         if rung == "8bit" and not steps_noncontiguous(engine) and not _contiguous(p):
             raise ValueError(
                 f"{where} is not contiguous (stride {p.stride()}), and this optimizer's 8bit "
