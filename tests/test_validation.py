@@ -972,3 +972,79 @@ def test_a_param_appended_twice_by_hand_is_refused_and_a_new_one_is_stepped(wher
     ref.grad = torch.ones(64)
     torch.optim.AdamW([ref], lr=1e-2, fused=True).step()
     assert torch.equal(c.detach(), ref.detach())
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_channels_last_mid_run_keeps_each_element_with_its_moments(rung: str) -> None:
+    """``model.to(memory_format=torch.channels_last)`` between steps gives the conv
+    weights new memory in another order (same Parameter objects): the moments made in
+    the old order are laid out again before the next step, so each element keeps its
+    own (torch's fused kernel pairs them by memory order: it stepped every weight with
+    another element's moments). The weights equal a run without the switch."""
+    if rung == "8bit":
+        pytest.importorskip("bitsandbytes")
+
+    def run(switch: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Conv2d(16, 32, 3)
+        opt = choose_optimizer(model, lr=1e-2, rung=rung, free_memory="64GiB", environ={})
+        x = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(1))
+        for step in range(3):
+            if switch and step == 1:
+                model.to(memory_format=torch.channels_last)
+                x = x.contiguous(memory_format=torch.channels_last)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        return model.weight.detach().contiguous()
+
+    torch.testing.assert_close(run(True), run(False), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+@pytest.mark.parametrize("change", ["layout", "size"])
+def test_a_kept_grad_given_other_memory_is_checked_again(rung: str, change: str) -> None:
+    """The step checks grads again only when they change; a kept grad object whose
+    ``.data`` was replaced (by a hook, bucketing code) is a change: a grad of another
+    size is refused before anything is written on every rung (the fp32 rung read past
+    it), one of another layout where the rung needs its param's (the fp32 rung stepped
+    elements with other elements' grads) and otherwise stepped as the same rung steps the
+    same values laid out like the param."""
+    if rung == "8bit":
+        pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(80, 80))
+    opt = choose_optimizer([w], lr=1e-2, rung=rung, free_memory="64GiB", environ={})
+    g = torch.randn(80, 80, generator=torch.Generator().manual_seed(1))
+    w.grad = g.clone()
+    opt.step()
+    before = w.detach().clone()
+    saved = copy.deepcopy(opt.state_dict())
+    if change == "size":
+        w.grad.data = torch.ones(100)
+        with pytest.raises(ValueError, match=r"param 0 of group 0 has a torch.float32 grad of"):
+            opt.step()
+        assert torch.equal(w.detach(), before) and int(opt.state[w]["step"]) == 1
+        return
+    w.grad.data = g.t().contiguous().t()  # the same values, column-major
+    if rung == "fp32":
+        with pytest.raises(ValueError, match=r"grad with strides \(1, 80\) but the param"):
+            opt.step()
+        assert torch.equal(w.detach(), before)
+        return
+    opt.step()
+    twin_w = torch.nn.Parameter(before.clone())  # the same rung, the grad row-major
+    twin = choose_optimizer([twin_w], lr=1e-2, rung=rung, free_memory="64GiB", environ={})
+    twin.load_state_dict(copy.deepcopy(saved))
+    twin_w.grad = g.clone()
+    twin.step()
+    if rung == "bf16":  # the eager path and the kernel write the same bits
+        assert torch.equal(w.detach(), twin_w.detach())
+        return
+    # 8bit: a grad that is not contiguous goes through bitsandbytes' CPU update, whose
+    # float32 update differs from the kernel's in the rounding of its last operations:
+    # a few float32 ulps of the largest magnitude involved (old param, new one, 4 * lr),
+    # as tests/test_kernels_8bit_cpu.py derives for one step from the same state
+    scale = before.abs() + twin_w.detach().abs() + 4 * 1e-2
+    ulp = torch.exp2(torch.floor(torch.log2(scale))) * torch.finfo(torch.float32).eps
+    assert bool(((w.detach() - twin_w.detach()).abs() <= 4 * ulp).all())

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -51,6 +51,17 @@ def same_grads(refs: GradRefs, grads: Sequence[torch.Tensor | None]) -> bool:
         and list(map(operator.is_, grads, repeat(None)))
         == list(map(operator.is_, refs, repeat(_NO_GRAD)))
     )
+
+
+def _grad_ptrs(grads: Sequence[torch.Tensor | None]) -> list[int]:
+    """The grads' ``data_ptr()``s, None left out (in C)."""
+    present: Sequence[torch.Tensor | None] = grads
+    if any(map(operator.is_, grads, repeat(None))):
+        present = [g for g in grads if g is not None]
+    return list(map(_DATA_PTR, cast(Sequence[torch.Tensor], present)))
+
+
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
@@ -143,10 +154,13 @@ class KeptGrads:
     refs: GradRefs = field(default_factory=list)
     reused: bool = True
     fresh: int = 0
+    ptrs: list[int] = field(default_factory=list)
 
     def same(self, grads: Sequence[torch.Tensor | None]) -> bool:
-        """Whether ``grads`` are the grads last recorded (identity)."""
-        hit = same_grads(self.refs, grads)
+        """Whether ``grads`` are the grads last recorded (identity), at the same
+        addresses (a grad whose ``.data`` was replaced, with another size or layout, is
+        the same object over other memory: checked again)."""
+        hit = same_grads(self.refs, grads) and _grad_ptrs(grads) == self.ptrs
         if hit:
             self.reused = True
         return hit
@@ -156,6 +170,7 @@ class KeptGrads:
         every step)."""
         if self.reused or self.fresh % REFS_EVERY == 0:
             self.refs = grad_refs(grads)
+            self.ptrs = _grad_ptrs(grads)
         else:
             self.refs = []  # matches no grads: checked again at the next step
         self.fresh = 0 if self.reused else self.fresh + 1

@@ -67,6 +67,7 @@ logger = logging.getLogger("optladder")
 
 _PARAMS = operator.itemgetter("params")
 _NBYTES = operator.attrgetter("nbytes")
+_DATA_PTR = torch.Tensor.data_ptr
 
 __all__ = [
     "ORIGIN_KEY",
@@ -230,8 +231,13 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._commits = 0
         self._zero_grad_calls = 0
         self._step_requests = 0
-        # the params (flat, all groups) and their byte counts when _check_params passed
-        self._checked_params: tuple[list[torch.Tensor] | None, list[int] | None] = (None, None)
+        # the params (flat, all groups), their byte counts and addresses when
+        # _check_params last passed
+        self._checked_params: tuple[list[torch.Tensor] | None, list[int], list[int]] = (
+            None,
+            [],
+            [],
+        )
         self.partial_step: PartialStepError | None = None
         self._warned: set[tuple[Rung, str]] = set()
         # per engine, what passed the step checks (weak: a replaced engine's goes with it)
@@ -509,8 +515,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         """Construction's param checks again when the params changed since they last
         passed: a group's ``"params"`` list edited by hand (a param appended twice, or
         one of a dtype or layout the group's rung cannot take) or a param's ``.data``
-        replaced (``module.to(dtype)``, a resize) after its state was made. Once per step,
-        in C: every param's identity and byte count against the last ones checked.
+        replaced (``module.to(dtype)``, ``module.to(memory_format=...)``, a resize) after
+        its state was made. Once per step, in C: every param's identity, byte count and
+        address against the last ones checked. When they changed, the engines' step
+        memos are dropped too, so the next prepare checks every grad and lays out every
+        moment again.
 
         Raises:
             ValueError: what construction would say of the params (a param listed twice,
@@ -521,8 +530,14 @@ class LadderOptimizer(torch.optim.Optimizer):
         """
         flat = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
         sizes = list(map(_NBYTES, flat))
-        seen, seen_sizes = self._checked_params
-        if seen is not None and sizes == seen_sizes and same_objects(flat, seen):
+        ptrs = list(map(_DATA_PTR, flat))
+        seen, seen_sizes, seen_ptrs = self._checked_params
+        if (
+            seen is not None
+            and sizes == seen_sizes
+            and ptrs == seen_ptrs
+            and same_objects(flat, seen)
+        ):
             return
         names = self._group_names()
         place = {id(g): gi for gi, g in enumerate(self.param_groups)}
@@ -547,13 +562,16 @@ class LadderOptimizer(torch.optim.Optimizer):
                 f"{exc} (the params changed since the last step: a group's params list was "
                 "edited, or a param's .data replaced, e.g. by module.to(dtype))"
             ) from None
-        self._checked_params = (flat, sizes)
+        # what passed the step checks before may hold for these params no more (a
+        # channels_last param's moments are laid out again, its grads checked again)
+        self._memos.clear()
+        self._checked_params = (flat, sizes, ptrs)
 
     def _params_checked(self) -> None:
         """Record the params as checked (construction and ``add_param_group`` checked
         them), so :meth:`_check_params` has nothing to do until they change."""
         flat = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
-        self._checked_params = (flat, list(map(_NBYTES, flat)))
+        self._checked_params = (flat, list(map(_NBYTES, flat)), list(map(_DATA_PTR, flat)))
 
     def _two_phase_step(self, retries: int, grad_scale: torch.Tensor | None) -> str | None:
         self._check_group_rungs()
