@@ -5,6 +5,8 @@ outside the list is written."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -130,3 +132,45 @@ def test_the_memory_of_kept_cells_is_held_when_a_tensor_moves_away() -> None:
     assert any(s.data_ptr() == address for s in counts._storages)  # not while a cell is kept
     counts.bump([step])
     assert step.item() == 11.0
+
+
+def _at_step(step: int, **kwargs: Any) -> tuple[torch.nn.Parameter, Any]:
+    """An fp32-rung optimizer (the policy's pick) whose param has taken ``step`` steps
+    (through a checkpoint, as a long run resumes)."""
+    from optladder import choose_optimizer
+
+    a = torch.nn.Parameter(torch.randn(5000, generator=torch.Generator().manual_seed(0)))
+    opt = choose_optimizer([a], lr=1e-3, free_memory="64GiB", **kwargs)
+    a.grad = torch.ones_like(a)
+    opt.step()
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = torch.tensor(float(step), dtype=torch.float64)
+    opt.load_state_dict(sd)
+    return a, opt
+
+
+def test_an_escalation_passes_a_rung_that_cannot_step_from_the_counts() -> None:
+    """At step 2**32 the bf16 rung (random bits keyed by a 32-bit step) cannot take
+    another step: the ladder moves on to 8bit (exact counts to 2**53 on the CPU), and
+    the next step counts 2**32 + 1. A forced move to bf16 is refused, naming the param,
+    its step and the range, and nothing changes."""
+    pytest.importorskip("bitsandbytes")
+    a, opt = _at_step(2**32, environ={})
+    before = opt.state[a]["exp_avg"].clone()
+    with pytest.raises(ValueError, match=rf"param 0 of group 0 has step {2**32}, past the bf16"):
+        opt.migrate_to("bf16", "a test's move", force=True)
+    assert opt.rung == "fp32" and torch.equal(opt.state[a]["exp_avg"], before)
+    event = opt.escalate("out of memory (a test)")
+    assert (event.from_rung, event.to_rung) == ("fp32", "8bit")
+    a.grad = torch.ones_like(a)
+    opt.step()
+    assert opt.state[a]["step"] == 2**32 + 1
+
+
+def test_with_no_rung_left_that_steps_from_the_counts_the_escalation_says_why() -> None:
+    from optladder import OptimizerOutOfMemoryError
+
+    _, opt = _at_step(2**32, environ={"OPTLADDER_8BIT_ADAM": "0"})
+    with pytest.raises(OptimizerOutOfMemoryError, match=r"has step 4294967296, past the bf16"):
+        opt.escalate("out of memory (a test)")
+    assert opt.rung == "fp32"

@@ -346,8 +346,20 @@ def step_limit(engine: torch.optim.Optimizer, p: torch.Tensor) -> tuple[int, str
         ``(limit, reason)``: the limits of :mod:`optladder.optimizers.steps`.
     """
     if isinstance(engine, LadderAdamW) and engine.moment_dtype == torch.bfloat16:
+        return rung_step_limit("bf16", p.device.type)
+    if is_bnb_engine(engine):
+        return rung_step_limit("8bit", p.device.type)
+    return rung_step_limit("fp32", p.device.type)
+
+
+def rung_step_limit(rung: str, device_type: str) -> tuple[int, str]:
+    """The largest step count ``rung`` takes for a param on ``device_type`` (``"cpu"``,
+    ``"cuda"``) before its next step, and why (:mod:`optladder.optimizers.steps`): the
+    bf16 rung's random bits are keyed by a step below 2**32, bitsandbytes' CUDA kernel
+    takes an int32 step, and float64 counts are exact to 2**53 - 1 elsewhere."""
+    if rung == "bf16":
         return BF16_MAX_STEP, "the bf16 rung keys its random bits by a step below 2**32"
-    if is_bnb_engine(engine) and p.device.type == "cuda":
+    if rung == "8bit" and device_type == "cuda":
         return BNB_CUDA_MAX_STEP, "bitsandbytes' CUDA 8-bit kernel takes the step as an int32"
     return MAX_STEP, "step counts are exact up to 2**53 - 1"
 

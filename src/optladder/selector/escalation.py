@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from optladder.oom import describe_error, is_oom
-from optladder.optimizers.migrate import migrate_engine
+from optladder.optimizers.migrate import migrate_engine, read_step, rung_step_limit
 from optladder.policies.decision import (
     Decision,
     allowed_rungs,
@@ -39,7 +39,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("optladder")
 
-__all__ = ["Escalation", "escalate", "migrate", "move_refused", "restore_groups", "switch"]
+__all__ = [
+    "Escalation",
+    "escalate",
+    "migrate",
+    "move_refused",
+    "restore_groups",
+    "steps_refusal",
+    "switch",
+]
 
 
 @dataclass(frozen=True)
@@ -67,8 +75,15 @@ def escalate(opt: LadderOptimizer, reason: str) -> Escalation:
         OptimizerOutOfMemoryError: no rung to move to, or the move ran out of memory.
     """
     target, why_not = escalation_target(opt._decision)
+    passed: list[str] = []
+    while target is not None:  # a rung that cannot step from these counts cannot help
+        refusal = steps_refusal(opt, target)
+        if refusal is None:
+            break
+        passed.append(refusal)
+        target, why_not = escalation_target(opt._decision.model_copy(update={"rung": target}))
     if target is None:
-        raise opt.out_of_memory_error(f"{reason}; {why_not}")
+        raise opt.out_of_memory_error(f"{reason}; {'; '.join([*passed, why_not])}")
     event = Escalation(opt.rung, target, reason, opt._steps)
     try:
         opt.migrate_to(target, reason, origin="escalated")
@@ -122,6 +137,9 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
     for gi, group in enumerate(opt.param_groups):
         if id(group) in following:  # named by its place among all groups
             check_params_for_rung(group["params"], rung, None, f"group {gi}")
+    refusal = steps_refusal(opt, rung)
+    if refusal is not None:
+        raise ValueError(f"cannot move to {rung}: {refusal}")
     saved_groups = [dict(g) for g in old.param_groups]
     opt._memos.clear()  # they hold the state dicts the move drops
     try:
@@ -132,6 +150,27 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
         restore_groups(old.param_groups, saved_groups)
         raise
     switch(opt, new, rung, reason, origin)
+
+
+def steps_refusal(opt: LadderOptimizer, rung: Rung) -> str | None:
+    """Why the groups of ``opt`` that follow the decision cannot move to ``rung``: a
+    param whose step count is past what ``rung`` steps from
+    (:func:`optladder.optimizers.migrate.rung_step_limit`), named by its place; or None.
+    """
+    place = {id(g): gi for gi, g in enumerate(opt.param_groups)}
+    for group in opt.engine.param_groups:
+        for pi, p in enumerate(group["params"]):
+            st = opt.state.get(p)
+            if not st or "step" not in st:
+                continue
+            step = read_step(st)
+            limit, why = rung_step_limit(rung, p.device.type)
+            if step > limit:
+                return (
+                    f"param {pi} of group {place[id(group)]} has step {step}, past the "
+                    f"{rung} rung's [0, {limit:,}] ({why})"
+                )
+    return None
 
 
 def switch(
