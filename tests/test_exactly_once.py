@@ -699,6 +699,38 @@ def test_a_forward_oom_after_a_whole_train_step_is_rerun(previous: str) -> None:
             assert torch.equal(p, q)
 
 
+def test_grads_zeroed_in_place_before_a_forward_oom_are_not_accumulation() -> None:
+    """A loop that skips ``opt.step()`` on a non-finite loss (no step asked for) and
+    zeroes grads at its top with ``model.zero_grad(set_to_none=False)`` (not through the
+    optimizer): at the next call's forward OOM the kept grads are all zeros, so a rerun
+    loses nothing: it is rerun one rung down and steps once. Grads that still hold a
+    micro-batch's values are refused, as before."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    opt = choose_optimizer(model, lr=1e-3, free_memory="8GiB", environ={})
+    ladder = Ladder(opt)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    flags = {"nan": True, "fail": False}
+
+    def train_step() -> None:
+        model.zero_grad(set_to_none=False)
+        if flags["fail"]:
+            flags["fail"] = False
+            raise torch.OutOfMemoryError("CUDA out of memory (forward)")
+        loss = model(x).square().mean() * (float("nan") if flags["nan"] else 1.0)
+        loss.backward()
+        if torch.isfinite(loss):
+            opt.step()
+
+    model(x).sum().backward()  # grads exist before the loop (kept tensors)
+    ladder.run(train_step)  # a NaN loss: no step asked for, grads left NaN
+    assert opt.committed_steps == 0
+    flags["nan"], flags["fail"] = False, True
+    ladder.run(train_step)
+    assert opt.rung == "bf16" and opt.committed_steps == 1
+    assert int(opt.state[model.weight]["step"]) == 1
+
+
 def test_a_grad_scaler_is_reset_for_the_rerun() -> None:
     model = torch.nn.Linear(16, 4)
     opt = choose_optimizer(model, lr=1e-3, free_memory="8GiB")

@@ -18,9 +18,10 @@ activations) and reruns the step. The rules:
 - Grads accumulated before the call are not zeroed silently: when the previous call
   asked for no optimizer step (none committed, none skipped by a ``GradScaler`` for an
   inf/NaN grad: ``LadderOptimizer.step_requests``) and left grads, none was committed
-  since, and this call added into those grads (no ``opt.zero_grad()`` in it), the OOM
-  is re-raised as :class:`OptimizerOutOfMemoryError` saying so, and nothing moves. Guard
-  the whole accumulation window instead. (A call whose step the scaler skipped is a
+  since, and this call added into those grads (no ``opt.zero_grad()`` in it, and they
+  are not all zeros: a ``model.zero_grad(set_to_none=False)`` leaves nothing to lose),
+  the OOM is re-raised as :class:`OptimizerOutOfMemoryError` saying so, and nothing
+  moves. Guard the whole accumulation window instead. (A call whose step the scaler skipped is a
   whole train step: its grads are spent, and a rerun of the next call loses nothing.)
 
 Under DDP or FSDP an OOM in forward or backward on one rank cannot be recovered in the
@@ -54,6 +55,12 @@ logger = logging.getLogger("optladder")
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+def _holds_values(p: torch.Tensor, grad: torch.Tensor | None) -> bool:
+    """Whether ``grad`` (a grad seen at a call's start) is still ``p``'s grad and holds a
+    nonzero value."""
+    return grad is not None and grad is p.grad and bool(grad.any())
 
 
 def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -178,7 +185,9 @@ class Ladder:
                     self._escalate_after_commit(exc, message)
                     return None
                 if opt.zero_grad_calls == zeroed and self._accumulating_at == committed:
-                    kept = sum(1 for p, ref in entry if ref() is not None and ref() is p.grad)
+                    # grads this call found and still holds, with values (grads zeroed in
+                    # place, by model.zero_grad(set_to_none=False), lose nothing)
+                    kept = sum(_holds_values(p, ref()) for p, ref in entry)
                     if kept:
                         raise opt.out_of_memory_error(
                             f"out of memory in the train step ({message}); {kept} params "
