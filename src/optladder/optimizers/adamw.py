@@ -42,7 +42,12 @@ from optladder.optimizers.stepmemo import (
     grad_of,
     same_objects,
 )
-from optladder.optimizers.steps import BF16_MAX_STEP, MAX_STEP, STEP_DTYPE
+from optladder.optimizers.steps import (
+    BF16_MAX_STEP,
+    MAX_STEP,
+    STEP_DTYPE,
+    refuse_shared_steps,
+)
 from optladder.rungs import FLOAT32_MATH_DTYPES, LADDER_DTYPES
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
@@ -383,6 +388,9 @@ class _GroupPlan:
         self.cpu_params = [p for p, _ in routes["cpu"]]
         self._grads = KeptGrads()  # the grads whose pointers the table holds
         self._grad_ptrs: list[int] = []
+        # whether some params step off the C kernel's table (their step tensors are read
+        # afresh at every step, so checked at every step)
+        self.untracked_steps = bool(routes["eager"] or routes["triton"])
 
     def grads_written(self, grads: list[torch.Tensor | None]) -> tuple[bool, list[int] | None]:
         """Whether the table already points at these grads (same tensors, same memory),
@@ -565,6 +573,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self._options_memo = StepMemo()  # group options that passed their checks
         self._state_seen: list[Any] = []  # self.state's values after the last prepare
         self._lr_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}  # Triton's lr
+        self._untracked_steps = False  # a plan has params off the C kernel (see prepare)
         super().__init__(params, defaults)
 
     _step_supports_amp_scaling = True
@@ -622,8 +631,8 @@ class LadderAdamW(torch.optim.Optimizer):
                 if name in saved_state[saved_id]:
                     value = saved_state[saved_id][name]
                     st[name] = value.to(device=p.device, dtype=self.moment_dtype).contiguous()
-            if isinstance(st.get("step"), torch.Tensor):
-                st["step"] = st["step"].detach().to("cpu", STEP_DTYPE)
+            if isinstance(st.get("step"), torch.Tensor):  # its own: not the checkpoint's,
+                st["step"] = st["step"].detach().to("cpu", STEP_DTYPE, copy=True)  # nor shared
 
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -696,6 +705,7 @@ class LadderAdamW(torch.optim.Optimizer):
         plans: list[_GroupPlan] = []
         writes: list[tuple[list[torch.Tensor | None], tuple[bool, list[int] | None]]] = []
         created: list[torch.Tensor] = []
+        replanned = False  # whether a plan or the C kernel's table was made again
         state_same = same_objects(list(self.state.values()), self._state_seen)
         if state_same and not self._table_points_right():
             self._group_plans.clear()  # made again below, with a new table
@@ -720,6 +730,7 @@ class LadderAdamW(torch.optim.Optimizer):
                     plan = self._plan_group(group, params, grads, start, env, created)
                     self._group_plans[gi] = plan
                     written = (False, None)
+                    replanned = True
                 plans.append(plan)
                 writes.append((grads, written))
                 start += len(params)
@@ -727,6 +738,12 @@ class LadderAdamW(torch.optim.Optimizer):
                 del self._group_plans[gi]
             if self._place_cpu_params(plans):  # a new table: every grad pointer written
                 writes = [(grads, (False, written[1])) for grads, written in writes]
+                replanned = True
+            if replanned or self._untracked_steps:
+                # the C kernel's step tensors are the table's (a new one is made when
+                # they change); the other routes' are read afresh at every step
+                self._untracked_steps = any(p.untracked_steps for p in plans)
+                self._refuse_shared_steps(plans)
             for plan, (grads, written) in zip(plans, writes):
                 plan.write_grads(grads, written)
             for plan in plans:
@@ -754,6 +771,19 @@ class LadderAdamW(torch.optim.Optimizer):
         self._plan = plans
         self.eager_reasons = {i: r for plan in plans for i, r in plan.reasons.items()}
         return created
+
+    def _refuse_shared_steps(self, plans: list[_GroupPlan]) -> None:
+        """Refuse step tensors that two stepped params share (see
+        :func:`~optladder.optimizers.steps.refuse_shared_steps`): the C kernel would
+        step both from the count it read and add two, the eager loop would step the
+        second from the first's new count, so the bits would depend on the route.
+
+        Raises:
+            ValueError: naming both params (their indices over all groups).
+        """
+        items = [item for plan in plans for route in plan.routes.values() for item in route]
+        state = self.state
+        refuse_shared_steps([state[p]["step"] for p, _ in items], lambda k: f"param {items[k][1]}")
 
     @staticmethod
     def check_group_options(group: Mapping[str, Any]) -> None:

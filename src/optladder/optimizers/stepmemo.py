@@ -197,7 +197,8 @@ class StepMemo:
             order), the params, which had no grad, and how many params each group held.
         states_extra: what the caller derived from that state (see :meth:`record_states`).
         plan: what the prepare phase left for the commit (consumed by it), or None.
-        step_counts: what the commit keeps between steps to bump the step counts
+        step_counts: what the prepare phase readies and the commit uses, kept between
+            steps, to bump the step counts
             (:class:`~optladder.optimizers.fusedstep.StepCounts`), or None.
     """
 
