@@ -101,3 +101,116 @@ def test_a_hyperparameter_deleted_from_a_group_is_refused_before_any_write(
     opt.param_groups[1][key] = value
     opt.step()
     assert [float(opt.state[p]["step"]) for p in params] == [2.0, 2.0]
+
+
+# --- tensors in options: a tensor can change in place, so it is checked at every step.
+# optladder takes lr as a one-element tensor (torch does) but not betas as tensors
+# (construction refuses them: betas[i] must be a real number in [0, 1)).
+
+
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize(
+    "betas",
+    [
+        (torch.tensor(0.9), torch.tensor(0.999)),  # equal to the floats checked before
+        (0.9, torch.tensor(0.999)),
+        [torch.tensor(0.9), 0.999],
+        (torch.tensor([0.9, 0.9]), 0.999),  # would make ``==`` raise, not refuse
+    ],
+    ids=["tensors", "one-tensor", "list", "two-element"],
+)
+def test_betas_swapped_for_tensors_are_refused_as_at_construction(rung: str, betas: Any) -> None:
+    """A tensor ``== 0.9`` is a true tensor: the betas tuple of tensors compared equal to
+    the floats checked before, so it was never checked and reached the kernel."""
+    with pytest.raises(ValueError, match=r"betas\[0\] must be in \[0, 1\)"):
+        _opt(rung, betas=(torch.tensor(0.9), torch.tensor(0.999)))  # construction refuses
+    opt, params = _opt(rung)
+    _grads(params, 0)
+    opt.step()
+    opt.param_groups[0]["betas"] = betas
+    before = [p.detach().clone() for p in params]
+    _grads(params, 1)
+    with pytest.raises(ValueError, match=r"param group 0: betas\[\d\] must be in \[0, 1\)"):
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+    opt.param_groups[0]["betas"] = (0.9, 0.999)  # floats again: steps
+    opt.step()
+
+
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("bad", [-1e-3, float("nan"), float("inf")])
+def test_a_tensor_lr_set_out_of_range_in_place_is_refused(rung: str, bad: float) -> None:
+    lr = torch.tensor(1e-2)
+    opt, params = _opt(rung)
+    opt.param_groups[0]["lr"] = lr
+    _grads(params, 0)
+    opt.step()
+    lr.fill_(bad)  # in place, as a scheduler writes a tensor lr
+    before = [p.detach().clone() for p in params]
+    _grads(params, 1)
+    with pytest.raises(ValueError, match="param group 0: lr must be a finite number >= 0"):
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+
+
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+def test_a_tensor_lr_changed_in_place_takes_effect(rung: str) -> None:
+    """The same steps as an optimizer given the new lr as a float (fp32: as torch's
+    fused AdamW given it)."""
+    opt, params = _opt(rung, weight_decay=0.1)
+    ref, ref_params = _opt(rung, weight_decay=0.1)
+    lr = torch.tensor(1e-2)
+    opt.param_groups[0]["lr"] = lr
+    for step, value in enumerate((1e-2, 0.25, 0.0)):
+        lr.fill_(value)
+        ref.param_groups[0]["lr"] = float(lr)  # the float32 value the tensor holds
+        _grads(params, step)
+        _grads(ref_params, step)
+        opt.step()
+        ref.step()
+        for p, q in zip(params, ref_params):
+            assert torch.equal(p, q), (step, value)
+    if rung == "fp32":  # and torch's own AdamW, from the state optladder holds
+        torch_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        torch_opt = torch.optim.AdamW(torch_params, lr=lr, weight_decay=0.1, fused=True)
+        torch_opt.load_state_dict(
+            {
+                "state": {
+                    i: {k: v.clone() for k, v in opt.state[p].items()} for i, p in enumerate(params)
+                },
+                "param_groups": [dict(torch_opt.param_groups[0], params=[0, 1])],
+            }
+        )
+        torch_opt.param_groups[0]["lr"] = lr  # the load put a copy there
+        lr.fill_(0.5)
+        _grads(params, 9)
+        _grads(torch_params, 9)
+        opt.step()
+        torch_opt.step()
+        for p, q in zip(params, torch_params):
+            assert torch.equal(p, q)
+
+
+def test_options_snapshot_never_takes_tensors_as_unchanged() -> None:
+    """The step memo's comparison itself, by hand: a snapshot with a tensor anywhere in
+    its options is none (checked at every step); betas of equal value whose items are
+    tensors differ from float betas; the same tuple, and equal floats, do not."""
+    from optladder.optimizers.stepmemo import options_snapshot, same_options
+
+    betas = (0.9, 0.999)
+    group: dict[str, Any] = {"params": [torch.zeros(2)], "lr": 1e-3, "betas": betas}
+    snap = options_snapshot(group)
+    assert snap is not None and same_options(group, snap)
+    group["lr"] = float("0.001")  # another float object of the same value
+    assert same_options(group, snap)
+    group["betas"] = (torch.tensor(0.9), torch.tensor(0.999))
+    assert bool(group["betas"] == betas)  # what the comparison saw
+    assert not same_options(group, snap)
+    group["betas"] = (0.9, torch.tensor(0.999))
+    assert not same_options(group, snap)
+    group["betas"] = tuple(betas)
+    assert same_options(group, snap)
+    for options in ({"lr": torch.tensor(1e-3)}, {"betas": (torch.tensor(0.9), 0.999)}):
+        assert options_snapshot({"params": [], **options}) is None

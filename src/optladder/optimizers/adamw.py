@@ -43,7 +43,12 @@ from optladder.optimizers.stepmemo import (
     grad_of,
     same_objects,
 )
-from optladder.optimizers.steps import BF16_MAX_STEP, MAX_STEP, STEP_DTYPE
+from optladder.optimizers.steps import (
+    BF16_MAX_STEP,
+    MAX_STEP,
+    STEP_DTYPE,
+    refuse_shared_steps,
+)
 from optladder.rungs import FLOAT32_MATH_DTYPES, LADDER_DTYPES
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
@@ -148,9 +153,194 @@ def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
 
 
 def unscale_grads_(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
-    """Divide ``grads`` by ``torch.amp.GradScaler``'s scale, in place (allocates nothing)."""
+    """Divide ``grads`` by ``torch.amp.GradScaler``'s scale, in place (allocates nothing).
+
+    Each tensor of ``grads`` is divided once, so ``grads`` must not share memory: pass
+    :func:`distinct_grads` of the params' grads when they may."""
     if grads:
         torch._foreach_mul_(grads, 1.0 / float(grad_scale.item()))
+
+
+_ID = id
+_GET_DEVICE = torch.Tensor.get_device
+_NUMEL = torch.Tensor.numel
+_PTR = operator.itemgetter(1)
+_END = operator.itemgetter(2)
+_MATERIALIZE_LIMIT = 2**22
+"""Elements up to which two grads of unlike layouts are compared address by address."""
+
+
+def _byte_span(g: torch.Tensor) -> int:
+    """Bytes from ``g``'s first element to past its last (strides are not negative)."""
+    last = sum((n - 1) * s for n, s in zip(g.shape, g.stride()))
+    return (last + 1) * g.element_size()
+
+
+def _canonical(g: torch.Tensor) -> tuple[list[int], list[int]]:
+    """``g``'s element set as ``(sizes, strides)``, strides descending: dims of one
+    element or stride 0 left out (they add no element), dims that continue each other
+    merged (``g`` and ``g.view(...)``, ``g.t()`` give the same)."""
+    dims = sorted(((s, n) for n, s in zip(g.shape, g.stride()) if n > 1 and s > 0), reverse=True)
+    sizes: list[int] = []
+    strides: list[int] = []
+    for s, n in dims:
+        if strides and strides[-1] == n * s:
+            sizes[-1] *= n
+            strides[-1] = s
+        else:
+            sizes.append(n)
+            strides.append(s)
+    return sizes, strides
+
+
+def _offsets_meet(
+    d: int, sizes_a: list[int], sizes_b: list[int], strides: list[int]
+) -> bool | None:
+    """Whether ``d == sum(c_k * strides[k])`` for some ``-sizes_b[k] < c_k < sizes_a[k]``:
+    whether two views of one layout, the second ``d`` elements past the first, share an
+    element. None when too many cases to try (a layout whose dims interleave)."""
+    budget = [10_000]
+
+    def meet(d: int, k: int) -> bool | None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return None
+        if k == len(strides):
+            return d == 0
+        rest_hi = sum((n - 1) * s for n, s in zip(sizes_a[k + 1 :], strides[k + 1 :]))
+        rest_lo = -sum((n - 1) * s for n, s in zip(sizes_b[k + 1 :], strides[k + 1 :]))
+        s = strides[k]
+        lo = max(-sizes_b[k] + 1, -((rest_hi - d) // s))  # c * s >= d - rest_hi
+        hi = min(sizes_a[k] - 1, (d - rest_lo) // s)  # c * s <= d - rest_lo
+        unknown = False
+        for c in range(lo, hi + 1):
+            found = meet(d - c * s, k + 1)
+            if found:
+                return True
+            unknown = unknown or found is None
+        return None if unknown else False
+
+    return meet(d, 0)
+
+
+def _addresses(g: torch.Tensor) -> torch.Tensor:
+    """The byte address of every element of ``g`` (int64, flat)."""
+    index = torch.zeros((), dtype=torch.int64)
+    for n, s in zip(g.shape, g.stride()):
+        index = index.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
+    return g.data_ptr() + index.flatten() * g.element_size()
+
+
+def _relation(a: torch.Tensor, b: torch.Tensor) -> str:
+    """How the elements of grads ``a`` and ``b`` (whose byte ranges meet) relate:
+    ``"same"``, ``"disjoint"`` or ``"partial"`` (some shared, or cannot tell)."""
+    if a.dtype != b.dtype:
+        return "partial"
+    d, rem = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
+    if rem:
+        return "partial"
+    (sizes_a, strides_a), (sizes_b, strides_b) = _canonical(a), _canonical(b)
+    if strides_a == strides_b and len(sizes_a) == len(sizes_b):
+        meet = _offsets_meet(d, sizes_a, sizes_b, strides_a)
+        if meet is False:
+            return "disjoint"
+        if meet and d == 0 and sizes_a == sizes_b:
+            return "same"
+        if meet is not None:
+            return "partial"
+    if max(a.numel(), b.numel()) > _MATERIALIZE_LIMIT:
+        return "partial"
+    x, y = _addresses(a).unique(), _addresses(b).unique()
+    shared = int(torch.isin(y, x).sum())
+    if shared == 0:
+        return "disjoint"
+    return "same" if shared == x.numel() == y.numel() else "partial"
+
+
+def distinct_grads(
+    grads: list[torch.Tensor], name: Callable[[int], str] | None = None
+) -> list[torch.Tensor]:
+    """The tensors to unscale so that each element of the grads' memory is divided by
+    the scale exactly once, when params share a grad tensor (``p1.grad = p2.grad = g``,
+    set by hand) or grads are views of one storage (a flat grad buffer).
+
+    One tensor per distinct memory: the same tensor object, or views of the very same
+    elements (``g`` and ``g.view(...)``), count once; views of disjoint elements of one
+    buffer (slices, column slices) are each kept. What torch does differs:
+    ``torch.amp.GradScaler.unscale_`` and torch's fused AdamW with ``grad_scale``
+    divide a shared grad once per param that holds it (the fused kernel writes the
+    unscaled grad back, so the next param reads it divided again); each param here
+    steps with ``grad / scale``, as ``torch.optim.AdamW`` on grads unscaled beforehand,
+    and the grad holds ``grad / scale`` after the step, as torch's fused kernel leaves
+    an unshared grad.
+
+    The common case (no two grads' byte ranges meet) is found with one sort of the
+    grads' addresses. Grads whose ranges meet are compared by layout; two of unlike
+    layouts (not one the other's view or offset copy) by their element addresses,
+    allocated here (so call this before anything is written), up to 2**22 elements
+    each (``_MATERIALIZE_LIMIT``).
+
+    Args:
+        grads: the grads of the params that have one, in order.
+        name: ``i -> "param ... of group ..."`` for ``grads[i]``, for the error.
+
+    Returns:
+        The grads to divide, in order of first appearance (empty grads left out).
+
+    Raises:
+        ValueError: if two grads share some elements but not all (or the same bytes
+            as other dtypes, or layouts too large to compare): no set of tensors
+            divides each element once; the message names both and says what to do.
+    """
+    unique = list({_ID(g): g for g in grads}.values())
+    if not all(map(_NUMEL, unique)):
+        unique = [g for g in unique if g.numel()]
+    if not unique:
+        return unique
+    ptrs = list(map(_DATA_PTR, unique))
+    devices = list(map(_GET_DEVICE, unique))
+    if all(map(torch.Tensor.is_contiguous, unique)):
+        sizes = map(operator.mul, map(_NUMEL, unique), map(torch.Tensor.element_size, unique))
+        ends = list(map(operator.add, ptrs, sizes))
+    else:
+        ends = [p + _byte_span(g) for p, g in zip(ptrs, unique)]
+    spans = sorted(zip(devices, ptrs, ends))  # the common case, in C: no ranges meet
+    if all(map(operator.le, map(_END, spans), map(_PTR, spans[1:]))):
+        return unique  # (a device's first range after another's last: swept below)
+    order = sorted(range(len(unique)), key=lambda i: (devices[i], ptrs[i]))
+    clusters: list[list[int]] = []
+    reach, device = 0, None
+    for i in order:
+        if clusters and devices[i] == device and ptrs[i] < reach:
+            clusters[-1].append(i)
+            reach = max(reach, ends[i])
+        else:
+            clusters.append([i])
+            reach, device = ends[i], devices[i]
+    if len(clusters) == len(unique):
+        return unique  # no two byte ranges meet: the common case
+    drop: set[int] = set()
+    where = name or (lambda i: f"grad {i}")
+    first = {_ID(g): i for i, g in reversed(list(enumerate(grads)))}
+    for cluster in clusters:
+        cluster.sort()  # in order of first appearance: the first of equal views is kept
+        for k, i in enumerate(cluster):
+            for j in cluster[k + 1 :]:
+                if i in drop or j in drop:
+                    continue
+                relation = _relation(unique[i], unique[j])
+                if relation == "same":
+                    drop.add(j)  # the same elements: divided once, through grad i
+                elif relation == "partial":
+                    gi, gj = first[_ID(unique[i])], first[_ID(unique[j])]
+                    raise ValueError(
+                        f"the grads of {where(gi)} and {where(gj)} share some of their "
+                        "memory but not all (or cannot be told apart), so no unscaling "
+                        "divides each element by grad_scale once; give each param a grad "
+                        "of its own (or views of disjoint parts of one buffer), or unscale "
+                        "the grads yourself and leave grad_scale unset"
+                    )
+    return [g for i, g in enumerate(unique) if i not in drop]
 
 
 _STATE_TENSORS = operator.itemgetter("exp_avg", "exp_avg_sq", "step")
@@ -199,6 +389,9 @@ class _GroupPlan:
         self.cpu_params = [p for p, _ in routes["cpu"]]
         self._grads = KeptGrads()  # the grads whose pointers the table holds
         self._grad_ptrs: list[int] = []
+        # whether some params step off the C kernel's table (their step tensors are read
+        # afresh at every step, so checked at every step)
+        self.untracked_steps = bool(routes["eager"] or routes["triton"])
 
     def grads_written(self, grads: list[torch.Tensor | None]) -> tuple[bool, list[int] | None]:
         """Whether the table already points at these grads (same tensors, same memory),
@@ -381,6 +574,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self._options_memo = StepMemo()  # group options that passed their checks
         self._state_seen: list[Any] = []  # self.state's values after the last prepare
         self._lr_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}  # Triton's lr
+        self._untracked_steps = False  # a plan has params off the C kernel (see prepare)
         super().__init__(params, defaults)
 
     _step_supports_amp_scaling = True
@@ -440,8 +634,8 @@ class LadderAdamW(torch.optim.Optimizer):
                 if name in saved_state[saved_id]:
                     value = saved_state[saved_id][name]
                     st[name] = value.to(device=p.device, dtype=self.moment_dtype).contiguous()
-            if isinstance(st.get("step"), torch.Tensor):
-                st["step"] = st["step"].detach().to("cpu", STEP_DTYPE)
+            if isinstance(st.get("step"), torch.Tensor):  # its own: not the checkpoint's,
+                st["step"] = st["step"].detach().to("cpu", STEP_DTYPE, copy=True)  # nor shared
 
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -463,14 +657,19 @@ class LadderAdamW(torch.optim.Optimizer):
             The closure's loss, or None.
 
         Raises:
-            ValueError: if a grad is sparse.
+            ValueError: if a grad is sparse; with ``grad_scale`` set, grads that share
+                some of their memory but not all (:func:`distinct_grads`).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None:  # refuse grads that partly share memory, before writing
+            grads = [p.grad for g in self.param_groups for p in g["params"]]
+            distinct_grads([g for g in grads if g is not None])
         self.prepare_step()
-        self.commit_step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        self.commit_step(grad_scale, getattr(self, "found_inf", None))
         return loss
 
     def prepare_step(
@@ -510,6 +709,7 @@ class LadderAdamW(torch.optim.Optimizer):
         plans: list[_GroupPlan] = []
         writes: list[tuple[list[torch.Tensor | None], tuple[bool, list[int] | None]]] = []
         created: list[torch.Tensor] = []
+        replanned = False  # whether a plan or the C kernel's table was made again
         state_same = same_objects(list(self.state.values()), self._state_seen)
         if state_same and not self._table_points_right():
             self._group_plans.clear()  # made again below, with a new table
@@ -534,6 +734,7 @@ class LadderAdamW(torch.optim.Optimizer):
                     plan = self._plan_group(group, params, grads, start, env, created)
                     self._group_plans[gi] = plan
                     written = (False, None)
+                    replanned = True
                 plans.append(plan)
                 writes.append((grads, written))
                 start += len(params)
@@ -541,6 +742,12 @@ class LadderAdamW(torch.optim.Optimizer):
                 del self._group_plans[gi]
             if self._place_cpu_params(plans):  # a new table: every grad pointer written
                 writes = [(grads, (False, written[1])) for grads, written in writes]
+                replanned = True
+            if replanned or self._untracked_steps:
+                # the C kernel's step tensors are the table's (a new one is made when
+                # they change); the other routes' are read afresh at every step
+                self._untracked_steps = any(p.untracked_steps for p in plans)
+                self._refuse_shared_steps(plans)
             for plan, (grads, written) in zip(plans, writes):
                 plan.write_grads(grads, written)
             for plan in plans:
@@ -568,6 +775,19 @@ class LadderAdamW(torch.optim.Optimizer):
         self._plan = plans
         self.eager_reasons = {i: r for plan in plans for i, r in plan.reasons.items()}
         return created
+
+    def _refuse_shared_steps(self, plans: list[_GroupPlan]) -> None:
+        """Refuse step tensors that two stepped params share (see
+        :func:`~optladder.optimizers.steps.refuse_shared_steps`): the C kernel would
+        step both from the count it read and add two, the eager loop would step the
+        second from the first's new count, so the bits would depend on the route.
+
+        Raises:
+            ValueError: naming both params (their indices over all groups).
+        """
+        items = [item for plan in plans for route in plan.routes.values() for item in route]
+        state = self.state
+        refuse_shared_steps([state[p]["step"] for p, _ in items], lambda k: f"param {items[k][1]}")
 
     @staticmethod
     def check_group_options(group: Mapping[str, Any]) -> None:
@@ -809,7 +1029,12 @@ class LadderAdamW(torch.optim.Optimizer):
         (the kernels update in place; the eager path uses the prepared scratch).
 
         Args:
-            grad_scale: ``torch.amp.GradScaler``'s scale, when the grads are still scaled.
+            grad_scale: ``torch.amp.GradScaler``'s scale, when the grads are still scaled:
+                the grads of the params stepped on the host are divided in place, each
+                distinct memory once (:func:`distinct_grads`: :meth:`step` refuses
+                grads that partly share memory before anything is written); the
+                Triton kernel divides its params' grads itself, as torch's fused kernel
+                (a grad two of its params share is divided for each).
             found_inf: its inf/NaN flag; when set, nothing changes, step counts included.
 
         Raises:
@@ -824,19 +1049,26 @@ class LadderAdamW(torch.optim.Optimizer):
         skip_host: bool | None = None
         host_plans: list[_GroupPlan] = []
         for plan in plans:
-            group, routes = plan.group, plan.routes
-            if routes["triton"]:
-                self._step_triton(group, routes["triton"], grad_scale, found_inf)
-            host = routes["cpu"] + routes["eager"]
-            if not host:
+            if not (plan.routes["cpu"] or plan.routes["eager"]):
                 continue
             if found_inf is not None and skip_host is None:
                 skip_host = bool(found_inf.item() != 0)  # host backends must sync
             if skip_host:
                 continue
-            if grad_scale is not None:
-                unscale_grads_([cast(torch.Tensor, p.grad) for p, _ in host], grad_scale)
             host_plans.append(plan)
+        unscale: list[torch.Tensor] = []
+        if grad_scale is not None and host_plans:  # each grad once, also one held twice,
+            host_grads = [  # found before the first write
+                cast(torch.Tensor, p.grad)
+                for plan in host_plans
+                for p, _ in chain(plan.routes["cpu"], plan.routes["eager"])
+            ]
+            unscale = distinct_grads(host_grads)
+        for plan in plans:
+            if plan.routes["triton"]:
+                self._step_triton(plan.group, plan.routes["triton"], grad_scale, found_inf)
+        if grad_scale is not None:
+            unscale_grads_(unscale, grad_scale)
         # every group's C kernel params, one call; the table the prepared plans point
         # into (kept by them even if the engine let go of it since, release_tables)
         table = next((plan.table for plan in host_plans if plan.table is not None), None)

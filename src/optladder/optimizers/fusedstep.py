@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import chain, compress, repeat
 from typing import Any, cast
 
@@ -37,6 +37,7 @@ import torch
 
 from optladder.columns import PLAIN_TYPES, dense
 from optladder.optimizers.stepmemo import same_objects
+from optladder.optimizers.steps import refuse_shared_steps
 from optladder.sharding import local_numel
 
 _EXP_AVG = operator.itemgetter("exp_avg")
@@ -329,10 +330,13 @@ class StepCounts:
     memory: ``torch._foreach_add_`` takes ~2 microseconds a tensor on the CPU (the step
     counts of 20,000 params cost about as much as their kernel), a write ~0.1.
 
-    The addresses and dtypes are read at every call and the memory cells made again
-    when a tensor, an address or a dtype changed (a tensor can be given other memory at
-    the same address: ``t.data = t.data.view(...)``, or a new allocation where its old
-    memory was; a float64 cell written there would write past a smaller element). The
+    The addresses and dtypes are read at every step (:meth:`prepare`, in the step's
+    prepare phase) and the memory cells made again when a tensor, an address or a dtype
+    changed, after refusing step tensors that params share (each param counts its own
+    steps: :func:`~optladder.optimizers.steps.refuse_shared_steps`). A tensor can be
+    given other memory at the same address (``t.data = t.data.view(...)``, or a new
+    allocation where its old memory was; a float64 cell written there would write past
+    a smaller element). The
     cells' storages are held while they are kept, so the memory they point at is not
     freed and given to another tensor (short of resizing that storage in place). Step
     counts of another kind (another dtype or device, as a capturable or CUDA optimizer
@@ -346,6 +350,7 @@ class StepCounts:
         self._dtypes: list[torch.dtype] = []
         self._storages: list[torch.UntypedStorage] = []
         self._cells: list[ctypes.c_double] | None = None
+        self._pending: list[torch.Tensor] | None = None  # what prepare() made ready
 
     def _keep(
         self,
@@ -360,22 +365,54 @@ class StepCounts:
         self._steps, self._ptrs, self._dtypes = list(steps), ptrs, dtypes
         self._storages, self._cells = storages, cells
 
-    def bump(self, steps: list[torch.Tensor]) -> None:
-        """Add one to every tensor of ``steps`` in place (allocating no tensor)."""
+    def prepare(self, steps: list[torch.Tensor], name: Callable[[int], str] | None = None) -> None:
+        """Make ready to bump ``steps`` (in the step's prepare phase): read their
+        addresses and dtypes, and when a tensor, an address or a dtype changed, refuse
+        step tensors that params share (:func:`~optladder.optimizers.steps.refuse_shared_steps`,
+        naming them with ``name``) and make the cells again. The next :meth:`bump`
+        without ``steps`` bumps this list, reading nothing.
+
+        Raises:
+            ValueError: two params share one step tensor; nothing is kept then.
+        """
+        self._pending = None
         if not steps:
+            self._pending = steps
             return
         try:
             ptrs = list(map(_DATA_PTR, steps))
         except RuntimeError:  # a tensor without storage (a wrapper subclass)
             self._keep([], [], [], None)
-            torch._foreach_add_(steps, 1)
+            refuse_shared_steps(steps, name)
+            self._pending = steps
             return
         dtypes = list(map(_DTYPE, steps))
         if not (ptrs == self._ptrs and dtypes == self._dtypes and same_objects(steps, self._steps)):
+            self._keep([], [], [], None)
+            refuse_shared_steps(steps, name)
             cells = None
             if all(map(_is_cpu_double_cell, steps)):
                 cells = [ctypes.c_double.from_address(ptr) for ptr in ptrs]
             self._keep(steps, ptrs, dtypes, cells)
+        self._pending = steps
+
+    def bump(self, steps: list[torch.Tensor] | None = None) -> None:
+        """Add one to every tensor of ``steps`` in place (allocating no tensor); None:
+        the list :meth:`prepare` made ready (prepared here when it is another list).
+
+        Raises:
+            ValueError: from :meth:`prepare`, when it runs here.
+            RuntimeError: ``steps`` None with no list prepared.
+        """
+        if steps is None:
+            if self._pending is None:
+                raise RuntimeError("StepCounts.bump() without steps needs prepare() first")
+            steps = self._pending
+        elif steps is not self._pending:
+            self.prepare(steps)
+        self._pending = None
+        if not steps:
+            return
         if self._cells is None:
             torch._foreach_add_(steps, 1)
             return
@@ -394,20 +431,26 @@ def _is_cpu_double_cell(t: torch.Tensor) -> bool:
     )
 
 
+def plan_steps(calls: list[FusedCall]) -> list[torch.Tensor]:
+    """The step tensors :func:`run_fused_plan` bumps, in order: every call's."""
+    return list(chain.from_iterable(call[1][5] for call in calls))
+
+
 def run_fused_plan(calls: list[FusedCall], counts: StepCounts | None = None) -> None:
     """Make the calls of :func:`fused_plan`: ``step += 1`` for every group's params (all
     groups at once, with ``counts``' writes when given: torch's ``_fused_adam`` makes one
     ``_foreach_add_`` per group, and groups share no param), then per group the kernel,
     as torch's ``_fused_adam`` does (no grad recorded), with the params that are not
     dense (and their grads) copied into their buffers before and back after (in place,
-    allocating nothing)."""
-    steps = list(chain.from_iterable(call[1][5] for call in calls))
+    allocating nothing). ``counts``, when given, must have been prepared
+    (:meth:`StepCounts.prepare`) with :func:`plan_steps` of these calls."""
     with torch.no_grad():
         if counts is None:
+            steps = plan_steps(calls)
             if steps:
                 torch._foreach_add_(steps, 1)
         else:
-            counts.bump(steps)
+            counts.bump()
         for kernel, lists, options, (fills, writeback) in calls:
             for buffer, source in fills:
                 buffer.copy_(source)

@@ -21,8 +21,8 @@ import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from typing import Any, cast
+from itertools import chain, repeat
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -97,34 +97,118 @@ class _ListValue:
 
 _ANY = _AnyValue()
 _NOT_OPTIONS = frozenset(("params", "param_names"))
+_IMMUTABLE = (float, int, str, bytes, complex, type(None), torch.dtype, torch.device)
+"""Types whose values cannot change in place (``bool`` and numpy's float64 are
+subclasses): an option holding the same such object holds the same value."""
 
-OptionsSnapshot = tuple[list[str], list[type], list[Any]]
-"""A group's keys, its values' types and its values (:func:`options_snapshot`)."""
+
+class OptionsSnapshot(NamedTuple):
+    """A group's options as they were (:func:`options_snapshot`).
+
+    Attributes:
+        keys: the group's keys, in order.
+        objects: its values themselves, for the identity check of :func:`same_options`.
+        fixed: whether every option value is immutable, so that the same objects are
+            the same values.
+        types: its values' types.
+        values: its values as compared with ``==`` (``params``/``param_names`` equal to
+            anything, a list as a copy of its items).
+        nested: picks the tuple and list options (betas) out of the list of values
+            (``operator.itemgetter`` of their places), or None when there are none.
+        several: whether there are several (``nested`` returns a tuple of them).
+        nested_then: what ``nested`` picked from ``objects`` when all are tuples (the
+            same tuple objects hold the same items), else None.
+        item_types: the types of their items, in order: another tuple of equal items is
+            the same value only with items of the same types (``torch.tensor(0.9) ==
+            0.9`` is a true tensor).
+    """
+
+    keys: list[str]
+    objects: list[Any]
+    fixed: bool
+    types: list[type]
+    values: list[Any]
+    nested: Callable[[list[Any]], Any] | None
+    several: bool
+    nested_then: Any
+    item_types: list[type]
+
+
+def _holds_tensor(value: object) -> bool:
+    """Whether ``value`` is a tensor or a tuple/list holding one (at any depth)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, tuple | list) and any(map(_holds_tensor, value))
+
+
+def _immutable(value: object) -> bool:
+    """Whether ``value`` cannot change in place: an :data:`_IMMUTABLE` scalar, or a
+    tuple of such values (at any depth)."""
+    if isinstance(value, tuple):
+        return all(map(_immutable, value))
+    return isinstance(value, _IMMUTABLE)
 
 
 def options_snapshot(group: Mapping[str, Any]) -> OptionsSnapshot | None:
     """The group's options (every key but ``params`` and ``param_names``) as they are
-    now, for :func:`same_options`, or None when one is a tensor (a tensor lr can change
-    in place: never taken as unchanged)."""
-    values = list(group.values())
-    types = list(map(type, values))
-    if any(issubclass(t, torch.Tensor) for t in types):
-        return None
+    now, for :func:`same_options`, or None when one is a tensor or a tuple or list
+    holding one (a tensor lr, betas as tensors): a tensor can change in place, so such
+    options are never taken as unchanged: they are checked at every step."""
     keys = list(group)
+    objects = list(group.values())
+    types = list(map(type, objects))
+    values = list(objects)
+    places: list[int] = []
+    fixed = True
     for i, (key, t) in enumerate(zip(keys, types)):
         if key in _NOT_OPTIONS:
             values[i] = _ANY
-        elif issubclass(t, list):  # a subclass too (a config loader's list)
-            values[i] = _ListValue(values[i])
-    return keys, types, values
+            continue
+        value = objects[i]
+        if _holds_tensor(value):
+            return None
+        if issubclass(t, tuple | list):
+            places.append(i)
+        if issubclass(t, list):  # a subclass too (a config loader's list)
+            values[i] = _ListValue(value)
+        fixed = fixed and _immutable(value)
+    nested = operator.itemgetter(*places) if places else None
+    item_types = [type(x) for i in places for x in objects[i]]
+    tuples = all(issubclass(types[i], tuple) for i in places)
+    then = nested(objects) if nested is not None and tuples else None
+    several = len(places) > 1
+    return OptionsSnapshot(keys, objects, fixed, types, values, nested, several, then, item_types)
+
+
+def _item_types(picked: Any, several: bool) -> list[type]:
+    """The types of the items of what :attr:`OptionsSnapshot.nested` picked."""
+    return list(map(type, chain.from_iterable(picked) if several else picked))
 
 
 def same_options(group: Mapping[str, Any], snapshot: OptionsSnapshot) -> bool:
-    """Whether ``group`` has the keys, value types and option values of ``snapshot``
-    (three list comparisons in C: a few microseconds a group, checked every step)."""
-    keys, types, values = snapshot
+    """Whether ``group`` has the keys, value types and option values of ``snapshot``.
+
+    When every value is the object the snapshot saw and all options are immutable (the
+    common case: nothing was assigned since), two list comparisons in C; otherwise the
+    types, those of the items of tuple and list options unless they are the tuples the
+    snapshot saw (a tuple holding a tensor where a float was is another value, though
+    the two compare equal), then the values."""
+    keys, objects, fixed, types, values, nested, several, then, item_types = snapshot
     now = list(group.values())
-    return list(group) == keys and list(map(type, now)) == types and now == values
+    if list(group) != keys:
+        return False
+    if fixed and all(map(operator.is_, now, objects)):
+        return True
+    if list(map(type, now)) != types:
+        return False
+    if nested is not None:
+        picked = nested(now)
+        same = then is not None and (
+            all(map(operator.is_, picked, then)) if several else picked is then
+        )
+        if not same and _item_types(picked, several) != item_types:
+            return False
+    return bool(now == values)
 
 
 REFS_EVERY = 16
@@ -212,7 +296,8 @@ class StepMemo:
             order), the params, which had no grad, and how many params each group held.
         states_extra: what the caller derived from that state (see :meth:`record_states`).
         plan: what the prepare phase left for the commit (consumed by it), or None.
-        step_counts: what the commit keeps between steps to bump the step counts
+        step_counts: what the prepare phase readies and the commit uses, kept between
+            steps, to bump the step counts
             (:class:`~optladder.optimizers.fusedstep.StepCounts`), or None.
     """
 

@@ -30,7 +30,7 @@ import contextlib
 import operator
 import signal
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from itertools import chain, compress, repeat
 from typing import Any, cast
 
@@ -44,6 +44,7 @@ from optladder.optimizers.fusedstep import (
     fused_plan,
     nondense_places,
     params_fit,
+    plan_steps,
     refuse_nondense,
     refuse_resized,
     run_fused_plan,
@@ -51,7 +52,7 @@ from optladder.optimizers.fusedstep import (
 )
 from optladder.optimizers.migrate import check_step_range, is_bnb_engine, read_step
 from optladder.optimizers.stepmemo import StepMemo, grad_of
-from optladder.optimizers.steps import STEP_DTYPE
+from optladder.optimizers.steps import STEP_DTYPE, refuse_shared_steps
 
 
 def _torch_adam_init(group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
@@ -300,10 +301,18 @@ def prepare_step(
                 memo.record_states(state, params, missing, sizes, extra)
             if memo is not None and memo.states_extra is not None:
                 memo.plan = _plan(engine, grads, *memo.states_extra)
-            if not bnb and (memo is None or memo.plan is None):
+            if not bnb and memo is not None and memo.plan is not None:
+                if memo.step_counts is None:
+                    memo.step_counts = StepCounts()
+                names = _param_names(engine, grads, group_names)
+                memo.step_counts.prepare(plan_steps(memo.plan), names)  # on change: shared?
+            elif not bnb:  # torch's step, which costs far more than reading every step
                 refuse_nondense(engine, grads, group_names)  # torch's step: past them
+                refuse_shared_steps(
+                    _steps_of(engine, grads), _param_names(engine, grads, group_names)
+                )
     except BaseException:
-        rollback_step(engine, created)
+        rollback_step(engine, created, memo)
         raise
     return created
 
@@ -392,6 +401,39 @@ def _plan(
         return None
 
 
+def _steps_of(engine: torch.optim.Optimizer, grads: list[list[torch.Tensor | None]]) -> list[Any]:
+    """The ``step`` of every param with a grad and a step count, in order."""
+    state = engine.state
+    return [
+        state[p]["step"]
+        for group, gs in zip(engine.param_groups, grads)
+        for p, g in zip(group["params"], gs)
+        if g is not None and "step" in state.get(p, ())
+    ]
+
+
+def _param_names(
+    engine: torch.optim.Optimizer,
+    grads: list[list[torch.Tensor | None]],
+    group_names: Mapping[int, str] | None,
+) -> Callable[[int], str]:
+    """``i -> "param {pi} of {group}"`` for the ``i``-th param with a grad (the order of
+    :func:`_steps_of` and of the fused plan's step tensors), found when called."""
+    names = group_names or {}
+
+    def name(i: int) -> str:
+        k = 0
+        for gi, (group, gs) in enumerate(zip(engine.param_groups, grads)):
+            for pi, g in enumerate(gs):
+                if g is not None:
+                    if k == i:
+                        return f"param {pi} of {names.get(id(group), f'group {gi}')}"
+                    k += 1
+        return f"param {i}"
+
+    return name
+
+
 def rollback_step(
     engine: torch.optim.Optimizer, created: list[torch.Tensor], memo: StepMemo | None = None
 ) -> None:
@@ -422,9 +464,7 @@ def commit_step(engine: torch.optim.Optimizer, memo: StepMemo | None = None) -> 
     if memo is not None:
         plan, memo.plan = memo.plan, None  # one commit per prepare
     if memo is not None and plan is not None:
-        if memo.step_counts is None:
-            memo.step_counts = StepCounts()
-        run_fused_plan(plan, memo.step_counts)
+        run_fused_plan(plan, memo.step_counts)  # prepared with the plan
     elif isinstance(engine, LadderAdamW) or hasattr(engine, "commit_step"):
         engine.commit_step()  # LadderAdamW, optladder's bitsandbytes engine
     else:

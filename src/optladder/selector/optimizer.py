@@ -28,7 +28,7 @@ import torch
 
 from optladder.compilation import run_eagerly
 from optladder.oom import describe_error, is_oom
-from optladder.optimizers.adamw import unscale_grads_
+from optladder.optimizers.adamw import distinct_grads, unscale_grads_
 from optladder.optimizers.build import dtype_names
 from optladder.optimizers.capabilities import probe_capabilities
 from optladder.optimizers.fusedstep import refuse_resized
@@ -454,7 +454,10 @@ class LadderOptimizer(torch.optim.Optimizer):
         ``grad_scale``/``found_inf`` on the optimizer itself, as the scaler does for
         torch's fused optimizers, gets them honoured: on a nonzero ``found_inf`` nothing
         changes, step counts included (``last_step_skipped`` becomes True); otherwise the
-        grads are unscaled in place after the prepare phase, and the step commits.
+        grads are unscaled in place after the prepare phase, and the step commits. Each
+        distinct grad memory is divided once, also when params share a grad tensor or
+        hold views of the same elements (torch's fused AdamW would divide such a grad
+        once per param: see :func:`optladder.optimizers.adamw.distinct_grads`).
 
         Returns:
             The closure's loss, or None.
@@ -464,8 +467,9 @@ class LadderOptimizer(torch.optim.Optimizer):
                 original error chained), the rung fixed by ``rung=``, or ``max_retries``
                 used up.
             ValueError: before anything changes: a group's options, grads or step counts
-                the rung cannot take (naming them), or a group's ``"rung"`` edited by
-                hand.
+                the rung cannot take (naming them), a group's ``"rung"`` edited by
+                hand, or (with ``grad_scale`` set) grads that share some of their memory
+                but not all.
         """
         self._step_requests += 1
         loss = None
@@ -477,9 +481,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = found_inf is not None and bool(found_inf.item() != 0)
         if self.last_step_skipped:
             return loss  # an overflow step changes nothing, step counts included
+        # before anything is prepared: it may refuse (grads that partly share memory)
+        unscale = None if grad_scale is None else (self._grads_to_unscale(), grad_scale)
         retries = 0
         while True:
-            failure = self._two_phase_step(retries, grad_scale)
+            failure = self._two_phase_step(retries, unscale)
             if failure is None:
                 return loss
             # Outside any except block: the failed attempt's frames and tensors are gone.
@@ -573,7 +579,29 @@ class LadderOptimizer(torch.optim.Optimizer):
         flat = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
         self._checked_params = (flat, list(map(_NBYTES, flat)), list(map(_DATA_PTR, flat)))
 
-    def _two_phase_step(self, retries: int, grad_scale: torch.Tensor | None) -> str | None:
+    def _grads_to_unscale(self) -> list[torch.Tensor]:
+        """The grads to divide by ``grad_scale``: each distinct grad memory once
+        (:func:`~optladder.optimizers.adamw.distinct_grads`).
+
+        Raises:
+            ValueError: grads that share some of their memory but not all, naming them.
+        """
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+
+        def name(k: int) -> str:
+            for gi, group in enumerate(self.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    if p.grad is not None:
+                        if k == 0:
+                            return f"param {pi} of group {gi}"
+                        k -= 1
+            return f"grad {k}"
+
+        return distinct_grads(grads, name)
+
+    def _two_phase_step(
+        self, retries: int, unscale: tuple[list[torch.Tensor], torch.Tensor] | None
+    ) -> str | None:
         self._check_group_rungs()
         self._check_params()
         engines = self._engines()
@@ -594,7 +622,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 raise
             error = exc
         if not agree_any(error is not None, self.device):
-            self._commit(engines, grad_scale)
+            self._commit(engines, unscale)
             self._warn_unfused()
             return None
         for engine, created in prepared:  # this rank prepared, another ran out of memory
@@ -622,19 +650,22 @@ class LadderOptimizer(torch.optim.Optimizer):
         return self._names[1]
 
     def _commit(
-        self, engines: list[torch.optim.Optimizer], grad_scale: torch.Tensor | None
+        self,
+        engines: list[torch.optim.Optimizer],
+        unscale: tuple[list[torch.Tensor], torch.Tensor] | None,
     ) -> None:
         """Run every engine's commit (they allocate nothing), with Ctrl-C held back until
-        all are done. Should one fail anyway, record which groups were written
-        (``partial_step``) and raise :class:`PartialStepError` (a KeyboardInterrupt or
-        other ``BaseException`` is re-raised as it is, after the record)."""
+        all are done, after dividing the grads of ``unscale`` (the distinct grads,
+        :meth:`_grads_to_unscale`) by its ``grad_scale``, when given. Should one fail
+        anyway, record which groups were written (``partial_step``) and raise
+        :class:`PartialStepError` (a KeyboardInterrupt or other ``BaseException`` is
+        re-raised as it is, after the record)."""
         self._commits += 1  # before the first write: Ladder must never rerun this step
         done: list[torch.optim.Optimizer] = []
         try:
             with deferred_interrupts():
-                if grad_scale is not None:
-                    grads = [p.grad for g in self.param_groups for p in g["params"]]
-                    unscale_grads_([g for g in grads if g is not None], grad_scale)
+                if unscale is not None:
+                    unscale_grads_(*unscale)
                 for engine in engines:
                     commit_step(engine, self._memos.get(engine))
                     done.append(engine)
