@@ -387,7 +387,8 @@ class _GroupPlan:
         self._kinds = grad_kinds(grads)
         self._positions = [i - start for _, i in routes["cpu"]]
         self.cpu_params = [p for p, _ in routes["cpu"]]
-        self._grads = KeptGrads()  # the grads whose pointers the table holds
+        # the grads whose pointers the table holds (it compares their addresses itself)
+        self._grads = KeptGrads(addresses=False)
         self._grad_ptrs: list[int] = []
         # whether some params step off the C kernel's table (their step tensors are read
         # afresh at every step, so checked at every step)
@@ -443,7 +444,7 @@ class _GroupPlan:
         """Make this plan's C kernel params rows ``first, ...`` of ``table`` (a new table:
         its grads are written at the next :meth:`write_grads`)."""
         self.table, self.first, self.table_group = table, first, table_group
-        self._grads, self._grad_ptrs = KeptGrads(), []
+        self._grads, self._grad_ptrs = KeptGrads(addresses=False), []
 
 
 def refuse_ladder_dtypes(params: list[torch.Tensor], moment_dtype: torch.dtype) -> None:

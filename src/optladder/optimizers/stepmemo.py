@@ -233,28 +233,36 @@ class KeptGrads:
         reused: whether a step found the recorded grads again (they are reused: kept
             between steps, ``zero_grad(set_to_none=False)``).
         fresh: steps in a row whose grads were new tensors while ``reused`` is False.
+        ptrs: the kept grads' addresses (None present) when recorded while kept.
+        addresses: whether :meth:`same` compares addresses too (False for a caller that
+            reads them itself, as the C kernel's table does).
     """
 
     refs: GradRefs = field(default_factory=list)
     reused: bool = True
     fresh: int = 0
-    ptrs: list[int] = field(default_factory=list)
+    ptrs: list[int] | None = None
+    addresses: bool = True
 
     def same(self, grads: Sequence[torch.Tensor | None]) -> bool:
         """Whether ``grads`` are the grads last recorded (identity), at the same
         addresses (a grad whose ``.data`` was replaced, with another size or layout, is
-        the same object over other memory: checked again)."""
-        hit = same_grads(self.refs, grads) and _grad_ptrs(grads) == self.ptrs
-        if hit:
-            self.reused = True
-        return hit
+        the same object over other memory: checked again). The addresses are recorded
+        while grads are kept; the first time recorded grads are found again (after a
+        run of new ones), they are checked again and recorded with their addresses."""
+        if not same_grads(self.refs, grads):
+            return False
+        self.reused = True
+        if not self.addresses:
+            return True
+        return self.ptrs is not None and _grad_ptrs(grads) == self.ptrs
 
     def record(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Record ``grads`` (at one step in :data:`REFS_EVERY` while they are new at
-        every step)."""
+        every step; their addresses only while they are kept)."""
         if self.reused or self.fresh % REFS_EVERY == 0:
             self.refs = grad_refs(grads)
-            self.ptrs = _grad_ptrs(grads)
+            self.ptrs = _grad_ptrs(grads) if self.reused and self.addresses else None
         else:
             self.refs = []  # matches no grads: checked again at the next step
         self.fresh = 0 if self.reused else self.fresh + 1

@@ -67,7 +67,8 @@ logger = logging.getLogger("optladder")
 
 _PARAMS = operator.itemgetter("params")
 _NBYTES = operator.attrgetter("nbytes")
-_DATA_PTR = torch.Tensor.data_ptr
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_TORCH_ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
 __all__ = [
     "ORIGIN_KEY",
@@ -231,9 +232,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._commits = 0
         self._zero_grad_calls = 0
         self._step_requests = 0
-        # the params (flat, all groups), their byte counts and addresses when
-        # _check_params last passed
-        self._checked_params: tuple[list[torch.Tensor] | None, list[int], list[int]] = (
+        # the params (flat, all groups), their byte counts and whether each was
+        # contiguous when _check_params last passed
+        self._checked_params: tuple[list[torch.Tensor] | None, list[int], list[bool]] = (
             None,
             [],
             [],
@@ -523,9 +524,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         one of a dtype or layout the group's rung cannot take) or a param's ``.data``
         replaced (``module.to(dtype)``, ``module.to(memory_format=...)``, a resize) after
         its state was made. Once per step, in C: every param's identity, byte count and
-        address against the last ones checked. When they changed, the engines' step
-        memos are dropped too, so the next prepare checks every grad and lays out every
-        moment again.
+        contiguity against the last ones checked (a new size, a dtype of another width,
+        another memory format; what keeps all three keeps the state's fit: a param given
+        other memory of the same size and layout is stepped there). When they changed,
+        the engines' step memos are dropped too, so the next prepare checks every grad
+        and lays out every moment again.
 
         Raises:
             ValueError: what construction would say of the params (a param listed twice,
@@ -536,12 +539,12 @@ class LadderOptimizer(torch.optim.Optimizer):
         """
         flat = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
         sizes = list(map(_NBYTES, flat))
-        ptrs = list(map(_DATA_PTR, flat))
-        seen, seen_sizes, seen_ptrs = self._checked_params
+        layouts = self._layouts(flat)
+        seen, seen_sizes, seen_layouts = self._checked_params
         if (
             seen is not None
             and sizes == seen_sizes
-            and ptrs == seen_ptrs
+            and layouts == seen_layouts
             and same_objects(flat, seen)
         ):
             return
@@ -561,7 +564,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                     grads,
                     names,
                     local=is_bnb_engine(engine),
-                    moments_like_params=isinstance(engine, torch.optim.Adam | torch.optim.AdamW),
+                    moments_like_params=isinstance(engine, _TORCH_ADAM),
                 )
         except ValueError as exc:
             raise ValueError(
@@ -571,13 +574,21 @@ class LadderOptimizer(torch.optim.Optimizer):
         # what passed the step checks before may hold for these params no more (a
         # channels_last param's moments are laid out again, its grads checked again)
         self._memos.clear()
-        self._checked_params = (flat, sizes, ptrs)
+        self._checked_params = (flat, sizes, layouts)
 
     def _params_checked(self) -> None:
         """Record the params as checked (construction and ``add_param_group`` checked
         them), so :meth:`_check_params` has nothing to do until they change."""
         flat = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
-        self._checked_params = (flat, list(map(_NBYTES, flat)), list(map(_DATA_PTR, flat)))
+        self._checked_params = (flat, list(map(_NBYTES, flat)), self._layouts(flat))
+
+    def _layouts(self, flat: list[torch.Tensor]) -> list[bool]:
+        """Whether each param is contiguous, where an engine is torch's AdamW (whose
+        fused kernel pairs a param's elements with its moments' by memory order; the
+        other engines step any layout): empty otherwise."""
+        if not any(isinstance(e, _TORCH_ADAM) for e in self._engines()):
+            return []
+        return list(map(_IS_CONTIGUOUS, flat))
 
     def _grads_to_unscale(self) -> list[torch.Tensor]:
         """The grads to divide by ``grad_scale``: each distinct grad memory once
