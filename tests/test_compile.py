@@ -219,3 +219,19 @@ def test_ladder_adamw_alone_steps_eagerly_inside_compiled_code(moment_dtype: tor
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)
         assert _step_count(opt, p) == 2
+
+
+def test_run_eagerly_without_torchdynamo_calls_the_function(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where ``torch._dynamo`` cannot be imported nothing is compiled: the wrapper calls
+    the function itself."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch._dynamo", None)  # import raises ImportError
+
+    @run_eagerly
+    def double(n: int) -> int:
+        return 2 * n
+
+    assert double(21) == 42

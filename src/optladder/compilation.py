@@ -45,9 +45,12 @@ def run_eagerly(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         disabled = fn.__dict__.get(_DISABLED)
         if disabled is None:
-            import torch._dynamo
-
-            disabled = torch._dynamo.disable(fn, recursive=True)
+            try:
+                import torch._dynamo
+            except ImportError:  # a build without TorchDynamo: nothing compiles, run fn
+                disabled = fn
+            else:
+                disabled = torch._dynamo.disable(fn, recursive=True)
             setattr(fn, _DISABLED, disabled)
         return disabled(*args, **kwargs)
 
