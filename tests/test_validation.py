@@ -1048,3 +1048,22 @@ def test_a_kept_grad_given_other_memory_is_checked_again(rung: str, change: str)
     scale = before.abs() + twin_w.detach().abs() + 4 * 1e-2
     ulp = torch.exp2(torch.floor(torch.log2(scale))) * torch.finfo(torch.float32).eps
     assert bool(((w.detach() - twin_w.detach()).abs() <= 4 * ulp).all())
+
+
+def test_an_8bit_checkpoint_entry_without_its_quant_state_is_refused_saying_so() -> None:
+    """bitsandbytes' layout keeps the codes under ``__bnb_optimizer_quant_state__``; an
+    entry that lost it holds a step alone: the refusal names both layouts' moments and
+    the missing key (it named 'exp_avg' alone), and nothing changes."""
+    pytest.importorskip("bitsandbytes")
+    model = torch.nn.Linear(64, 4096)
+    opt = choose_optimizer(model, rung="8bit", free_memory="1TiB", environ={})
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    before = snapshot(opt)
+    sd = opt.state_dict()
+    del sd["state"][0]["__bnb_optimizer_quant_state__"]
+    with pytest.raises(
+        ValueError, match=r"param 0: the state holds a 'step' but no moments: .*'state1'.*lacks"
+    ):
+        opt.load_state_dict(sd)
+    assert_same(snapshot(opt), before)

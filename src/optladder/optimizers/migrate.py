@@ -706,6 +706,12 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
             f"got {step!r}"
         )
     names = ("state1", "state2") if bnb else ("exp_avg", "exp_avg_sq")
+    if not bnb and set(state) <= {"step"}:  # a step alone: neither layout's moments
+        raise ValueError(
+            f"{where}: the state holds a 'step' but no moments: the Adam layout needs "
+            "'exp_avg' and 'exp_avg_sq', bitsandbytes' needs 'state1' and 'state2' (in an "
+            f"8-bit checkpoint, under {BNB_WRAPPED_KEY!r}, which this entry lacks)"
+        )
     for name in names:
         t = state.get(name)
         if not isinstance(t, torch.Tensor):
