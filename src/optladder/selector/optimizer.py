@@ -234,11 +234,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._step_requests = 0
         # the params (flat, all groups), their byte counts and whether each was
         # contiguous when _check_params last passed
-        self._checked_params: tuple[list[torch.Tensor] | None, list[int], list[bool]] = (
-            None,
-            [],
-            [],
-        )
+        self._checked_params: tuple[
+            list[torch.Tensor] | None, list[int] | None, list[bool] | None
+        ] = (None, None, None)
         self.partial_step: PartialStepError | None = None
         self._warned: set[tuple[Rung, str]] = set()
         # per engine, what passed the step checks (weak: a replaced engine's goes with it)
@@ -407,7 +405,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._decision = self._decision.model_copy(
             update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
         )
-        self._params_checked()
+        # the next step checks all params again (the new group's and any edit since)
 
     @property
     def committed_steps(self) -> int:
@@ -541,13 +539,12 @@ class LadderOptimizer(torch.optim.Optimizer):
         sizes = list(map(_NBYTES, flat))
         layouts = self._layouts(flat)
         seen, seen_sizes, seen_layouts = self._checked_params
-        if (
-            seen is not None
-            and sizes == seen_sizes
-            and layouts == seen_layouts
-            and same_objects(flat, seen)
-        ):
-            return
+        if seen is not None and same_objects(flat, seen):
+            if seen_sizes is None:  # as construction or add_param_group checked them
+                self._checked_params = (flat, sizes, layouts)
+                return
+            if sizes == seen_sizes and layouts == seen_layouts:
+                return
         names = self._group_names()
         place = {id(g): gi for gi, g in enumerate(self.param_groups)}
         try:
@@ -577,10 +574,12 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._checked_params = (flat, sizes, layouts)
 
     def _params_checked(self) -> None:
-        """Record the params as checked (construction and ``add_param_group`` checked
-        them), so :meth:`_check_params` has nothing to do until they change."""
+        """Record the params as construction checked them, so :meth:`_check_params` has
+        nothing to do until they change. Their sizes and layouts are read at the first
+        step (no state exists before it that a change could misfit), so construction
+        reads each param no more than it did."""
         flat = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
-        self._checked_params = (flat, list(map(_NBYTES, flat)), self._layouts(flat))
+        self._checked_params = (flat, None, None)
 
     def _layouts(self, flat: list[torch.Tensor]) -> list[bool]:
         """Whether each param is contiguous, where an engine is torch's AdamW (whose
