@@ -129,16 +129,17 @@ def refuse_resized(
     moments_like_params: bool = False,
 ) -> None:
     """Raise before anything is allocated or written when a param with a grad no longer
-    has its grad's or its state tensors' element count: its ``.data`` was replaced by a tensor of
-    another size after its state was made or its grad computed (model surgery, pruning
-    or growing code).
+    has its grad's or its state tensors' element count: its ``.data`` was replaced by a
+    tensor of another size after its state was made or its grad computed (model surgery,
+    pruning or growing code).
 
     The kernels step ``param.numel()`` elements of every tensor of the param: torch's
     fused CPU kernel would read and write past the smaller ones (heap corruption, then an
     abort), optladder's C kernels would step part of the param, and the eager paths fail
-    on the size mismatch part-way through a commit. Every step, for every group: one read
-    of each param's, grad's and state tensor's element count (in C; a resize keeps the
-    param the same object at the same address or not, so nothing cheaper notices it).
+    on the size mismatch part-way through a commit. It reads each param's, grad's and
+    state tensor's element count, in C; the optladder optimizer runs it when its per-step
+    check finds the params changed (their byte counts or layouts), a two-phase step
+    without a memo at every step.
 
     Args:
         engine: an engine whose state prepare has made (the Adam layout's moments, or

@@ -540,7 +540,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         layouts = self._layouts(flat)
         seen, seen_sizes, seen_layouts = self._checked_params
         if seen is not None and same_objects(flat, seen):
-            if seen_sizes is None:  # as construction or add_param_group checked them
+            if seen_sizes is None:  # as construction checked them
                 self._checked_params = (flat, sizes, layouts)
                 return
             if sizes == seen_sizes and layouts == seen_layouts:
