@@ -220,7 +220,7 @@ def test_the_triton_interpreter_still_takes_cpu_tensors_when_asked(
     """Under ``TRITON_INTERPRET=1`` the op's CPU implementation hands the call to the
     Triton kernel (how ``tests/test_kernels_triton.py`` tests it without a GPU)."""
     calls: list[int] = []
-    monkeypatch.setattr(ops, "_triton_step", lambda *args: calls.append(len(args[0])))
+    monkeypatch.setattr(ops, "_adamw_bf16_triton", lambda *args: calls.append(len(args[0])))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     params, grads, states = _inputs(torch.bfloat16, torch.float32)
     before = _clone(params)

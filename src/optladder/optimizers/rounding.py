@@ -141,13 +141,28 @@ def step_key(seed: int, step: int) -> int:
         ValueError: if ``seed`` or ``step`` is out of range.
     """
     check_seed(seed)
-    k = _mix(0x5EED, seed & MASK32)
-    return step_key_from_prefix(_mix(k, seed >> 32), step)
+    return step_key_from_prefix(seed_prefix(seed), step)
+
+
+def seed_prefix(seed: int) -> int:
+    """The part of :func:`element_key` fixed by the seed (what the kernels' op takes as
+    ``seed_key``).
+
+    ``element_key`` mixes 0x5EED, the seed's low and high words, the step and the param
+    index's low and high words, in that order; the kernels mix the last three.
+
+    Args:
+        seed: ``0 <= seed < 2**64`` (not checked here: :func:`step_key` checks it).
+
+    Returns:
+        An integer in ``[0, 2**32)``.
+    """
+    return _mix(_mix(0x5EED, seed & MASK32), seed >> 32)
 
 
 def step_key_from_prefix(prefix: int, step: int) -> int:
-    """:func:`step_key` from the seed's part of it (``kernels.ops.seed_prefix(seed)``,
-    what the kernels' op takes) and the 1-based step.
+    """:func:`step_key` from the seed's part of it (:func:`seed_prefix`) and the
+    1-based step.
 
     Raises:
         ValueError: if ``step`` is outside ``[0, 2**32)``.

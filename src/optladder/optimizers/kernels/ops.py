@@ -24,35 +24,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from optladder.optimizers.eager import bias_corrections
-from optladder.optimizers.rounding import MASK32, hash32, step_key_from_prefix
+from optladder.optimizers.eager import step_scalars
+from optladder.optimizers.rounding import seed_prefix, step_key_from_prefix
+from optladder.optimizers.steps import BF16_MAX_STEP
 
-_GOLDEN = 0x9E3779B9
-
-
-def seed_prefix(seed: int) -> int:
-    """The part of :func:`~optladder.optimizers.rounding.element_key` fixed by the seed.
-
-    ``element_key`` mixes 0x5EED, the seed's low and high words, the step and the param
-    index's low and high words, in that order; the kernel mixes the last three on device.
-
-    Args:
-        seed: ``0 <= seed < 2**64``.
-
-    Returns:
-        An integer in ``[0, 2**32)``.
-    """
-    k = 0x5EED
-    for word in (seed & MASK32, seed >> 32):
-        k = hash32(((k * _GOLDEN) & MASK32) ^ word)
-    return k
+__all__ = ["adamw_bf16_", "seed_prefix"]
 
 
-@torch.library.custom_op(
-    "optladder::adamw_bf16_",
-    mutates_args=("params", "grads", "exp_avgs", "exp_avg_sqs", "steps"),
-)
-def adamw_bf16_(
+def _adamw_bf16_triton(
     params: list[Tensor],
     grads: list[Tensor],
     exp_avgs: list[Tensor],
@@ -108,51 +87,6 @@ def adamw_bf16_(
     """
     if not params:
         return
-    _triton_step(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        steps,
-        param_indices,
-        lr,
-        lr_tensor,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        decoupled_weight_decay,
-        maximize,
-        stochastic,
-        param_stochastic,
-        seed_key,
-        grad_scale,
-        found_inf,
-    )
-
-
-def _triton_step(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    steps: list[Tensor],
-    param_indices: list[int],
-    lr: float,
-    lr_tensor: Optional[Tensor],  # noqa: UP045
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool,
-    maximize: bool,
-    stochastic: bool,
-    param_stochastic: bool,
-    seed_key: int,
-    grad_scale: Optional[Tensor],  # noqa: UP045
-    found_inf: Optional[Tensor],  # noqa: UP045
-) -> None:
-    """The op on the Triton kernel (its arguments as :func:`adamw_bf16_` documents)."""
     from optladder.optimizers.kernels import triton_adamw  # imports Triton
 
     torch._foreach_add_(steps, 1.0)
@@ -179,6 +113,14 @@ def _triton_step(
     )
     if found_inf is not None:
         torch._foreach_sub_(steps, [found_inf.reshape(())] * len(steps))
+
+
+# The op, with the Triton kernel as its implementation on every device but the CPU (the
+# function stays callable as it is: the CPU implementation hands it Triton's interpreter)
+adamw_bf16_ = torch.library.custom_op(
+    "optladder::adamw_bf16_",
+    mutates_args=("params", "grads", "exp_avgs", "exp_avg_sqs", "steps"),
+)(_adamw_bf16_triton)
 
 
 @adamw_bf16_.register_kernel("cpu")
@@ -221,28 +163,27 @@ def _adamw_bf16_cpu(
             kernel (LadderAdamW then steps eagerly; called directly, the op cannot).
     """
     if os.environ.get("TRITON_INTERPRET") == "1":  # Triton's interpreter on CPU tensors
-        if params:
-            _triton_step(
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                steps,
-                param_indices,
-                lr,
-                lr_tensor,
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-                decoupled_weight_decay,
-                maximize,
-                stochastic,
-                param_stochastic,
-                seed_key,
-                grad_scale,
-                found_inf,
-            )
+        _adamw_bf16_triton(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            steps,
+            param_indices,
+            lr,
+            lr_tensor,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            decoupled_weight_decay,
+            maximize,
+            stochastic,
+            param_stochastic,
+            seed_key,
+            grad_scale,
+            found_inf,
+        )
         return
     from optladder.optimizers.kernels import cpu
 
@@ -262,17 +203,20 @@ def _adamw_bf16_cpu(
     table = cpu.KernelTable(params, exp_avgs, exp_avg_sqs, steps, param_indices)
     library = cpu.load_library()
     old = table.read_steps(library)
-    bad = [s for s in old if not 0 <= s <= MASK32 - 1]
+    bad = [s for s in old if not 0 <= s <= BF16_MAX_STEP]
     if bad:
-        raise ValueError(f"steps hold {bad[0]:.0f}; the op steps from counts in [0, 2**32 - 2]")
+        raise ValueError(
+            f"steps hold {bad[0]:.0f}; the op steps from counts in [0, 2**32 - 2] (its "
+            "random bits are keyed by a 32-bit step)"
+        )
     lr_value = float(lr_tensor) if lr_tensor is not None else lr
     if grad_scale is not None:
         torch._foreach_div_(grads, float(grad_scale))
     new = [s + 1.0 for s in old]
     scalars = {}
     for s in set(new):
-        bc1, bc2_sqrt = bias_corrections(beta1, beta2, int(s))
-        scalars[s] = (step_key_from_prefix(seed_key, int(s)), -lr_value / bc1, bc2_sqrt)
+        step_size, bc2_sqrt = step_scalars(lr_value, beta1, beta2, int(s))
+        scalars[s] = (step_key_from_prefix(seed_key, int(s)), step_size, bc2_sqrt)
     table.set_grads(grads)
     table.set_scalars(new, scalars)
     table.set_options(
