@@ -35,7 +35,7 @@ from typing import Any, cast
 
 import torch
 
-from optladder.columns import PLAIN_TYPES, dense
+from optladder.columns import PLAIN_TYPES, dense, plain_types
 from optladder.optimizers.stepmemo import same_objects
 from optladder.optimizers.steps import refuse_shared_steps
 from optladder.sharding import local_numel
@@ -102,9 +102,8 @@ def refuse_nondense(
         places = nondense_places(present)
         if places:
             p = present[places[0]]
-            pi = next(i for i, q in enumerate(group["params"]) if q is p)
             raise ValueError(
-                f"param {pi} of {names.get(id(group), f'group {gi}')} (shape "
+                f"{_param_name(group, gi, p, names)} (shape "
                 f"{tuple(p.shape)}, stride {p.stride()}) is not dense (its elements leave "
                 "gaps in its storage), and this step needs torch's fused AdamW step (a tensor "
                 "hyperparameter, or params of several dtypes or devices in one group), which "
@@ -167,7 +166,7 @@ def refuse_resized(
             continue
         states = [state.get(p) for p in params]
         numels = list(map(_NUMEL, params))
-        mine = numels if not local or all(map(_plain, params)) else list(map(local_numel, params))
+        mine = numels if not local or plain_types(params) else list(map(local_numel, params))
         keys = [k for k in _STATE_KEYS if any(st and k in st for st in states)]
         tensors: list[tuple[str, list[Any], list[int]]] = [("grad", live, numels)]
         tensors += [(k, [st.get(k) if st else None for st in states], mine) for k in keys]
@@ -179,10 +178,8 @@ def refuse_resized(
                 continue
             for p, n, t in zip(params, want, column, strict=True):
                 if t is not None and t.numel() != n:
-                    pi = next(i for i, q in enumerate(group["params"]) if q is p)
-                    where = group_names.get(id(group)) if group_names else None
                     raise ValueError(
-                        f"param {pi} of {where or f'group {gi}'} has {n:,} elements but "
+                        f"{_param_name(group, gi, p, group_names)} has {n:,} elements but "
                         f"its {name} has {t.numel():,}: the param was resized (its .data "
                         "replaced) after its state was made or its grad computed, and "
                         "stepping it would write past the smaller tensor. Build a new "
@@ -206,10 +203,8 @@ def _refuse_moment_dtypes(
             m = st.get(key) if st else None
             if m is None or m.dtype == p.dtype:
                 continue
-            pi = next(i for i, q in enumerate(group["params"]) if q is p)
-            where = group_names.get(id(group)) if group_names else None
             raise ValueError(
-                f"param {pi} of {where or f'group {gi}'} is {p.dtype} but its {key} is "
+                f"{_param_name(group, gi, p, group_names)} is {p.dtype} but its {key} is "
                 f"{m.dtype}: torch's AdamW keeps the moments in the param's dtype and its "
                 "kernels refuse a mix, so the param's dtype changed after its state was "
                 "made (module.to(dtype)). Build the optimizer after converting the model "
@@ -218,8 +213,14 @@ def _refuse_moment_dtypes(
             )
 
 
-def _plain(t: torch.Tensor) -> bool:
-    return type(t) in PLAIN_TYPES
+def _param_name(
+    group: dict[str, Any], gi: int, p: torch.Tensor, group_names: Mapping[int, str] | None
+) -> str:
+    """``"param {place in its group} of {group's name}"`` for messages (the group named
+    by ``group_names``, default ``"group {gi}"``)."""
+    pi = next(i for i, q in enumerate(group["params"]) if q is p)
+    where = group_names.get(id(group)) if group_names else None
+    return f"param {pi} of {where or f'group {gi}'}"
 
 
 def params_fit(params: Sequence[torch.Tensor]) -> bool:
