@@ -59,22 +59,26 @@ def test_a_compiled_step_is_the_eager_step(rung: str) -> None:
     optimizer bit for bit (the twin is the reference: the same kernels, run eagerly),
     and each step counts once."""
     model, twin, opt, ref = _pair(rung)
-    torch._dynamo.reset()
-
-    @torch.compile(backend="aot_eager")
-    def compiled_step() -> None:
-        opt.step()
-
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
-    for _ in range(3):
+    _assert_compiled_steps_equal_eager(model, twin, opt, ref, x, steps=3)
+    assert opt.rung == rung
+
+
+def _assert_compiled_steps_equal_eager(
+    model: torch.nn.Module, twin: torch.nn.Module, opt: Any, ref: Any, x: torch.Tensor, steps: int
+) -> None:
+    """``steps`` steps of ``opt`` through a compiled function and of its twin ``ref``
+    eagerly, on the same grads: the params equal bit for bit, each step counted once."""
+    torch._dynamo.reset()
+    compiled_step = torch.compile(lambda: opt.step(), backend="aot_eager")
+    for _ in range(steps):
         _backward(model, x)
         _backward(twin, x)
         compiled_step()
         ref.step()
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)
-        assert _step_count(opt, p) == 3
-    assert opt.rung == rung
+        assert _step_count(opt, p) == steps
 
 
 @pytest.mark.parametrize("rung", _rungs())
@@ -208,17 +212,7 @@ def test_ladder_adamw_alone_steps_eagerly_inside_compiled_code(moment_dtype: tor
     twin = copy.deepcopy(model)
     opt = LadderAdamW(model.parameters(), lr=1e-2, moment_dtype=moment_dtype)
     ref = LadderAdamW(twin.parameters(), lr=1e-2, moment_dtype=moment_dtype)
-    torch._dynamo.reset()
-    compiled_step = torch.compile(lambda: opt.step(), backend="aot_eager")
-    x = torch.randn(4, 32)
-    for _ in range(2):
-        _backward(model, x)
-        _backward(twin, x)
-        compiled_step()
-        ref.step()
-    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
-        assert torch.equal(p, q)
-        assert _step_count(opt, p) == 2
+    _assert_compiled_steps_equal_eager(model, twin, opt, ref, torch.randn(4, 32), steps=2)
 
 
 def test_run_eagerly_without_torchdynamo_calls_the_function(
