@@ -304,12 +304,12 @@ def prepare_step(
             if not bnb and memo is not None and memo.plan is not None:
                 if memo.step_counts is None:
                     memo.step_counts = StepCounts()
-                names = _param_names(engine, grads, group_names)
+                names = param_names(engine.param_groups, grads, group_names)
                 memo.step_counts.prepare(plan_steps(memo.plan), names)  # on change: shared?
             elif not bnb:  # torch's step, which costs far more than reading every step
                 refuse_nondense(engine, grads, group_names)  # torch's step: past them
                 refuse_shared_steps(
-                    _steps_of(engine, grads), _param_names(engine, grads, group_names)
+                    _steps_of(engine, grads), param_names(engine.param_groups, grads, group_names)
                 )
     except BaseException:
         rollback_step(engine, created, memo)
@@ -412,18 +412,26 @@ def _steps_of(engine: torch.optim.Optimizer, grads: list[list[torch.Tensor | Non
     ]
 
 
-def _param_names(
-    engine: torch.optim.Optimizer,
+def param_names(
+    groups: list[dict[str, Any]],
     grads: list[list[torch.Tensor | None]],
     group_names: Mapping[int, str] | None,
 ) -> Callable[[int], str]:
-    """``i -> "param {pi} of {group}"`` for the ``i``-th param with a grad (the order of
-    :func:`_steps_of` and of the fused plan's step tensors), found when called."""
+    """``i -> "param {pi} of {group}"`` for the ``i``-th param with a grad over
+    ``groups`` (``grads``: per group, every param's grad or None; the order of
+    :func:`_steps_of` and of the fused plan's step tensors), found when called (for
+    messages: the common case never names a param).
+
+    Args:
+        groups: param groups, in order.
+        grads: per group, every param's grad (None where it has none).
+        group_names: ``id(group) -> name`` (default ``"group {place in groups}"``).
+    """
     names = group_names or {}
 
     def name(i: int) -> str:
         k = 0
-        for gi, (group, gs) in enumerate(zip(engine.param_groups, grads)):
+        for gi, (group, gs) in enumerate(zip(groups, grads)):
             for pi, g in enumerate(gs):
                 if g is not None:
                     if k == i:

@@ -37,6 +37,7 @@ from optladder.optimizers.stepmemo import StepMemo, grad_of, same_objects
 from optladder.optimizers.transaction import (
     commit_step,
     deferred_interrupts,
+    param_names,
     prepare_step,
     rollback_step,
 )
@@ -596,18 +597,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: grads that share some of their memory but not all, naming them.
         """
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-
-        def name(k: int) -> str:
-            for gi, group in enumerate(self.param_groups):
-                for pi, p in enumerate(group["params"]):
-                    if p.grad is not None:
-                        if k == 0:
-                            return f"param {pi} of group {gi}"
-                        k -= 1
-            return f"grad {k}"
-
-        return distinct_grads(grads, name)
+        per_group = [list(map(grad_of, g["params"])) for g in self.param_groups]
+        grads = [g for gs in per_group for g in gs if g is not None]
+        return distinct_grads(grads, param_names(self.param_groups, per_group, None))
 
     def _two_phase_step(
         self, retries: int, unscale: tuple[list[torch.Tensor], torch.Tensor] | None
