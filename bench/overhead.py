@@ -15,9 +15,11 @@ and for ``torch.optim.AdamW(fused=True)``:
   construction without it (construction minus probe);
 - step: seconds of one ``step()`` once the state exists (warm-up steps first), on the
   grads the warm-up steps had (kept: ``zero_grad(set_to_none=False)``, or accumulation);
-- fresh: seconds of the next ``step()`` after every grad is replaced by a new tensor of
-  the same values, as ``zero_grad()`` (set to None) and a backward make them at every
-  step of a training loop (what a step checks and writes again for new grads counts).
+- fresh: seconds of one ``step()`` on new grads in the steady state of a training loop:
+  every grad is replaced by a new tensor of the same values before each of ``--warmup``
+  untimed steps and before the timed one, as ``zero_grad()`` (set to None) and a
+  backward make them at every step (what a step checks and writes again for new grads
+  counts).
 
 Each rep builds and steps every implementation once, in an order rotated by one each
 rep so that no implementation always runs first or last; reported are the median and
@@ -138,14 +140,23 @@ def one_rep(
         t0 = clock()
         opt.step()
         t_step = clock() - t0
-        for p in params:
-            p.grad = p.grad.clone()  # type: ignore[union-attr]
+        for _ in range(warmup):  # a training loop's steps: new grads at every step
+            fresh_grads(params)
+            opt.step()
+        fresh_grads(params)
         t0 = clock()
         opt.step()
         t_fresh = clock() - t0
         out[name] = (t_build, t_probe, t_step, t_fresh)
         del opt, params
     return out
+
+
+def fresh_grads(params: list[torch.nn.Parameter]) -> None:
+    """Give every param a new grad tensor of the same values, as ``zero_grad()`` (set to
+    None) and a backward do at every step of a training loop."""
+    for p in params:
+        p.grad = p.grad.clone()  # type: ignore[union-attr]
 
 
 def spread(xs: list[float]) -> str:
