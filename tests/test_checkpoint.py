@@ -116,6 +116,23 @@ def test_row_form_of_other_blocks_dequantizes_each_element_with_its_saved_block(
         assert torch.allclose(out[name], torch.tensor(want), rtol=2**-23, atol=0)
 
 
+@pytest.mark.parametrize("rung", RUNGS)
+def test_row_form_of_other_blocks_keeps_a_step_past_float32s_whole_numbers(rung: str) -> None:
+    """A requantized row form keeps its step exactly: 2**24 + 1 is no float32 (it was
+    read back as 2**24)."""
+    codes = torch.randint(0, 256, (7, 1000), dtype=torch.uint8, generator=torch.Generator())
+    starts = [0, 4]  # other blocks: the requantizing branch
+    scales = [_shard_scales(7, 1000, starts, 1), _shard_scales(7, 1000, starts, 2)]
+    form = {**_row_form(codes, scales, starts), "step": 2**24 + 1}
+    out = from_checkpoint_form(form, torch.zeros(7, 1000), "param 0")
+    assert read_step(out) == 16_777_217
+    p = nn.Parameter(torch.zeros(7, 1000))
+    opt = choose_optimizer([p], rung=rung, free_memory="1GiB", environ={})
+    saved = {"state": {0: form}, "param_groups": copy.deepcopy(opt.state_dict()["param_groups"])}
+    opt.load_state_dict(saved)
+    assert read_step(unwrap_bnb_state(opt.state[p])) == 16_777_217
+
+
 def test_row_form_with_missing_or_misshapen_tensors_is_refused() -> None:
     codes = torch.zeros(64, 96, dtype=torch.uint8)
     scales = [_shard_scales(64, 96, [0], 1), _shard_scales(64, 96, [0], 2)]

@@ -236,9 +236,8 @@ def from_checkpoint_form(state: Mapping[str, Any], p: torch.Tensor, where: str) 
         codes = values[f"state{i}"].reshape(rows, per_row).to(torch.int64)
         scale = values[ROW_ABSMAX_KEYS[i - 1]].float().gather(1, slot)
         moments.append((values[f"qmap{i}"].float()[codes] * scale).reshape(shard.shape))
-    step_value = float(step.item()) if isinstance(step, torch.Tensor) else float(step)  # type: ignore[arg-type]
     return {
-        "step": torch.tensor(step_value, dtype=torch.float32),
+        "step": step,  # as saved: a float32 tensor would round counts past 2**24
         "exp_avg": moments[0],
         "exp_avg_sq": moments[1],
     }
