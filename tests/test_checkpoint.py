@@ -147,6 +147,50 @@ def test_row_form_with_missing_or_misshapen_tensors_is_refused() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        # an offset past the block: each row was read with the next row's scales
+        (
+            PHASE_KEY,
+            torch.full((64,), 300, dtype=torch.int32),
+            r"block_phase holds values in \[300, 300\]; allowed: .*\[0, 255\]",
+        ),
+        # a negative offset: an IndexError from the gather
+        (
+            PHASE_KEY,
+            torch.full((64,), -5, dtype=torch.int32),
+            r"block_phase holds values in \[-5, -5\]",
+        ),
+        # offsets are whole numbers: 0.5 was truncated to 0
+        (
+            PHASE_KEY,
+            torch.full((64,), 0.5),
+            r"block_phase has dtype torch.float32; allowed: an integer",
+        ),
+        # float codes were read as moments of bitsandbytes' 32-bit layout
+        ("state1", torch.zeros(64, 96), r"state1 has dtype torch.float32; allowed: torch.uint8"),
+    ],
+)
+def test_row_form_with_offsets_out_of_a_block_or_codes_not_uint8_is_refused(
+    key: str, value: torch.Tensor, match: str
+) -> None:
+    codes = torch.zeros(64, 96, dtype=torch.uint8)
+    form = {**_row_form(codes, [_shard_scales(64, 96, [0], 1), _shard_scales(64, 96, [0], 2)], [0])}
+    form[key] = value
+    with pytest.raises(ValueError, match="param 3: " + match):
+        from_checkpoint_form(form, torch.zeros(64, 96), "param 3")
+    p = nn.Parameter(torch.randn(64, 96, generator=torch.Generator().manual_seed(0)))
+    opt = choose_optimizer([p], rung="8bit", free_memory="1GiB", environ={})
+    p.grad = torch.ones(64, 96)
+    opt.step()
+    before = snapshot(opt)
+    saved = {"state": {0: form}, "param_groups": copy.deepcopy(opt.state_dict()["param_groups"])}
+    with pytest.raises(ValueError, match="param 0: " + match):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)
+
+
 # ---------------------------------------------------------------- never-stepped params
 class _AB(nn.Module):
     def __init__(self) -> None:
