@@ -1067,3 +1067,31 @@ def test_an_8bit_checkpoint_entry_without_its_quant_state_is_refused_saying_so()
     ):
         opt.load_state_dict(sd)
     assert_same(snapshot(opt), before)
+
+
+def _stepped(rung: str) -> tuple[torch.optim.Optimizer, dict]:
+    """An optimizer on ``rung`` over an 8,192-element weight (8-bit codes on 8bit) and a
+    bias, stepped twice, and a deep copy of its state dict."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 128)
+    opt = choose_optimizer(model, rung=rung, free_memory=GiB, environ={})
+    for s in range(2):
+        _grads(list(model.parameters()), s)
+        opt.step()
+    return opt, copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_a_step_past_floats_range_is_refused_naming_the_rungs_step_range(rung: str) -> None:
+    """10**400 is a whole number no float holds: it was an OverflowError from the check;
+    now the range check names it and the rung's range, and nothing changes."""
+    opt, saved = _stepped(rung)
+    before = snapshot(opt)
+    entry = saved["state"][0]
+    entry["step"] = 10**400  # a Python int, as bitsandbytes keeps its step
+    with pytest.raises(
+        ValueError,
+        match=r"param 0 of the state_dict has step 10{400}; this rung takes step counts in \[0, ",
+    ):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)

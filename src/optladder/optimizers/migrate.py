@@ -698,8 +698,12 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
                 "allowed: dense (torch.strided) tensors"
             )
     step = state.get("step")
-    value = _finite_number(step)
-    if value is None or value < 0 or not value.is_integer():
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        whole = int(step) >= 0  # exact at any size: the range check names one past floats
+    else:
+        value = _finite_number(step)
+        whole = value is not None and value >= 0 and value.is_integer()
+    if not whole:
         raise ValueError(
             f"{where}: 'step' must be a finite whole number >= 0 (an int or a one-element "
             "tensor), "
