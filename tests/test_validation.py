@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import random
+import re
 import warnings
 
 import numpy as np
@@ -1095,3 +1096,36 @@ def test_a_step_past_floats_range_is_refused_naming_the_rungs_step_range(rung: s
     ):
         opt.load_state_dict(saved)
     assert_same(snapshot(opt), before)
+
+
+@pytest.mark.parametrize(
+    ("rung", "dtype", "value", "kept_as"),
+    [
+        ("fp32", torch.float64, 1e300, "torch.float32"),
+        ("bf16", torch.float64, 1e300, "torch.bfloat16"),
+        ("8bit", torch.float64, 1e300, "torch.float32"),
+        # finite in float32, past bfloat16's largest finite (3.3895e38): rounds to inf
+        ("bf16", torch.float32, 3.4e38, "torch.bfloat16"),
+    ],
+)
+def test_moments_past_the_range_of_the_rungs_format_are_refused(
+    rung: str, dtype: torch.dtype, value: float, kept_as: str
+) -> None:
+    """Finite saved moments that the rung's format cannot hold became infinite moments
+    (the 8-bit rung: infinite block scales); refused naming the key, the largest
+    magnitude and the format, nothing changed."""
+    opt, _ = _stepped(rung)
+    _, saved = _stepped("fp32")
+    entry = saved["state"][0]
+    entry["exp_avg_sq"] = torch.full_like(entry["exp_avg_sq"], value, dtype=dtype)
+    before = snapshot(opt)
+    with pytest.raises(
+        ValueError,
+        match=r"param 0 of the state_dict: exp_avg_sq holds values up to "
+        + re.escape(f"{value:.4g} in magnitude; this param's rung keeps them as {kept_as}"),
+    ):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)
+    # the largest value the format holds loads
+    entry["exp_avg_sq"].fill_(torch.finfo(getattr(torch, kept_as[6:])).max)
+    opt.load_state_dict(saved)
