@@ -1129,3 +1129,25 @@ def test_moments_past_the_range_of_the_rungs_format_are_refused(
     # the largest value the format holds loads
     entry["exp_avg_sq"].fill_(torch.finfo(getattr(torch, kept_as[6:])).max)
     opt.load_state_dict(saved)
+
+
+def test_a_param_listed_twice_in_the_saved_groups_is_refused_naming_it() -> None:
+    """Saved groups listing one place twice ([0, 0]) gave both live params the state
+    of place 0, so the second param was stepped from the first one's moments; refused
+    naming the place and both groups, nothing changed."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.nn.Parameter(torch.randn(64, generator=gen)) for _ in range(2))
+    opt = choose_optimizer([{"params": [a]}, {"params": [b]}], rung="fp32", free_memory=GiB)
+    _grads([a, b], 0)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][1]["params"] = [0]  # place 1's state is there still
+    del saved["state"][1]
+    _grads([a, b], 1)
+    opt.step()
+    before = snapshot(opt)
+    with pytest.raises(
+        ValueError, match=r"param group 1 of the state_dict lists param 0, which param group 0"
+    ):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)

@@ -127,12 +127,20 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
             f"the state_dict has {len(groups)} param groups; this optimizer has {len(live_groups)}"
         )
     pairs: list[tuple[Any, torch.Tensor]] = []
+    listed_in: dict[Any, int] = {}
     for gi, (saved, live) in enumerate(zip(groups, live_groups)):
         if len(saved["params"]) != len(live["params"]):
             raise ValueError(
                 f"param group {gi} of the state_dict has {len(saved['params'])} params; "
                 f"this optimizer's has {len(live['params'])}"
             )
+        for key in saved["params"]:
+            if key in listed_in:  # its state would go to two live params
+                raise ValueError(
+                    f"param group {gi} of the state_dict lists param {key!r}, which param "
+                    f"group {listed_in[key]} lists too; state_dict() lists each param once"
+                )
+            listed_in[key] = gi
         pairs += zip(saved["params"], live["params"])
     unknown = saved_state.keys() - {key for key, _ in pairs}
     if unknown:
