@@ -1151,3 +1151,16 @@ def test_a_param_listed_twice_in_the_saved_groups_is_refused_naming_it() -> None
     ):
         opt.load_state_dict(saved)
     assert_same(snapshot(opt), before)
+
+
+@pytest.mark.parametrize("missing", ["state1", "state2"])
+def test_an_8bit_entry_missing_its_codes_is_refused_naming_them(missing: str) -> None:
+    """An entry holding bitsandbytes' keys but not ``state1`` was judged an Adam entry
+    and refused for holding 'absmax1', ... (the missing key unnamed)."""
+    pytest.importorskip("bitsandbytes")
+    opt, saved = _stepped("8bit")
+    del saved["state"][0]["__bnb_optimizer_quant_state__"][missing]
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=rf"param 0: the state has no tensor '{missing}'"):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)

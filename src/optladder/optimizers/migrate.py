@@ -680,7 +680,7 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
         raise ValueError(
             f"{where}: the state holds max_exp_avg_sq (amsgrad), which no optladder rung keeps"
         )
-    bnb = "state1" in state
+    bnb = any(k in state for k in BNB_STATE_KEYS - ADAM_STATE_KEYS)  # its codes may be missing
     known = BNB_STATE_KEYS if bnb else ADAM_STATE_KEYS
     other = sorted(str(k) for k in state if k not in known)
     if other:
