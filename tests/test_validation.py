@@ -1164,3 +1164,31 @@ def test_an_8bit_entry_missing_its_codes_is_refused_naming_them(missing: str) ->
     with pytest.raises(ValueError, match=rf"param 0: the state has no tensor '{missing}'"):
         opt.load_state_dict(saved)
     assert_same(snapshot(opt), before)
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_loaded_group_options_are_the_optimizers_own_not_the_checkpoints(rung: str) -> None:
+    """Loading copies the saved groups' values, as torch's load_state_dict deep-copies
+    them: a tensor lr was the checkpoint's object, so an LR scheduler on one optimizer
+    set the lr of every optimizer loaded from the same state dict, and of the one that
+    saved it."""
+    gen = torch.Generator().manual_seed(0)
+    src_p = torch.nn.Parameter(torch.randn(64, generator=gen))
+    src = choose_optimizer([src_p], lr=torch.tensor(0.5), rung="fp32", free_memory=GiB)
+    _grads([src_p], 0)
+    src.step()
+    saved = src.state_dict()
+    saved["param_groups"][0]["betas"] = [0.9, 0.99]  # a list, as JSON or YAML give it
+    opts = []
+    for _ in range(2):
+        p = torch.nn.Parameter(torch.randn(64, generator=gen))
+        opt = choose_optimizer([p], lr=torch.tensor(0.1), rung=rung, free_memory=GiB)
+        opt.load_state_dict(saved)
+        opts.append(opt)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opts[0], lambda epoch: 0.25)
+    saved["param_groups"][0]["betas"][1] = 0.5
+    assert float(opts[0].param_groups[0]["lr"]) == 0.125  # 0.5 * 0.25
+    assert float(opts[1].param_groups[0]["lr"]) == 0.5
+    assert float(src.param_groups[0]["lr"]) == 0.5
+    assert [list(o.param_groups[0]["betas"]) for o in opts] == [[0.9, 0.99], [0.9, 0.99]]
+    del scheduler

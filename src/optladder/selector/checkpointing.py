@@ -17,6 +17,7 @@ docstrings there are the contract.
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from collections.abc import Sequence
@@ -165,6 +166,16 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
             check_param_state(st, p, f"param {pi}")
             if read_step(st) > 0:  # step 0: saved for a param that never stepped
                 loaded[key] = st
+    # the groups' values, copied as torch copies them (a tensor lr of the checkpoint's
+    # would be shared with every optimizer loaded from it, and a scheduler sets it in place)
+    options = [
+        {
+            name: copy.deepcopy(value)
+            for name, value in saved.items()
+            if name != "params" and name not in ENGINE_KEYS and name not in _LADDER_KEYS
+        }
+        for saved in groups
+    ]
     move_to = checkpoint_rung(opt, groups)
     engine = opt.engine
     saved_groups = [dict(g) for g in live_groups]
@@ -189,10 +200,8 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
         restore_groups(live_groups, saved_groups)
         raise
     # Commit: nothing below allocates.
-    for saved, live in zip(groups, live_groups):
-        for name, value in saved.items():
-            if name != "params" and name not in ENGINE_KEYS and name not in _LADDER_KEYS:
-                live[name] = value
+    for values, live in zip(options, live_groups):
+        live.update(values)
     opt._memos.clear()  # they hold the state dicts being replaced
     for held in opt._engines():
         release = getattr(held, "release_tables", None)
