@@ -1192,3 +1192,22 @@ def test_loaded_group_options_are_the_optimizers_own_not_the_checkpoints(rung: s
     assert float(src.param_groups[0]["lr"]) == 0.5
     assert [list(o.param_groups[0]["betas"]) for o in opts] == [[0.9, 0.99], [0.9, 0.99]]
     del scheduler
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_an_8bit_second_moment_code_book_with_negative_values_is_refused(rung: str) -> None:
+    """``state2`` (exp_avg_sq, a running average of squared grads) indexes an unsigned
+    book; codes decoded with a book holding negative values gave negative exp_avg_sq,
+    whose square root made the next fp32 or bf16 step NaN."""
+    pytest.importorskip("bitsandbytes")
+    opt, _ = _stepped(rung)
+    _, saved = _stepped("8bit")
+    inner = saved["state"][0]["__bnb_optimizer_quant_state__"]
+    assert inner["state2"].dtype == torch.uint8
+    inner["qmap2"] = -inner["qmap2"]  # bitsandbytes' unsigned map: one 0, 255 positive
+    before = snapshot(opt)
+    with pytest.raises(
+        ValueError, match=r"param 0: qmap2 \(the code book state2's codes index\) holds 255 "
+    ):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)

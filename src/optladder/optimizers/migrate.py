@@ -663,7 +663,7 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
     ``>= 0`` (``2.5`` would be truncated), sparse or meta tensors, NaN or infinite
     moments or block scales (the 8-bit format would turn them finite), and a negative
     ``exp_avg_sq`` (a sum of squares, which the 8-bit format's unsigned code book
-    cannot hold).
+    cannot hold), or a ``qmap2`` with negative values (its codes would decode to one).
 
     Args:
         state: the saved state of one param.
@@ -754,6 +754,13 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
                 raise ValueError(
                     f"{where}: qmap{i} (the code book {name}'s codes index) holds non-finite "
                     "values, so the codes cannot be decoded"
+                )
+            negative = int((qmap < 0).sum()) if name == "state2" else 0
+            if negative:  # they would decode to a negative exp_avg_sq: NaN at its sqrt
+                raise ValueError(
+                    f"{where}: qmap{i} (the code book {name}'s codes index) holds {negative} "
+                    f"negative values; {name} is the running average of squared grads, so "
+                    "allowed are books of values >= 0 (bitsandbytes' unsigned map)"
                 )
             _check_values(local_tensor(absmax), f"absmax{i}", where, nonnegative=True)
         elif t.is_complex() and shard.is_complex() and not bnb:
