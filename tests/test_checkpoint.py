@@ -116,6 +116,23 @@ def test_row_form_of_other_blocks_dequantizes_each_element_with_its_saved_block(
         assert torch.allclose(out[name], torch.tensor(want), rtol=2**-23, atol=0)
 
 
+@pytest.mark.parametrize("rung", RUNGS)
+def test_row_form_of_other_blocks_keeps_a_step_past_float32s_whole_numbers(rung: str) -> None:
+    """A requantized row form keeps its step exactly: 2**24 + 1 is no float32 (it was
+    read back as 2**24)."""
+    codes = torch.randint(0, 256, (7, 1000), dtype=torch.uint8, generator=torch.Generator())
+    starts = [0, 4]  # other blocks: the requantizing branch
+    scales = [_shard_scales(7, 1000, starts, 1), _shard_scales(7, 1000, starts, 2)]
+    form = {**_row_form(codes, scales, starts), "step": 2**24 + 1}
+    out = from_checkpoint_form(form, torch.zeros(7, 1000), "param 0")
+    assert read_step(out) == 16_777_217
+    p = nn.Parameter(torch.zeros(7, 1000))
+    opt = choose_optimizer([p], rung=rung, free_memory="1GiB", environ={})
+    saved = {"state": {0: form}, "param_groups": copy.deepcopy(opt.state_dict()["param_groups"])}
+    opt.load_state_dict(saved)
+    assert read_step(unwrap_bnb_state(opt.state[p])) == 16_777_217
+
+
 def test_row_form_with_missing_or_misshapen_tensors_is_refused() -> None:
     codes = torch.zeros(64, 96, dtype=torch.uint8)
     scales = [_shard_scales(64, 96, [0], 1), _shard_scales(64, 96, [0], 2)]
@@ -128,6 +145,50 @@ def test_row_form_with_missing_or_misshapen_tensors_is_refused() -> None:
         from_checkpoint_form(
             {**form, PHASE_KEY: form[PHASE_KEY][1:]}, torch.zeros(64, 96), "param 3"
         )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        # an offset past the block: each row was read with the next row's scales
+        (
+            PHASE_KEY,
+            torch.full((64,), 300, dtype=torch.int32),
+            r"block_phase holds values in \[300, 300\]; allowed: .*\[0, 255\]",
+        ),
+        # a negative offset: an IndexError from the gather
+        (
+            PHASE_KEY,
+            torch.full((64,), -5, dtype=torch.int32),
+            r"block_phase holds values in \[-5, -5\]",
+        ),
+        # offsets are whole numbers: 0.5 was truncated to 0
+        (
+            PHASE_KEY,
+            torch.full((64,), 0.5),
+            r"block_phase has dtype torch.float32; allowed: an integer",
+        ),
+        # float codes were read as moments of bitsandbytes' 32-bit layout
+        ("state1", torch.zeros(64, 96), r"state1 has dtype torch.float32; allowed: torch.uint8"),
+    ],
+)
+def test_row_form_with_offsets_out_of_a_block_or_codes_not_uint8_is_refused(
+    key: str, value: torch.Tensor, match: str
+) -> None:
+    codes = torch.zeros(64, 96, dtype=torch.uint8)
+    form = {**_row_form(codes, [_shard_scales(64, 96, [0], 1), _shard_scales(64, 96, [0], 2)], [0])}
+    form[key] = value
+    with pytest.raises(ValueError, match="param 3: " + match):
+        from_checkpoint_form(form, torch.zeros(64, 96), "param 3")
+    p = nn.Parameter(torch.randn(64, 96, generator=torch.Generator().manual_seed(0)))
+    opt = choose_optimizer([p], rung="8bit", free_memory="1GiB", environ={})
+    p.grad = torch.ones(64, 96)
+    opt.step()
+    before = snapshot(opt)
+    saved = {"state": {0: form}, "param_groups": copy.deepcopy(opt.state_dict()["param_groups"])}
+    with pytest.raises(ValueError, match="param 0: " + match):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)
 
 
 # ---------------------------------------------------------------- never-stepped params

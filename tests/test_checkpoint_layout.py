@@ -351,3 +351,48 @@ def test_follow_checkpoint_still_runs_and_warns() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         live.load_state_dict(opt.state_dict())  # the new recipe warns about nothing
+
+
+def test_dcp_loads_optimizers_kept_in_a_list_across_rungs() -> None:
+    """Trainers keep several optimizers in a list ({"optims": [a, b]}); DCP names a list
+    item by its index. The planner looked for optimizers in dicts only, so DCP refused
+    the checkpoint of another rung ("expected BytesStorageMetadata")."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def build(model: nn.Sequential, rungs: tuple[str, str]) -> list[Any]:
+        return [
+            choose_optimizer(
+                list(model[i].parameters()), lr=1e-2, rung=r, free_memory="1GiB", environ={}
+            )
+            for i, r in enumerate(rungs)
+        ]
+
+    def step(model: nn.Sequential, opts: list[Any], s: int) -> None:
+        gen = torch.Generator().manual_seed(s)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        for o in opts:
+            o.step()
+
+    model = _model()
+    opts = build(model, ("8bit", "fp32"))
+    for s in range(2):
+        step(model, opts, s)
+    live_model = _model()
+    live = build(live_model, ("fp32", "bf16"))
+    with tempfile.TemporaryDirectory() as path:
+        dcp.save({"optims": [get_optimizer_state_dict(model, o) for o in opts]}, checkpoint_id=path)
+        state = {"optims": [get_optimizer_state_dict(live_model, o) for o in live]}
+        dcp.load(state, checkpoint_id=path, planner=DCPLoadPlanner())
+    for o, sd in zip(live, state["optims"]):
+        set_optimizer_state_dict(live_model, o, sd)
+    for o, rung in zip(opts, ("fp32", "bf16")):  # the reference: the same state migrated
+        o.migrate_to(rung, "the reference", force=True)
+    for o, ref in zip(live, opts):
+        assert [g["rung"] for g in o.param_groups] == [g["rung"] for g in ref.param_groups]
+        saved, loaded = snapshot(ref)[1], snapshot(o)[1]
+        assert_same(_states([], *loaded["state"].values()), _states([], *saved["state"].values()))

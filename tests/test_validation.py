@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import random
+import re
 import warnings
 
 import numpy as np
@@ -1066,4 +1067,147 @@ def test_an_8bit_checkpoint_entry_without_its_quant_state_is_refused_saying_so()
         ValueError, match=r"param 0: the state holds a 'step' but no moments: .*'state1'.*lacks"
     ):
         opt.load_state_dict(sd)
+    assert_same(snapshot(opt), before)
+
+
+def _stepped(rung: str) -> tuple[torch.optim.Optimizer, dict]:
+    """An optimizer on ``rung`` over an 8,192-element weight (8-bit codes on 8bit) and a
+    bias, stepped twice, and a deep copy of its state dict."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 128)
+    opt = choose_optimizer(model, rung=rung, free_memory=GiB, environ={})
+    for s in range(2):
+        _grads(list(model.parameters()), s)
+        opt.step()
+    return opt, copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_a_step_past_floats_range_is_refused_naming_the_rungs_step_range(rung: str) -> None:
+    """10**400 is a whole number no float holds: it was an OverflowError from the check;
+    now the range check names it and the rung's range, and nothing changes."""
+    opt, saved = _stepped(rung)
+    before = snapshot(opt)
+    entry = saved["state"][0]
+    entry["step"] = 10**400  # a Python int, as bitsandbytes keeps its step
+    with pytest.raises(
+        ValueError,
+        match=r"param 0 of the state_dict has step 10{400}; this rung takes step counts in \[0, ",
+    ):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)
+
+
+@pytest.mark.parametrize(
+    ("rung", "dtype", "value", "kept_as"),
+    [
+        ("fp32", torch.float64, 1e300, "torch.float32"),
+        ("bf16", torch.float64, 1e300, "torch.bfloat16"),
+        ("8bit", torch.float64, 1e300, "torch.float32"),
+        # finite in float32, past bfloat16's largest finite (3.3895e38): rounds to inf
+        ("bf16", torch.float32, 3.4e38, "torch.bfloat16"),
+    ],
+)
+def test_moments_past_the_range_of_the_rungs_format_are_refused(
+    rung: str, dtype: torch.dtype, value: float, kept_as: str
+) -> None:
+    """Finite saved moments that the rung's format cannot hold became infinite moments
+    (the 8-bit rung: infinite block scales); refused naming the key, the largest
+    magnitude and the format, nothing changed."""
+    opt, _ = _stepped(rung)
+    _, saved = _stepped("fp32")
+    entry = saved["state"][0]
+    entry["exp_avg_sq"] = torch.full_like(entry["exp_avg_sq"], value, dtype=dtype)
+    before = snapshot(opt)
+    with pytest.raises(
+        ValueError,
+        match=r"param 0 of the state_dict: exp_avg_sq holds values up to "
+        + re.escape(f"{value:.4g} in magnitude; this param's rung keeps them as {kept_as}"),
+    ):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)
+    # the largest value the format holds loads
+    entry["exp_avg_sq"].fill_(torch.finfo(getattr(torch, kept_as[6:])).max)
+    opt.load_state_dict(saved)
+
+
+def test_a_param_listed_twice_in_the_saved_groups_is_refused_naming_it() -> None:
+    """Saved groups listing one place twice ([0, 0]) gave both live params the state
+    of place 0, so the second param was stepped from the first one's moments; refused
+    naming the place and both groups, nothing changed."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.nn.Parameter(torch.randn(64, generator=gen)) for _ in range(2))
+    opt = choose_optimizer([{"params": [a]}, {"params": [b]}], rung="fp32", free_memory=GiB)
+    _grads([a, b], 0)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][1]["params"] = [0]  # place 1's state is there still
+    del saved["state"][1]
+    _grads([a, b], 1)
+    opt.step()
+    before = snapshot(opt)
+    with pytest.raises(
+        ValueError, match=r"param group 1 of the state_dict lists param 0, which param group 0"
+    ):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)
+
+
+@pytest.mark.parametrize("missing", ["state1", "state2"])
+def test_an_8bit_entry_missing_its_codes_is_refused_naming_them(missing: str) -> None:
+    """An entry holding bitsandbytes' keys but not ``state1`` was judged an Adam entry
+    and refused for holding 'absmax1', ... (the missing key unnamed)."""
+    pytest.importorskip("bitsandbytes")
+    opt, saved = _stepped("8bit")
+    del saved["state"][0]["__bnb_optimizer_quant_state__"][missing]
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=rf"param 0: the state has no tensor '{missing}'"):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_loaded_group_options_are_the_optimizers_own_not_the_checkpoints(rung: str) -> None:
+    """Loading copies the saved groups' values, as torch's load_state_dict deep-copies
+    them: a tensor lr was the checkpoint's object, so an LR scheduler on one optimizer
+    set the lr of every optimizer loaded from the same state dict, and of the one that
+    saved it."""
+    gen = torch.Generator().manual_seed(0)
+    src_p = torch.nn.Parameter(torch.randn(64, generator=gen))
+    src = choose_optimizer([src_p], lr=torch.tensor(0.5), rung="fp32", free_memory=GiB)
+    _grads([src_p], 0)
+    src.step()
+    saved = src.state_dict()
+    saved["param_groups"][0]["betas"] = [0.9, 0.99]  # a list, as JSON or YAML give it
+    opts = []
+    for _ in range(2):
+        p = torch.nn.Parameter(torch.randn(64, generator=gen))
+        opt = choose_optimizer([p], lr=torch.tensor(0.1), rung=rung, free_memory=GiB)
+        opt.load_state_dict(saved)
+        opts.append(opt)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opts[0], lambda epoch: 0.25)
+    saved["param_groups"][0]["betas"][1] = 0.5
+    assert float(opts[0].param_groups[0]["lr"]) == 0.125  # 0.5 * 0.25
+    assert float(opts[1].param_groups[0]["lr"]) == 0.5
+    assert float(src.param_groups[0]["lr"]) == 0.5
+    assert [list(o.param_groups[0]["betas"]) for o in opts] == [[0.9, 0.99], [0.9, 0.99]]
+    del scheduler
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_an_8bit_second_moment_code_book_with_negative_values_is_refused(rung: str) -> None:
+    """``state2`` (exp_avg_sq, a running average of squared grads) indexes an unsigned
+    book; codes decoded with a book holding negative values gave negative exp_avg_sq,
+    whose square root made the next fp32 or bf16 step NaN."""
+    pytest.importorskip("bitsandbytes")
+    opt, _ = _stepped(rung)
+    _, saved = _stepped("8bit")
+    inner = saved["state"][0]["__bnb_optimizer_quant_state__"]
+    assert inner["state2"].dtype == torch.uint8
+    inner["qmap2"] = -inner["qmap2"]  # bitsandbytes' unsigned map: one 0, 255 positive
+    before = snapshot(opt)
+    with pytest.raises(
+        ValueError, match=r"param 0: qmap2 \(the code book state2's codes index\) holds 255 "
+    ):
+        opt.load_state_dict(saved)
     assert_same(snapshot(opt), before)

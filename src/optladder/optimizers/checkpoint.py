@@ -190,8 +190,9 @@ def from_checkpoint_form(state: Mapping[str, Any], p: torch.Tensor, where: str) 
         where: names the param in messages, e.g. ``"param 3"``.
 
     Raises:
-        ValueError: naming the key, when the row form is incomplete or its shapes
-            do not fit the param's shard on this rank.
+        ValueError: naming the key, when the row form is incomplete, its shapes
+            do not fit the param's shard on this rank, its codes are not uint8, or its
+            ``block_phase`` is not integer offsets in ``[0, 255]``.
     """
     if not is_row_form(state):
         return dict(state)
@@ -220,7 +221,25 @@ def from_checkpoint_form(state: Mapping[str, Any], p: torch.Tensor, where: str) 
                 f"{where}: {name} has shape {tuple(values[name].shape)}; this rank's shard "
                 f"of the param (shape {tuple(shard.shape)}) needs {shape}"
             )
-    phase = values[PHASE_KEY].to(torch.int64)
+    phase = values[PHASE_KEY]
+    if phase.is_floating_point() or phase.is_complex() or phase.dtype == torch.bool:
+        raise ValueError(
+            f"{where}: {PHASE_KEY} has dtype {phase.dtype}; allowed: an integer dtype (each "
+            f"row's offset in its {BNB_BLOCKSIZE}-element block)"
+        )
+    phase = phase.to(torch.int64)
+    if rows and (int(phase.min()) < 0 or int(phase.max()) >= BNB_BLOCKSIZE):
+        raise ValueError(
+            f"{where}: {PHASE_KEY} holds values in [{int(phase.min())}, {int(phase.max())}]; "
+            f"allowed: each row's offset in its {BNB_BLOCKSIZE}-element block, in "
+            f"[0, {BNB_BLOCKSIZE - 1}]"
+        )
+    for name in ("state1", "state2"):
+        if values[name].dtype != torch.uint8:
+            raise ValueError(
+                f"{where}: {name} has dtype {values[name].dtype}; allowed: torch.uint8 (the "
+                "row form holds 8-bit codes)"
+            )
     live = _row_starts(rows, per_row, phase.device) % BNB_BLOCKSIZE
     step = state.get("step")
     if torch.equal(phase, live):  # the same blocks: exact
@@ -236,9 +255,8 @@ def from_checkpoint_form(state: Mapping[str, Any], p: torch.Tensor, where: str) 
         codes = values[f"state{i}"].reshape(rows, per_row).to(torch.int64)
         scale = values[ROW_ABSMAX_KEYS[i - 1]].float().gather(1, slot)
         moments.append((values[f"qmap{i}"].float()[codes] * scale).reshape(shard.shape))
-    step_value = float(step.item()) if isinstance(step, torch.Tensor) else float(step)  # type: ignore[arg-type]
     return {
-        "step": torch.tensor(step_value, dtype=torch.float32),
+        "step": step,  # as saved: a float32 tensor would round counts past 2**24
         "exp_avg": moments[0],
         "exp_avg_sq": moments[1],
     }

@@ -127,7 +127,13 @@ def fit_optimizer_templates(state_dict: dict[str, Any], metadata: Metadata) -> N
 
 
 def _optimizer_state_dicts(node: Any, path: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """``(path, dict)`` of every optladder optimizer state dict in the nested ``node``."""
+    """``(path, dict)`` of every optladder optimizer state dict in the nested ``node``
+    (in dicts under their keys as strings, in lists and tuples under their indices, as
+    DCP's flattening names them)."""
+    if isinstance(node, list | tuple):
+        for i, item in enumerate(node):
+            yield from _optimizer_state_dicts(item, (*path, i))
+        return
     if not isinstance(node, dict):
         return
     groups = node.get("param_groups")

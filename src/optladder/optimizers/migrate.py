@@ -663,7 +663,7 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
     ``>= 0`` (``2.5`` would be truncated), sparse or meta tensors, NaN or infinite
     moments or block scales (the 8-bit format would turn them finite), and a negative
     ``exp_avg_sq`` (a sum of squares, which the 8-bit format's unsigned code book
-    cannot hold).
+    cannot hold), or a ``qmap2`` with negative values (its codes would decode to one).
 
     Args:
         state: the saved state of one param.
@@ -680,7 +680,7 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
         raise ValueError(
             f"{where}: the state holds max_exp_avg_sq (amsgrad), which no optladder rung keeps"
         )
-    bnb = "state1" in state
+    bnb = any(k in state for k in BNB_STATE_KEYS - ADAM_STATE_KEYS)  # its codes may be missing
     known = BNB_STATE_KEYS if bnb else ADAM_STATE_KEYS
     other = sorted(str(k) for k in state if k not in known)
     if other:
@@ -698,8 +698,12 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
                 "allowed: dense (torch.strided) tensors"
             )
     step = state.get("step")
-    value = _finite_number(step)
-    if value is None or value < 0 or not value.is_integer():
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+        whole = int(step) >= 0  # exact at any size: the range check names one past floats
+    else:
+        value = _finite_number(step)
+        whole = value is not None and value >= 0 and value.is_integer()
+    if not whole:
         raise ValueError(
             f"{where}: 'step' must be a finite whole number >= 0 (an int or a one-element "
             "tensor), "
@@ -750,6 +754,13 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
                 raise ValueError(
                     f"{where}: qmap{i} (the code book {name}'s codes index) holds non-finite "
                     "values, so the codes cannot be decoded"
+                )
+            negative = int((qmap < 0).sum()) if name == "state2" else 0
+            if negative:  # they would decode to a negative exp_avg_sq: NaN at its sqrt
+                raise ValueError(
+                    f"{where}: qmap{i} (the code book {name}'s codes index) holds {negative} "
+                    f"negative values; {name} is the running average of squared grads, so "
+                    "allowed are books of values >= 0 (bitsandbytes' unsigned map)"
                 )
             _check_values(local_tensor(absmax), f"absmax{i}", where, nonnegative=True)
         elif t.is_complex() and shard.is_complex() and not bnb:

@@ -17,6 +17,7 @@ docstrings there are the contract.
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ from optladder.optimizers.migrate import (
 from optladder.rungs import GROUP_PIN_ORIGIN, ORIGIN_KEY, REASON_KEY, RUNG_KEY, RUNGS, Rung
 from optladder.selector.checks import check_checkpoint_groups, decoupled_mode
 from optladder.selector.escalation import move_refused, restore_groups, switch
-from optladder.sharding import is_dtensor
+from optladder.sharding import is_dtensor, local_tensor
 from optladder.units import format_bytes
 
 if TYPE_CHECKING:
@@ -127,12 +128,20 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
             f"the state_dict has {len(groups)} param groups; this optimizer has {len(live_groups)}"
         )
     pairs: list[tuple[Any, torch.Tensor]] = []
+    listed_in: dict[Any, int] = {}
     for gi, (saved, live) in enumerate(zip(groups, live_groups)):
         if len(saved["params"]) != len(live["params"]):
             raise ValueError(
                 f"param group {gi} of the state_dict has {len(saved['params'])} params; "
                 f"this optimizer's has {len(live['params'])}"
             )
+        for key in saved["params"]:
+            if key in listed_in:  # its state would go to two live params
+                raise ValueError(
+                    f"param group {gi} of the state_dict lists param {key!r}, which param "
+                    f"group {listed_in[key]} lists too; state_dict() lists each param once"
+                )
+            listed_in[key] = gi
         pairs += zip(saved["params"], live["params"])
     unknown = saved_state.keys() - {key for key, _ in pairs}
     if unknown:
@@ -157,6 +166,16 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
             check_param_state(st, p, f"param {pi}")
             if read_step(st) > 0:  # step 0: saved for a param that never stepped
                 loaded[key] = st
+    # the groups' values, copied as torch copies them (a tensor lr of the checkpoint's
+    # would be shared with every optimizer loaded from it, and a scheduler sets it in place)
+    options = [
+        {
+            name: copy.deepcopy(value)
+            for name, value in saved.items()
+            if name != "params" and name not in ENGINE_KEYS and name not in _LADDER_KEYS
+        }
+        for saved in groups
+    ]
     move_to = checkpoint_rung(opt, groups)
     engine = opt.engine
     saved_groups = [dict(g) for g in live_groups]
@@ -176,14 +195,13 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
                     check_step_range(read_step(flat), owner[id(group)], p, where)
                 target = state_target(owner[id(group)], group, p)
                 new_state[p] = convert_param_state(saved_param_state, p, target, copy=True)
+                _refuse_overflow(new_state[p], flat, f"param {pi} of the state_dict")
     except BaseException:
         restore_groups(live_groups, saved_groups)
         raise
     # Commit: nothing below allocates.
-    for saved, live in zip(groups, live_groups):
-        for name, value in saved.items():
-            if name != "params" and name not in ENGINE_KEYS and name not in _LADDER_KEYS:
-                live[name] = value
+    for values, live in zip(options, live_groups):
+        live.update(values)
     opt._memos.clear()  # they hold the state dicts being replaced
     for held in opt._engines():
         release = getattr(held, "release_tables", None)
@@ -193,6 +211,49 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
     opt.state.update(new_state)
     if move_to is not None:
         switch(opt, engine, move_to, checkpoint_reason(opt, move_to), "checkpoint")
+
+
+def _refuse_overflow(converted: dict[str, Any], saved: dict[str, Any], where: str) -> None:
+    """Refuse a param's converted state that holds a non-finite value. The saved values
+    were checked finite (:func:`~optladder.optimizers.migrate.check_param_state`), so
+    they were past the largest finite value of the dtype the rung keeps them in: float64
+    moments past float32's, float32 ones past bfloat16's (3.3895e38), or 8-bit block
+    scales (float32) of such moments.
+
+    Args:
+        converted: the param's state in its rung's layout.
+        saved: the param's saved state (unwrapped), to name the moment and its largest
+            magnitude.
+        where: names the param in messages, e.g. ``"param 3 of the state_dict"``.
+
+    Raises:
+        ValueError: naming the saved moment, its largest magnitude, the dtype it is
+            kept in and that dtype's largest finite value.
+    """
+    for name, t in converted.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            continue
+        local = local_tensor(t)
+        if bool(torch.isfinite(local).all()):
+            continue
+        second = name in ("exp_avg_sq", "state2", "absmax2")
+        source = (
+            ("state2" if second else "state1")
+            if "state1" in saved
+            else ("exp_avg_sq" if second else "exp_avg")
+        )
+        moment = saved.get(source)
+        largest = (
+            f"up to {float(local_tensor(moment).abs().max()):.4g} in magnitude"
+            if isinstance(moment, torch.Tensor) and moment.is_floating_point()
+            else "(decoded with its code book and block scales) past that dtype's range"
+        )
+        raise ValueError(
+            f"{where}: {source} holds values {largest}; this param's rung keeps "
+            f"them as {t.dtype} ({name}), whose largest finite value is "
+            f"{torch.finfo(t.dtype).max:.4g}, so they would become infinite: allowed are "
+            "values within that range"
+        )
 
 
 def checkpoint_rung(opt: LadderOptimizer, groups: list[dict[str, Any]]) -> Rung | None:
