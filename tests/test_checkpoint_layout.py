@@ -302,8 +302,10 @@ def test_plain_dcp_load_across_rungs_is_refused_by_dcp_and_changes_nothing() -> 
 
 
 def test_the_planner_replaces_only_what_does_not_fit() -> None:
-    """Same rung: DCP loads into the live optimizer's own tensors (no copy). Another rung:
-    new tensors of the saved dtypes, the model and other optimizers left alone."""
+    """Same rung: new tensors by default (the live state is not written before the load
+    is accepted); with ``in_place=True`` DCP loads into the live optimizer's own tensors
+    (no copy). Another rung: new tensors of the saved dtypes, the model and other
+    optimizers left alone."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -318,10 +320,17 @@ def test_the_planner_replaces_only_what_does_not_fit() -> None:
         _dcp_save(model, opt, path)
         metadata = dcp.FileSystemReader(path).read_metadata()
 
+    def ids(template: dict[str, Any]) -> set[int]:
+        return {id(t) for st in template["optim"]["state"].values() for t in st.values()}
+
     same = {"optim": get_optimizer_state_dict(model, opt)}
-    tensors = {id(t) for st in same["optim"]["state"].values() for t in st.values()}
+    tensors = ids(same)
+    fit_optimizer_templates(same, metadata, in_place=True)
+    assert ids(same) == tensors
     fit_optimizer_templates(same, metadata)
-    assert {id(t) for st in same["optim"]["state"].values() for t in st.values()} == tensors
+    assert not ids(same) & tensors
+    st = same["optim"]["state"]["1.weight"]
+    assert st["exp_avg"].shape == (64, 80) and st["exp_avg"].dtype == torch.float32
 
     live_model = _model()
     live = _build(live_model, "8bit")
@@ -339,6 +348,45 @@ def test_the_planner_replaces_only_what_does_not_fit() -> None:
     st = template["optim"]["state"]["1.weight"]
     assert set(st) == {"step", "exp_avg", "exp_avg_sq"}
     assert st["exp_avg"].dtype == torch.float32 and st["exp_avg"].shape == (64, 80)
+
+
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("fault", ["nan moment", "misspelt rung"])
+def test_a_refused_same_rung_dcp_load_leaves_the_live_optimizer_as_it_was(
+    rung: str, fault: str
+) -> None:
+    """The README's recipe, a checkpoint of the live optimizer's own rung that
+    ``load_state_dict`` refuses (a NaN in the first moment, or a group's rung misspelt):
+    the live state, params and groups are bit for bit as before the load (DCP wrote into
+    new tensors, not the live ones)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model = _model()
+    opt = _build(model, rung)
+    for s in range(2):
+        _step(model, opt, s)
+    bad = copy.deepcopy(get_optimizer_state_dict(model, opt))
+    if fault == "nan moment":
+        entry = bad["state"]["1.weight"]
+        entry = entry.get(BNB_WRAPPED_KEY, entry)
+        key = "absmax1" if rung == "8bit" else "exp_avg"
+        entry[key] = entry[key].clone()
+        entry[key].view(-1)[0] = float("nan")
+    else:
+        bad["param_groups"][0]["rung"] = "fp16"
+    live_model = _model()
+    live = _build(live_model, rung)
+    for s in range(3):
+        _step(live_model, live, s)
+    before = snapshot(live)
+    with tempfile.TemporaryDirectory() as path:
+        import torch.distributed.checkpoint as dcp
+
+        # the live model's own params: the recipe's model load changes nothing here
+        dcp.save({"model": live_model.state_dict(), "optim": bad}, checkpoint_id=path)
+        with pytest.raises(ValueError, match=r"NaN|'fp16' is not a rung"):
+            _dcp_load(live_model, live, path)
+    assert_same(snapshot(live), before)
 
 
 def test_follow_checkpoint_still_runs_and_warns() -> None:

@@ -18,10 +18,20 @@ out like the param's rows for a DTensor param, as
 :mod:`optladder.optimizers.checkpoint` saves them), params the checkpoint has no state
 for are dropped, and the param groups take the saved keys. ``load_state_dict`` (through
 ``set_optimizer_state_dict``) then converts the checkpoint's state into each group's
-rung, as it does for a ``torch.save`` checkpoint. Where the template already fits (the
-same rung) nothing is replaced, so DCP loads into the live optimizer's own tensors as it
-always does. The new tensors are the checkpoint's state of this rank: the load needs
-them as extra memory until ``load_state_dict`` has converted them.
+rung, as it does for a ``torch.save`` checkpoint.
+
+Where the template already fits (the same rung), its tensors are the live optimizer's
+own (``get_optimizer_state_dict`` returns them), and DCP would write the checkpoint into
+them before ``load_state_dict`` has checked it: a checkpoint it then refuses (a NaN
+moment, a step that is no whole number, a rung misspelt) would have replaced the live
+state already. So by default every optimizer entry gets new tensors, and the live state
+changes only when ``load_state_dict`` accepts the whole checkpoint (optladder's promise:
+a failed load leaves the optimizer as it was). ``in_place=True`` keeps fitting templates
+as they are, so DCP loads into the live tensors as it does without this planner: no
+extra memory on the same rung, but a refused checkpoint then leaves its values in the
+live state. The new tensors are the checkpoint's state of this rank: the load needs
+them as extra memory (one copy of the optimizer state on this rank) until
+``load_state_dict`` has copied or converted them.
 
 An optimizer state dict is recognized as a mapping with a ``"state"`` mapping and a
 ``"param_groups"`` list of dicts of which one carries optladder's ``"rung"`` key; the
@@ -63,11 +73,23 @@ class DCPLoadPlanner(DefaultLoadPlanner):
         model.load_state_dict(state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
 
-    Takes ``DefaultLoadPlanner``'s arguments (``allow_partial_load`` and the flattening
-    flags); it needs ``flatten_state_dict=True`` (the default) to find the optimizer's
-    entries, and loads as ``DefaultLoadPlanner`` without it or for a checkpoint saved
-    without flattening (no ``planner_data`` in its metadata).
+    Args:
+        in_place: let DCP load a same-rung checkpoint into the live optimizer's tensors
+            (no extra memory; a checkpoint that ``load_state_dict`` then refuses leaves
+            its values in the live state). By default (False) every optimizer entry
+            gets new tensors, one copy of this rank's optimizer state held until
+            ``set_optimizer_state_dict`` has loaded them, and a refused checkpoint
+            changes nothing.
+        *args, **kwargs: ``DefaultLoadPlanner``'s (``allow_partial_load`` and the
+            flattening flags); it needs ``flatten_state_dict=True`` (the default) to
+            find the optimizer's entries, and loads as ``DefaultLoadPlanner`` without it
+            or for a checkpoint saved without flattening (no ``planner_data`` in its
+            metadata).
     """
+
+    def __init__(self, *args: Any, in_place: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.in_place = in_place
 
     def set_up_planner(
         self,
@@ -78,23 +100,27 @@ class DCPLoadPlanner(DefaultLoadPlanner):
         """Fit the optimizer templates in ``state_dict`` to ``metadata`` (in place, see
         :func:`fit_optimizer_templates`), then set up as ``DefaultLoadPlanner`` does."""
         if metadata is not None and self.flatten_state_dict:
-            fit_optimizer_templates(state_dict, metadata)
+            fit_optimizer_templates(state_dict, metadata, in_place=self.in_place)
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
 
-def fit_optimizer_templates(state_dict: dict[str, Any], metadata: Metadata) -> None:
+def fit_optimizer_templates(
+    state_dict: dict[str, Any], metadata: Metadata, *, in_place: bool = False
+) -> None:
     """Make each optladder optimizer state dict inside ``state_dict`` take the keys, sizes
     and dtypes a DCP checkpoint holds for it, in place (the same dict objects).
 
-    For each param: kept when its template entry matches the saved entries exactly
-    (every key, every tensor's global size and dtype, tensors where tensors were saved);
-    otherwise replaced by uninitialized tensors of the saved sizes and dtypes (a DTensor
+    For each param: with ``in_place``, kept when its template entry matches the saved
+    entries exactly (every key, every tensor's global size and dtype, tensors where
+    tensors were saved); otherwise (always without ``in_place``) replaced by
+    uninitialized tensors of the saved sizes and dtypes (a DTensor
     sharded like the param's rows when the template's moments are DTensors and the saved
     tensor has as many rows as the param; code books and 0-d tensors plain) and ``None``
     for saved non-tensor values (DCP puts the saved object there). Template params the
     checkpoint has no state for are dropped; the param groups are rebuilt the same way
-    when their keys differ. Optimizers the checkpoint does not hold (no saved param
-    groups under their path) are left alone, as is everything else.
+    when their keys differ or without ``in_place`` (a tensor lr is the live group's).
+    Optimizers the checkpoint does not hold (no saved param groups under their path) are
+    left alone, as is everything else.
 
     Args:
         state_dict: the template passed to ``dcp.load`` (nested dicts, as DCP flattens
@@ -102,6 +128,7 @@ def fit_optimizer_templates(state_dict: dict[str, Any], metadata: Metadata) -> N
         metadata: the checkpoint's metadata; its ``planner_data`` (flattened key -> path,
             written by DCP's default save planner) locates the saved entries. Without it
             nothing is changed.
+        in_place: keep the entries that fit (see :class:`DCPLoadPlanner`).
     """
     paths: Mapping[str, Path] | None = metadata.planner_data
     if not paths:
@@ -121,8 +148,8 @@ def fit_optimizer_templates(state_dict: dict[str, Any], metadata: Metadata) -> N
                 saved_groups[path[n + 1 :]] = md
         if not saved_groups:  # the checkpoint does not hold this optimizer
             continue
-        _fit_state(osd["state"], saved_state)
-        if not _matches(osd["param_groups"], saved_groups):
+        _fit_state(osd["state"], saved_state, in_place)
+        if not (in_place and _matches(osd["param_groups"], saved_groups)):
             osd["param_groups"] = _build(saved_groups, None)
 
 
@@ -149,7 +176,7 @@ def _optimizer_state_dicts(node: Any, path: Path) -> Iterator[tuple[Path, dict[s
         yield from _optimizer_state_dicts(value, (*path, str(key)))
 
 
-def _fit_state(template: dict[Any, Any], saved: dict[str, dict[Path, Any]]) -> None:
+def _fit_state(template: dict[Any, Any], saved: dict[str, dict[Path, Any]], in_place: bool) -> None:
     """Fit the template's per-param entries to the saved ones (see the caller)."""
     keys = {str(k): k for k in template}
     for key in [k for k in template if str(k) not in saved]:
@@ -157,7 +184,7 @@ def _fit_state(template: dict[Any, Any], saved: dict[str, dict[Path, Any]]) -> N
     for name, leaves in saved.items():
         key = keys.get(name, name)
         current = template.get(key)
-        if current is None or not _matches(current, leaves):
+        if current is None or not (in_place and _matches(current, leaves)):
             template[key] = _build(leaves, _reference(current))
 
 
