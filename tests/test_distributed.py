@@ -19,6 +19,13 @@ The cases:
   rungs and step counts are identical on both ranks.
 - ``fixed``: the same OOM on a rung fixed by ``rung=`` raises ``OptimizerOutOfMemoryError`` on both
   ranks (no hang), with nothing committed; both ranks then step on together.
+- ``follow``: rank 1 alone moves fp32 -> bf16 outside a step (as ``Ladder`` does after an
+  OOM in its forward, which rank 0 did not have); at the next step rank 0 follows it
+  before anything commits, so both ranks step on bf16 from the same state, and their
+  params, states and step counts stay identical.
+- ``failed_move``: both ranks agree on an OOM in the step, and rank 1's move down fails:
+  both ranks raise ``OptimizerOutOfMemoryError`` (rank 0's names the other rank) instead
+  of rank 0 stepping on alone and waiting in the next step's all-reduce.
 - ``fsdp``: FSDP2 (``fully_shard``) DTensor params. The footprint counts elements
   globally and state bytes per rank, and merges only true aliases; the 8bit rung steps
   each rank's local shard, quantizing the 6,144-element weight (3,072 per rank, under
@@ -154,6 +161,18 @@ def test_oom_in_one_ranks_pinned_group_escalates_the_others_on_every_rank(
     outcomes: list[dict[str, str]],
 ) -> None:
     _check(outcomes, "pinned_group")
+
+
+def test_a_rank_that_moved_down_alone_is_followed_before_the_next_commit(
+    outcomes: list[dict[str, str]],
+) -> None:
+    _check(outcomes, "follow")
+
+
+def test_a_move_that_fails_on_one_rank_raises_on_every_rank(
+    outcomes: list[dict[str, str]],
+) -> None:
+    _check(outcomes, "failed_move")
 
 
 def test_fsdp2_footprint_and_8bit_rung_on_local_shards(outcomes: list[dict[str, str]]) -> None:
@@ -340,6 +359,55 @@ def _case_pinned_group(rank: int) -> None:
     for p, r in zip(params, ref_params):
         assert torch.equal(p, r)  # one step, nothing of the failed attempt committed
         assert _all_equal(p)
+
+
+def _case_follow(rank: int) -> None:
+    sizes = (5_000, 300)
+    params = _params(sizes)
+    opt = choose_optimizer(params, free_memory="1GiB")
+    for step in range(2):
+        _set_grads(params, _averaged_grads(params, step, rank))
+        opt.step()
+    if rank == 1:  # what Ladder does after an OOM in rank 1's forward
+        opt.escalate("injected: out of memory in the forward")
+    assert opt.rung == ("bf16" if rank == 1 else "fp32")
+    for step in range(2, 5):
+        _set_grads(params, _averaged_grads(params, step, rank))
+        opt.step()
+    assert opt.rung == "bf16" and [g["rung"] for g in opt.param_groups] == ["bf16"]
+    assert [(e.from_rung, e.to_rung, e.step) for e in opt.escalations] == [("fp32", "bf16", 2)]
+    if rank == 0:
+        assert "another rank moved to the bf16 rung" in opt.escalations[0].reason
+    assert _steps(opt) == [5, 5]
+    for p in params:
+        assert _all_equal(p)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert opt.state[p][key].dtype == torch.bfloat16
+            assert _all_equal(opt.state[p][key])
+
+
+def _case_failed_move(rank: int) -> None:
+    params = _params((5_000, 300))
+    opt = choose_optimizer(params, free_memory="1GiB")
+    _set_grads(params, _averaged_grads(params, 0, rank))
+    before = [p.detach().clone() for p in params]
+    if rank == 1:
+
+        def failing_move(*args: Any, **kwargs: Any) -> None:
+            raise torch.OutOfMemoryError("injected: out of memory converting the state")
+
+        opt.migrate_to = failing_move  # type: ignore[method-assign]
+    with pytest.raises(OptimizerOutOfMemoryError) as info, _oom_on(rank, 1):
+        opt.step()
+    if rank == 0:
+        assert "another rank could not move down the ladder" in str(info.value)
+        assert opt.rung == "bf16"
+    else:
+        assert "escalating fp32 -> bf16 ran out of memory too" in str(info.value)
+        assert opt.rung == "fp32"
+    assert all(len(opt.state[p]) == 0 for p in params)  # the failed step committed nothing
+    for p, p0 in zip(params, before):
+        assert torch.equal(p, p0)
 
 
 def _case_fsdp(rank: int) -> None:
@@ -855,6 +923,8 @@ CASES: dict[str, Callable[[int], None]] = {
     "oom_step": _case_oom_step,
     "fixed": _case_fixed,
     "pinned_group": _case_pinned_group,
+    "follow": _case_follow,
+    "failed_move": _case_failed_move,
     "fsdp": _case_fsdp,
     "dcp_same_world": _case_dcp_same_world,
     "dcp_full_state_dict": _case_dcp_full_state_dict,

@@ -751,3 +751,33 @@ def test_a_grad_scaler_is_reset_for_the_rerun() -> None:
     assert calls == [1, 1] and opt.rung == "bf16"
     assert int(opt.state[model.weight]["step"]) == 1
     assert torch.equal(model.bias.grad, torch.full((4,), 2.0))  # unscaled once: 8 * 2 / 8
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_a_failed_agreement_across_ranks_leaves_no_state_of_the_step(
+    rung: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step's all-reduce fails (a peer died, a timeout, Ctrl-C while waiting): the
+    state the prepare made for never-stepped params is dropped with the rest, so the
+    optimizer and params are as before the step; the next step equals a clean one."""
+    from optladder.selector import optimizer as optimizer_module
+
+    net, opt = _build(rung, "fp32" if rung != "fp32" else "8bit")
+    ref_net, ref = _build(rung, "fp32" if rung != "fp32" else "8bit")
+    for model in (net, ref_net):
+        model(_batch(0)).backward()
+    before = snapshot(opt)
+
+    def dead_peer(*args: object) -> None:
+        raise RuntimeError("injected: connection closed by peer")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(optimizer_module, "agree_step", dead_peer)
+        with pytest.raises(RuntimeError, match="connection closed by peer"):
+            opt.step()
+    assert_same(snapshot(opt), before)
+    assert all(not opt.state.get(p) for g in opt.param_groups for p in g["params"])
+    opt.step()
+    ref.step()
+    for p, q in zip(net.parameters(), ref_net.parameters()):
+        assert torch.equal(p, q)

@@ -3,8 +3,10 @@ optimizer runs lives here.
 
 At construction every rank must reach the same decision (:func:`min_over_ranks` of the
 free memory, :func:`largest_over_ranks` of each rung's state bytes, then rank 0's decision
-on every rank: :func:`same_on_all_ranks`); in a step every rank must agree whether any
-rank ran out of memory before any rank commits (:func:`agree_any`, one small all-reduce).
+on every rank: :func:`same_on_all_ranks`); in a step every rank must agree, before any
+rank commits, whether any rank ran out of memory and which rung the most escalated rank
+is on (:func:`agree_step`, one small all-reduce); after an escalation, whether every
+rank's move succeeded (:func:`agree_any`).
 On a single process (no initialized process group) each returns its input and
 communicates nothing.
 
@@ -20,7 +22,7 @@ import torch
 from optladder.policies import Decision, Footprint
 from optladder.rungs import RUNGS
 
-__all__ = ["agree_any", "largest_over_ranks", "min_over_ranks", "same_on_all_ranks"]
+__all__ = ["agree_any", "agree_step", "largest_over_ranks", "min_over_ranks", "same_on_all_ranks"]
 
 
 def _distributed() -> Any:
@@ -40,6 +42,28 @@ def agree_any(flag: bool, device: str) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def agree_step(out_of_memory: bool, rung_index: int, device: str) -> tuple[bool, int, int]:
+    """Whether any rank ran out of memory preparing this step, and the largest and the
+    smallest rung index (place in :data:`optladder.rungs.RUNGS`) over the ranks: one
+    all-reduce with MAX of three int32 on ``device`` (on the CPU under a backend other
+    than NCCL). Ranks on different rungs (one moved down alone: :class:`optladder.Ladder`
+    after an out-of-memory error in its forward or backward, which the others did not
+    see) are told so on every rank, so that the ranks behind follow before any commits.
+
+    Returns:
+        ``(out_of_memory, furthest, nearest)``: ``(out_of_memory, rung_index,
+        rung_index)`` on a single process.
+    """
+    dist = _distributed()
+    if dist is None:
+        return out_of_memory, rung_index, rung_index
+    on = device if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([int(out_of_memory), rung_index, -rung_index], dtype=torch.int32, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    oom, furthest, minus_nearest = t.tolist()
+    return bool(oom), int(furthest), -int(minus_nearest)
 
 
 def min_over_ranks(free: int, source: str, device: torch.device) -> tuple[int, str]:

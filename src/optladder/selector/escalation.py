@@ -67,23 +67,40 @@ class Escalation:
     step: int
 
 
-def escalate(opt: LadderOptimizer, reason: str) -> Escalation:
+def escalate(
+    opt: LadderOptimizer, reason: str, *, after: Rung | None = None, target: Rung | None = None
+) -> Escalation:
     """Move ``opt``'s state one rung cheaper, record the move in ``opt.escalations``, log
     it and call ``opt.on_escalate`` (see :meth:`LadderOptimizer.escalate`).
+
+    Args:
+        opt: the optimizer.
+        reason: why, in a sentence.
+        after: find the next rung below this one instead of below ``opt.rung`` (another
+            rank is further down the ladder already: every rank moves to one rung).
+        target: move straight to this rung (to follow another rank that moved there).
 
     Raises:
         OptimizerOutOfMemoryError: no rung to move to, or the move ran out of memory.
     """
-    target, why_not = escalation_target(opt._decision)
-    passed: list[str] = []
-    while target is not None:  # a rung that cannot step from these counts cannot help
+    if target is not None:
         refusal = steps_refusal(opt, target)
-        if refusal is None:
-            break
-        passed.append(refusal)
-        target, why_not = escalation_target(opt._decision.model_copy(update={"rung": target}))
-    if target is None:
-        raise opt.out_of_memory_error(f"{reason}; {'; '.join([*passed, why_not])}")
+        if refusal is not None:
+            raise opt.out_of_memory_error(f"{reason}; {refusal}")
+    else:
+        start = opt._decision
+        if after is not None and after != opt.rung:
+            start = start.model_copy(update={"rung": after})
+        target, why_not = escalation_target(start)
+        passed: list[str] = []
+        while target is not None:  # a rung that cannot step from these counts cannot help
+            refusal = steps_refusal(opt, target)
+            if refusal is None:
+                break
+            passed.append(refusal)
+            target, why_not = escalation_target(opt._decision.model_copy(update={"rung": target}))
+        if target is None:
+            raise opt.out_of_memory_error(f"{reason}; {'; '.join([*passed, why_not])}")
     event = Escalation(opt.rung, target, reason, opt._steps)
     try:
         opt.migrate_to(target, reason, origin="escalated")

@@ -24,10 +24,14 @@ activations) and reruns the step. The rules:
   moves. Guard the whole accumulation window instead. (A call whose step the scaler skipped is a
   whole train step: its grads are spent, and a rerun of the next call loses nothing.)
 
-Under DDP or FSDP an OOM in forward or backward on one rank cannot be recovered in the
-process: the other ranks wait in a collective that never completes. There the recovery
-is the rung stored in the checkpoint plus an elastic restart (``torchrun``): the resumed
-optimizer moves to the rung the checkpoint had escalated to.
+Under ``torch.distributed`` the rank that ran out of memory moves down alone; the next
+optimizer step's all-reduce tells the other ranks, which follow it before any rank
+commits (see :meth:`LadderOptimizer.step`), so every rank steps on one rung. That holds
+where the rerun train step meets the other ranks' collectives in order (DDP: the
+rerun's backward joins their gradient all-reduce). Where an OOM leaves the other ranks
+waiting in a collective the failed rank never reaches (FSDP's all-gathers in the
+forward), the recovery is the rung stored in the checkpoint plus an elastic restart
+(``torchrun``): the resumed optimizer moves to the rung the checkpoint had escalated to.
 """
 
 from __future__ import annotations

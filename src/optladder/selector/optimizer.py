@@ -48,11 +48,12 @@ from optladder.rungs import (
     ORIGIN_KEY,
     REASON_KEY,
     RUNG_KEY,
+    RUNGS,
     Rung,
     group_pin,
 )
 from optladder.selector import checkpointing, escalation
-from optladder.selector.agreement import agree_any
+from optladder.selector.agreement import agree_any, agree_step
 from optladder.selector.checks import (
     check_groups,
     check_max_retries,
@@ -459,13 +460,24 @@ class LadderOptimizer(torch.optim.Optimizer):
         hold views of the same elements (torch's fused AdamW would divide such a grad
         once per param: see :func:`optladder.optimizers.adamw.distinct_grads`).
 
+        Under ``torch.distributed`` one all-reduce before the commit
+        (:func:`~optladder.selector.agreement.agree_step`) tells every rank whether any
+        rank ran out of memory and which rungs the ranks are on: every rank then rolls
+        back and moves to the rung below the most escalated rank's, or, with no OOM but
+        ranks on different rungs (one moved alone outside a step, as
+        :class:`optladder.Ladder` does), the ranks behind follow (not counted in
+        ``max_retries``); the step is then retried on every rank.
+
         Returns:
             The closure's loss, or None.
 
         Raises:
             OptimizerOutOfMemoryError: out of memory with no rung left to move to (the
                 original error chained), the rung fixed by ``rung=``, or ``max_retries``
-                used up.
+                used up; a move down that failed here or on another rank (every rank
+                raises then).
+            RuntimeError: whatever the all-reduce raised (a peer died, a timeout); the
+                state the step made is dropped first.
             ValueError: before anything changes: a group's options, grads or step counts
                 the rung cannot take (naming them), a group's ``"rung"`` edited by
                 hand, or (with ``grad_scale`` set) grads that share some of their memory
@@ -489,8 +501,38 @@ class LadderOptimizer(torch.optim.Optimizer):
             if failure is None:
                 return loss
             # Outside any except block: the failed attempt's frames and tensors are gone.
-            retries += 1
-            self.escalate(f"out of memory in the optimizer step on {self.rung} ({failure})")
+            reason, rung, follow = failure
+            if not follow:
+                retries += 1
+            self._escalate_on_every_rank(reason, rung, follow)
+
+    def _escalate_on_every_rank(self, reason: str, rung: Rung, follow: bool) -> None:
+        """Escalate (to ``rung`` itself when ``follow``, else one rung below it), then
+        agree with the other ranks that every rank's move succeeded: if one failed, every
+        rank raises, so that none steps on alone and waits for the others forever.
+
+        Raises:
+            OptimizerOutOfMemoryError: this rank's move failed (its own error), or
+                another rank's did (this rank may have moved: the message says where).
+        """
+        error: BaseException | None = None
+        try:
+            if follow:
+                if rung != self.rung:  # this rank is behind
+                    escalation.escalate(self, reason, target=rung)
+            else:
+                escalation.escalate(self, reason, after=rung)
+        except BaseException as exc:
+            error = exc
+        if not agree_any(error is not None, self.device):
+            return
+        if error is not None:
+            raise error
+        raise self.out_of_memory_error(
+            f"{reason}; another rank could not move down the ladder, so every rank stops "
+            f"here (this rank is on {self.rung} now, the other may not be: resume every "
+            "rank from a checkpoint)"
+        )
 
     def _check_group_rungs(self) -> None:
         """Refuse a group whose ``"rung"`` entry was edited by hand: its state is on the
@@ -603,7 +645,12 @@ class LadderOptimizer(torch.optim.Optimizer):
 
     def _two_phase_step(
         self, retries: int, unscale: tuple[list[torch.Tensor], torch.Tensor] | None
-    ) -> str | None:
+    ) -> tuple[str, Rung, bool] | None:
+        """Prepare every engine, agree with the other ranks, commit. Returns None when
+        the step committed; otherwise, with nothing committed, ``(reason, rung,
+        follow)``: escalate below ``rung`` (an out-of-memory error on some rank; ``rung``
+        is the most escalated rank's), or, when ``follow``, move to ``rung`` itself
+        (another rank moved there outside a step)."""
         self._check_group_rungs()
         self._check_params()
         engines = self._engines()
@@ -623,14 +670,33 @@ class LadderOptimizer(torch.optim.Optimizer):
             if not is_oom(exc):
                 raise
             error = exc
-        if not agree_any(error is not None, self.device):
+        mine = RUNGS.index(self.rung)
+        try:
+            oom, furthest, nearest = agree_step(error is not None, mine, self.device)
+        except BaseException:  # a peer died or timed out: nothing of this step stays
+            for engine, created in prepared:
+                rollback_step(engine, created, self._memos.get(engine))
+            raise
+        if not oom and furthest == nearest:
             self._commit(engines, unscale)
             self._warn_unfused()
             return None
         for engine, created in prepared:  # this rank prepared, another ran out of memory
             rollback_step(engine, created, self._memos.get(engine))
+        if not oom:  # a rank moved down alone (Ladder, after a forward OOM): all follow
+            return (
+                f"another rank moved to the {RUNGS[furthest]} rung outside the optimizer "
+                "step (optladder.Ladder, after an out-of-memory error in its forward or "
+                "backward); every rank steps on one rung",
+                RUNGS[furthest],
+                True,
+            )
         message = describe_error(error) if error is not None else "another rank ran out of memory"
-        target, why_not = escalation_target(self._decision)
+        furthest_rung = RUNGS[furthest]
+        start = self._decision
+        if furthest != mine:
+            start = start.model_copy(update={"rung": furthest_rung})
+        target, why_not = escalation_target(start)
         if target is None or retries >= self.max_retries:
             if target is not None:
                 why_not = (
@@ -642,7 +708,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         if error is not None:
             error.__traceback__ = None
         del error
-        return message
+        return (
+            f"out of memory in the optimizer step on {self.rung} ({message})",
+            furthest_rung,
+            False,
+        )
 
     def _group_names(self) -> dict[int, str]:
         """``id(group) -> "group {place}"`` for messages, kept while the groups are."""
