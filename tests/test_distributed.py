@@ -26,6 +26,10 @@ The cases:
 - ``failed_move``: both ranks agree on an OOM in the step, and rank 1's move down fails:
   both ranks raise ``OptimizerOutOfMemoryError`` (rank 0's names the other rank) instead
   of rank 0 stepping on alone and waiting in the next step's all-reduce.
+- ``failed_prepare``: rank 1's prepare raises something other than an OOM: rank 1 raises
+  it, rank 0 raises a ``RuntimeError`` naming the other rank (it used to wait in the
+  all-reduce until the timeout), nothing is committed anywhere, and the next step runs
+  on both ranks together.
 - ``fsdp``: FSDP2 (``fully_shard``) DTensor params. The footprint counts elements
   globally and state bytes per rank, and merges only true aliases; the 8bit rung steps
   each rank's local shard, quantizing the 6,144-element weight (3,072 per rank, under
@@ -173,6 +177,12 @@ def test_a_move_that_fails_on_one_rank_raises_on_every_rank(
     outcomes: list[dict[str, str]],
 ) -> None:
     _check(outcomes, "failed_move")
+
+
+def test_a_prepare_that_fails_on_one_rank_raises_on_every_rank(
+    outcomes: list[dict[str, str]],
+) -> None:
+    _check(outcomes, "failed_prepare")
 
 
 def test_fsdp2_footprint_and_8bit_rung_on_local_shards(outcomes: list[dict[str, str]]) -> None:
@@ -408,6 +418,33 @@ def _case_failed_move(rank: int) -> None:
     assert all(len(opt.state[p]) == 0 for p in params)  # the failed step committed nothing
     for p, p0 in zip(params, before):
         assert torch.equal(p, p0)
+
+
+def _case_failed_prepare(rank: int) -> None:
+    params = _params((5_000, 300))
+    opt = choose_optimizer(params, free_memory="1GiB")
+    _set_grads(params, _averaged_grads(params, 0, rank))
+    before = [p.detach().clone() for p in params]
+    if rank == 1:
+
+        def failing_check() -> None:
+            raise ValueError("injected: a check that fails on rank 1 only")
+
+        opt._check_params = failing_check  # type: ignore[method-assign]
+    expected = (RuntimeError, "another rank's optimizer step failed")
+    if rank == 1:
+        expected = (ValueError, "injected: a check that fails on rank 1 only")
+    with pytest.raises(expected[0], match=expected[1]):
+        opt.step()
+    assert all(len(opt.state[p]) == 0 for p in params)
+    for p, p0 in zip(params, before):
+        assert torch.equal(p, p0)
+    if rank == 1:
+        del opt._check_params
+    opt.step()
+    assert _steps(opt) == [1, 1]
+    for p in params:
+        assert _all_equal(p)
 
 
 def _case_fsdp(rank: int) -> None:
@@ -925,6 +962,7 @@ CASES: dict[str, Callable[[int], None]] = {
     "pinned_group": _case_pinned_group,
     "follow": _case_follow,
     "failed_move": _case_failed_move,
+    "failed_prepare": _case_failed_prepare,
     "fsdp": _case_fsdp,
     "dcp_same_world": _case_dcp_same_world,
     "dcp_full_state_dict": _case_dcp_full_state_dict,

@@ -22,7 +22,16 @@ import torch
 from optladder.policies import Decision, Footprint
 from optladder.rungs import RUNGS
 
-__all__ = ["agree_any", "agree_step", "largest_over_ranks", "min_over_ranks", "same_on_all_ranks"]
+__all__ = [
+    "STEP_FAILED",
+    "STEP_OK",
+    "STEP_OUT_OF_MEMORY",
+    "agree_any",
+    "agree_step",
+    "largest_over_ranks",
+    "min_over_ranks",
+    "same_on_all_ranks",
+]
 
 
 def _distributed() -> Any:
@@ -44,26 +53,37 @@ def agree_any(flag: bool, device: str) -> bool:
     return bool(t.item())
 
 
-def agree_step(out_of_memory: bool, rung_index: int, device: str) -> tuple[bool, int, int]:
-    """Whether any rank ran out of memory preparing this step, and the largest and the
-    smallest rung index (place in :data:`optladder.rungs.RUNGS`) over the ranks: one
-    all-reduce with MAX of three int32 on ``device`` (on the CPU under a backend other
-    than NCCL). Ranks on different rungs (one moved down alone: :class:`optladder.Ladder`
-    after an out-of-memory error in its forward or backward, which the others did not
-    see) are told so on every rank, so that the ranks behind follow before any commits.
+STEP_OK = 0
+"""A rank's prepare succeeded (:func:`agree_step`)."""
+STEP_OUT_OF_MEMORY = 1
+"""A rank's prepare ran out of memory: every rank escalates and retries."""
+STEP_FAILED = 2
+"""A rank's prepare raised something else: every rank raises, nothing committed."""
+
+
+def agree_step(status: int, rung_index: int, device: str) -> tuple[int, int, int]:
+    """The worst prepare outcome over the ranks (:data:`STEP_OK`,
+    :data:`STEP_OUT_OF_MEMORY` or :data:`STEP_FAILED`, in that order), and the largest
+    and the smallest rung index (place in :data:`optladder.rungs.RUNGS`) over the ranks:
+    one all-reduce with MAX of three int32 on ``device`` (on the CPU under a backend
+    other than NCCL). Ranks on different rungs (one moved down alone:
+    :class:`optladder.Ladder` after an out-of-memory error in its forward or backward,
+    which the others did not see) are told so on every rank, so that the ranks behind
+    follow before any commits; a rank whose prepare failed is known to every rank, so
+    none waits for it in the next step's all-reduce.
 
     Returns:
-        ``(out_of_memory, furthest, nearest)``: ``(out_of_memory, rung_index,
-        rung_index)`` on a single process.
+        ``(status, furthest, nearest)``: ``(status, rung_index, rung_index)`` on a single
+        process.
     """
     dist = _distributed()
     if dist is None:
-        return out_of_memory, rung_index, rung_index
+        return status, rung_index, rung_index
     on = device if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([int(out_of_memory), rung_index, -rung_index], dtype=torch.int32, device=on)
+    t = torch.tensor([status, rung_index, -rung_index], dtype=torch.int32, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    oom, furthest, minus_nearest = t.tolist()
-    return bool(oom), int(furthest), -int(minus_nearest)
+    worst, furthest, minus_nearest = t.tolist()
+    return int(worst), int(furthest), -int(minus_nearest)
 
 
 def min_over_ranks(free: int, source: str, device: torch.device) -> tuple[int, str]:

@@ -53,7 +53,13 @@ from optladder.rungs import (
     group_pin,
 )
 from optladder.selector import checkpointing, escalation
-from optladder.selector.agreement import agree_any, agree_step
+from optladder.selector.agreement import (
+    STEP_FAILED,
+    STEP_OK,
+    STEP_OUT_OF_MEMORY,
+    agree_any,
+    agree_step,
+)
 from optladder.selector.checks import (
     check_groups,
     check_max_retries,
@@ -651,13 +657,14 @@ class LadderOptimizer(torch.optim.Optimizer):
         follow)``: escalate below ``rung`` (an out-of-memory error on some rank; ``rung``
         is the most escalated rank's), or, when ``follow``, move to ``rung`` itself
         (another rank moved there outside a step)."""
-        self._check_group_rungs()
-        self._check_params()
         engines = self._engines()
         names = self._group_names()
         prepared: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
         error: BaseException | None = None
+        status = STEP_OK
         try:
+            self._check_group_rungs()
+            self._check_params()
             for engine in engines:
                 memo = self._memos.get(engine)
                 if memo is None:
@@ -667,22 +674,31 @@ class LadderOptimizer(torch.optim.Optimizer):
             for engine, created in prepared:  # the failing engine rolled itself back
                 rollback_step(engine, created, self._memos.get(engine))
             prepared = []
-            if not is_oom(exc):
-                raise
             error = exc
+            status = STEP_OUT_OF_MEMORY if is_oom(exc) else STEP_FAILED
         mine = RUNGS.index(self.rung)
         try:
-            oom, furthest, nearest = agree_step(error is not None, mine, self.device)
+            # every rank takes part, also one whose prepare failed: none waits for it
+            worst, furthest, nearest = agree_step(status, mine, self.device)
         except BaseException:  # a peer died or timed out: nothing of this step stays
             for engine, created in prepared:
                 rollback_step(engine, created, self._memos.get(engine))
             raise
-        if not oom and furthest == nearest:
+        if worst == STEP_OK and furthest == nearest:
             self._commit(engines, unscale)
             self._warn_unfused()
             return None
-        for engine, created in prepared:  # this rank prepared, another ran out of memory
+        for engine, created in prepared:  # this rank prepared, another did not
             rollback_step(engine, created, self._memos.get(engine))
+        if status == STEP_FAILED:
+            assert error is not None
+            raise error
+        if worst == STEP_FAILED:
+            raise RuntimeError(
+                "optladder: another rank's optimizer step failed before any rank committed "
+                "(see that rank's error); nothing of this step was committed on this rank"
+            )
+        oom = worst == STEP_OUT_OF_MEMORY
         if not oom:  # a rank moved down alone (Ladder, after a forward OOM): all follow
             return (
                 f"another rank moved to the {RUNGS[furthest]} rung outside the optimizer "
