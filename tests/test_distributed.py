@@ -23,6 +23,12 @@ The cases:
   OOM in its forward, which rank 0 did not have); at the next step rank 0 follows it
   before anything commits, so both ranks step on bf16 from the same state, and their
   params, states and step counts stay identical.
+- ``ddp_ladder``: real DDP with ``Ladder``: rank 1's forward runs out of memory in its
+  second train step (rank 0's does not); rank 1 moves to bf16 and reruns the train step,
+  whose backward meets rank 0's gradient all-reduce; rank 0 follows it to bf16 before the
+  step commits, so both ranks end on bf16 with identical params, equal to an unbroken
+  single-process run of the same averaged grads that moves to bf16 at the same step,
+  bit for bit.
 - ``failed_move``: both ranks agree on an OOM in the step, and rank 1's move down fails:
   both ranks raise ``OptimizerOutOfMemoryError`` (rank 0's names the other rank) instead
   of rank 0 stepping on alone and waiting in the next step's all-reduce.
@@ -73,6 +79,7 @@ from torch import nn
 
 from memtools import FailNthAllocation
 from optladder import (
+    Ladder,
     LadderOptimizer,
     OptimizerOutOfMemoryError,
     choose_optimizer,
@@ -171,6 +178,12 @@ def test_a_rank_that_moved_down_alone_is_followed_before_the_next_commit(
     outcomes: list[dict[str, str]],
 ) -> None:
     _check(outcomes, "follow")
+
+
+def test_ddp_ladder_after_a_forward_oom_on_one_rank_keeps_ranks_on_one_rung(
+    outcomes: list[dict[str, str]],
+) -> None:
+    _check(outcomes, "ddp_ladder")
 
 
 def test_a_move_that_fails_on_one_rank_raises_on_every_rank(
@@ -394,6 +407,59 @@ def _case_follow(rank: int) -> None:
         for key in ("exp_avg", "exp_avg_sq"):
             assert opt.state[p][key].dtype == torch.bfloat16
             assert _all_equal(opt.state[p][key])
+
+
+def _ddp_net() -> nn.Sequential:
+    gen = torch.Generator().manual_seed(0)  # the same init on every rank
+    net = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8))
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return net
+
+
+def _ddp_batch(i: int, rank: int) -> torch.Tensor:
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(10 * i + rank))
+
+
+def _case_ddp_ladder(rank: int) -> None:
+    net = _ddp_net()
+    ddp = nn.parallel.DistributedDataParallel(net)
+    opt = choose_optimizer(ddp, lr=1e-2, free_memory="1GiB")
+    ladder = Ladder(opt)
+    failed = []
+
+    def train_step(i: int) -> None:
+        opt.zero_grad()
+        out = ddp(_ddp_batch(i, rank))
+        if rank == 1 and i == 1 and not failed:
+            failed.append(i)
+            raise torch.OutOfMemoryError("injected: out of memory in rank 1's forward")
+        out.square().mean().backward()
+        opt.step()
+
+    for i in range(4):
+        ladder.run(train_step, i)
+    assert opt.rung == "bf16" and [(e.from_rung, e.to_rung, e.step) for e in opt.escalations] == [
+        ("fp32", "bf16", 1)
+    ]
+    assert _steps(opt) == [4] * 4
+    # The reference, in one process: the same averaged grads, fp32 for one step, then
+    # moved to bf16 (the state migrated, as both ranks' was) for the other three.
+    ref_net = _ddp_net()
+    ref = choose_optimizer(ref_net, lr=1e-2, free_memory="1GiB")
+    for i in range(4):
+        if i == 1:
+            ref.migrate_to("bf16", "the reference")
+        ref.zero_grad()
+        for r in range(WORLD):  # DDP averages the ranks' grads: the mean of the losses
+            (ref_net(_ddp_batch(i, r)).square().mean() / WORLD).backward()
+        ref.step()
+    for p, q in zip(net.parameters(), ref_net.parameters()):
+        assert _all_equal(p)
+        # bit for bit: DDP's (g0 + g1) / 2 and the reference's g0 / 2 + g1 / 2 are the
+        # same floats (halving is exact, and a sum of two terms does not depend on order)
+        assert torch.equal(p, q)
 
 
 def _case_failed_move(rank: int) -> None:
@@ -961,6 +1027,7 @@ CASES: dict[str, Callable[[int], None]] = {
     "fixed": _case_fixed,
     "pinned_group": _case_pinned_group,
     "follow": _case_follow,
+    "ddp_ladder": _case_ddp_ladder,
     "failed_move": _case_failed_move,
     "failed_prepare": _case_failed_prepare,
     "fsdp": _case_fsdp,
