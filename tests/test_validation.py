@@ -1211,3 +1211,37 @@ def test_an_8bit_second_moment_code_book_with_negative_values_is_refused(rung: s
     ):
         opt.load_state_dict(saved)
     assert_same(snapshot(opt), before)
+
+
+@pytest.mark.parametrize("rung", ["fp32", "8bit"])
+@pytest.mark.parametrize(
+    ("other", "message"),
+    [
+        ("Lion8bit", r"only 'state1': one moment, as bitsandbytes' 1-state optimizers"),
+        ("Lion", r"only 'state1': one moment, as bitsandbytes' 1-state optimizers"),
+        ("Adafactor", r"'beta2_decay', which torch.optim.Adafactor writes"),
+    ],
+)
+def test_another_optimizers_checkpoint_is_refused_naming_that_optimizer(
+    rung: str, other: str, message: str
+) -> None:
+    """bitsandbytes' Lion (1 state) and torch's Adafactor: refused naming what wrote them
+    (the messages had named a missing 'state2' and Adafactor's eps tuple), nothing
+    changed."""
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    src = torch.nn.Linear(64, 128)  # the params of _stepped's optimizer
+    makers = {
+        "Lion8bit": lambda ps: bnb.optim.Lion8bit(ps, min_8bit_size=16),
+        "Lion": lambda ps: bnb.optim.Lion(ps),
+        "Adafactor": lambda ps: torch.optim.Adafactor(ps),
+    }
+    foreign = makers[other](src.parameters())
+    src(torch.randn(4, 64)).sum().backward()
+    foreign.step()
+    opt, _ = _stepped(rung)
+    before = snapshot(opt)
+    saved = foreign.state_dict()
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(saved)
+    assert_same(snapshot(opt), before)

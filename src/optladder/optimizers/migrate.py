@@ -596,6 +596,7 @@ FOREIGN_GROUP_KEYS: dict[str, str] = {
     "nesterov": "torch.optim.SGD",
     "dampening": "torch.optim.SGD",
     "centered": "torch.optim.RMSprop",
+    "beta2_decay": "torch.optim.Adafactor",
 }
 """Param-group keys that only other optimizers write (torch 2.13's group defaults), and
 which optimizer: a checkpoint with them holds another update rule."""
@@ -715,6 +716,14 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
             f"{where}: the state holds a 'step' but no moments: the Adam layout needs "
             "'exp_avg' and 'exp_avg_sq', bitsandbytes' needs 'state1' and 'state2' (in an "
             f"8-bit checkpoint, under {BNB_WRAPPED_KEY!r}, which this entry lacks)"
+        )
+    if bnb and isinstance(state.get("state1"), torch.Tensor) and "state2" not in state:
+        raise ValueError(
+            f"{where}: the state has no tensor 'state2', only 'state1': one moment, as "
+            "bitsandbytes' 1-state optimizers (Lion, Lion8bit, Momentum, RMSprop, SGD with "
+            "momentum) save it, where AdamW keeps two; such an update is not AdamW's, so "
+            "its state cannot be carried; optladder loads checkpoints of torch's "
+            "Adam/AdamW, LadderAdamW and bitsandbytes' AdamW8bit"
         )
     for name in names:
         t = state.get(name)

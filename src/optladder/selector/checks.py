@@ -261,14 +261,14 @@ def check_checkpoint_groups(
             raise ValueError(f"{where} must be a dict, got {type(saved).__name__}")
         if need_params and not isinstance(saved.get("params"), list):
             raise ValueError(f"{where} has no 'params' list")
+        foreign = foreign_group_reason(saved)  # first: its options may be its own kind
+        if foreign is not None:
+            raise ValueError(f"{where}: {foreign}")
         try:
             validate_group_hyperparams(saved)
             group_pin(saved, "its")
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
-        foreign = foreign_group_reason(saved)
-        if foreign is not None:
-            raise ValueError(f"{where}: {foreign}")
         mode = saved.get("decoupled_weight_decay", decoupled_weight_decay)
         if not isinstance(mode, bool):
             raise ValueError(
