@@ -38,6 +38,12 @@ hyperparameters. They are cleared before another engine takes the groups: torch'
 ``add_param_group`` keeps existing keys, so a stale ``fused=True`` would otherwise reach
 an engine that must not use it."""
 
+KERNEL_KEYS = ("fused", "foreach", "capturable")
+"""The :data:`ENGINE_KEYS` that choose torch's kernel. optladder chooses it (construction
+refuses ``foreach``, ``fused=False`` and ``capturable=True``): a group's own values are
+cleared when it joins (construction, ``add_param_group``), and a torch engine's groups
+must keep the engine's (:func:`optladder.optimizers.transaction.check_step_inputs`)."""
+
 
 DTENSOR_UNSUPPORTED: dict[Rung, str] = {
     rung: accepts.sharded_reason for rung, accepts in RUNG_ACCEPTS.items() if not accepts.sharded

@@ -11,6 +11,7 @@ import torch
 from optladder.columns import ParamColumns, plain_types
 from optladder.dtype_names import dtype_name
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
+from optladder.optimizers.build import KERNEL_KEYS
 from optladder.optimizers.eightbit import steps_noncontiguous
 from optladder.optimizers.migrate import foreign_group_reason
 from optladder.policies.decision import Decision, allowed_rungs
@@ -83,7 +84,10 @@ def check_new_group(param_group: object) -> dict[str, Any]:
     dict whose ``"params"`` is a list of tensors.
 
     ``(name, param)`` pairs (``named_parameters()``) become ``"params"`` and
-    ``"param_names"``, as torch keeps them.
+    ``"param_names"``, as torch keeps them. torch's kernel flags
+    (:data:`~optladder.optimizers.build.KERNEL_KEYS`: ``fused``, ``foreach``,
+    ``capturable``, as a copy of another optimizer's group holds them) are left out:
+    the group takes its engine's, as groups given at construction do.
 
     Raises:
         TypeError: ``param_group`` is not a dict, or its ``"params"`` is a set.
@@ -94,7 +98,7 @@ def check_new_group(param_group: object) -> dict[str, Any]:
             f"param_group must be a dict with a 'params' entry (as torch's add_param_group "
             f"takes), got {type(param_group).__name__}; wrap it: {{'params': [...]}}"
         )
-    group = dict(param_group)
+    group = {k: v for k, v in param_group.items() if k not in KERNEL_KEYS}
     if "params" not in group:
         keys = ", ".join(map(repr, group)) or "no keys"
         raise ValueError(
