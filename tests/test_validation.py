@@ -138,6 +138,50 @@ def test_float64_beside_bf16_params_needs_its_own_fp32_group() -> None:
     assert torch.equal(wide.detach(), ref.detach())  # torch's float64 AdamW, bit for bit
 
 
+def test_the_bf16_rung_takes_float64_params_added_or_converted_mid_run() -> None:
+    """The bf16 rung takes float64 params (README's table; construction accepts them):
+    so does ``add_param_group``, and so does its next step after ``model.double()``.
+    They were refused as though the engine were the fp32 rung's ("this fp32 rung runs
+    optladder's AdamW"). With ``lr=0`` a float64 param stays bit for bit (no float32
+    rounding), and an added one steps as in an optimizer built with it."""
+    gen = torch.Generator().manual_seed(0)
+    body = torch.nn.Parameter(torch.randn(64, generator=gen))
+    wide = torch.nn.Parameter(torch.full((64,), 1.0 + 1e-12, dtype=torch.float64))
+    twin = torch.nn.Parameter(wide.detach().clone())
+    opt = choose_optimizer([body], rung="bf16", free_memory=GiB)
+    opt.add_param_group({"params": [wide], "lr": 0.0})
+    ref = choose_optimizer(
+        [{"params": [body.detach().clone().requires_grad_()]}, {"params": [twin], "lr": 0.0}],
+        rung="bf16",
+        free_memory=GiB,
+    )
+    for _ in range(2):
+        g = torch.randn(64, generator=gen, dtype=torch.float64)
+        wide.grad, twin.grad = g.clone(), g.clone()
+        body.grad = torch.randn(64, generator=gen)
+        ref.param_groups[0]["params"][0].grad = body.grad.clone()
+        opt.step()
+        ref.step()
+    assert torch.equal(wide.detach(), torch.full((64,), 1.0 + 1e-12, dtype=torch.float64))
+    opt.param_groups[1]["lr"] = ref.param_groups[1]["lr"] = 1e-3
+    opt.step()
+    ref.step()
+    assert torch.equal(wide.detach(), twin.detach())
+    assert not torch.equal(wide.detach(), wide.detach().float().double())  # float64 values
+
+    model = torch.nn.Linear(8, 4)
+    opt = choose_optimizer(model, rung="bf16", free_memory=GiB)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    model.double()
+    opt.zero_grad()
+    model(torch.ones(2, 8, dtype=torch.float64)).sum().backward()
+    opt.step()
+    assert all(
+        p.dtype == torch.float64 and float(opt.state[p]["step"]) == 2 for p in model.parameters()
+    )
+
+
 # ---------------------------------------------------------------- group options
 
 

@@ -329,14 +329,16 @@ def check_params_for_rung(
 ) -> None:
     """Refuse params ``rung``'s engine cannot step exactly.
 
-    The rung's own rules come from :data:`optladder.rungs.RUNG_ACCEPTS` (float64 and
-    complex params on fp32 only; DTensor params not on bf16). The engine's: torch's
-    AdamW (the fp32 rung of float32/float64 params) would keep bfloat16/float16 params'
-    moments in their own dtype and has no fused kernel for complex params; optladder's
-    AdamW (the fp32 rung of bfloat16/float16 params) computes in float32, so it takes
-    no float64 or complex params; bitsandbytes' plain ``AdamW8bit`` would move a
-    non-contiguous param to new storage (an 8bit engine built over such params steps
-    them through a contiguous copy instead).
+    The rung's own rules come from :data:`optladder.rungs.RUNG_ACCEPTS` (complex params
+    on fp32 only, float64 ones not on 8bit; DTensor params not on bf16). The engine's:
+    torch's AdamW (the fp32 rung of float32/float64 params) would keep bfloat16/float16
+    params' moments in their own dtype and has no fused kernel for complex params;
+    optladder's AdamW as the fp32 rung's engine (of bfloat16/float16 params) keeps
+    float32 moments, so it takes no float64 or complex params (as the bf16 rung's engine
+    it takes what the rung takes: a float64 param gets its float32 update added in
+    float64); bitsandbytes' plain ``AdamW8bit`` would move a non-contiguous param to new
+    storage (an 8bit engine built over such params steps them through a contiguous copy
+    instead).
 
     Args:
         params: the params of one group.
@@ -362,7 +364,8 @@ def check_params_for_rung(
             raise ValueError(f"{name} {kind}; {refusal}")
         if engine is None:
             continue
-        if isinstance(engine, LadderAdamW) and dtype_name(p.dtype) in FP32_WIDE_DTYPES:
+        ladder_fp32 = rung == "fp32" and isinstance(engine, LadderAdamW)
+        if ladder_fp32 and dtype_name(p.dtype) in FP32_WIDE_DTYPES:
             raise ValueError(
                 f"{where}: this fp32 rung runs optladder's AdamW (float32 moments and math "
                 f"for bfloat16/float16 params), which takes {', '.join(FLOAT32_MATH_DTYPES)} "
@@ -401,8 +404,8 @@ def _rung_takes(columns: ParamColumns, rung: Rung, engine: torch.optim.Optimizer
         return False
     if engine is None:
         return True
-    if isinstance(engine, LadderAdamW):
-        return not names & set(FP32_WIDE_DTYPES)
+    if isinstance(engine, LadderAdamW):  # the bf16 rung's takes what the rung takes
+        return rung != "fp32" or not names & set(FP32_WIDE_DTYPES)
     if rung == "fp32":
         if names & {"bfloat16", "float16"}:
             return False
