@@ -1018,6 +1018,43 @@ def test_a_param_appended_twice_by_hand_is_refused_and_a_new_one_is_stepped(wher
     assert torch.equal(c.detach(), ref.detach())
 
 
+@pytest.mark.parametrize("moved_to", ["bf16", "8bit"])
+def test_a_param_back_in_its_group_after_a_move_is_refused_before_any_write(
+    moved_to: str,
+) -> None:
+    """A param taken out of its group by hand keeps its state in ``opt.state`` (torch
+    keeps it too); a move to another rung converts the groups' params only, so back in
+    its group (appended by hand) its state is in the old rung's layout. The next step is
+    refused before any write, naming the param and both layouts (on 8bit the commit
+    failed half-way, a PartialStepError; on bf16 the kernel's table refused
+    ``exp_avgs[2]``); without its grad too. With its state dropped, as the message says,
+    it steps from a fresh state."""
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(64, 80)) for _ in range(3))
+    opt = choose_optimizer([a, b, c], lr=1e-2, free_memory="64GiB", environ={})
+    for p in (a, b, c):
+        p.grad = torch.ones(64, 80)
+    opt.step()
+    removed = opt.param_groups[0]["params"].pop()
+    opt.migrate_to(moved_to, "test")
+    opt.param_groups[0]["params"].append(removed)
+    for grad in (None, torch.ones(64, 80)):
+        removed.grad = grad
+        before = [p.detach().clone() for p in (a, b, c)]
+        with pytest.raises(ValueError) as info:
+            opt.step()
+        message = str(info.value)
+        assert "param 2 of group 0" in message and "del opt.state[param]" in message
+        assert "exp_avg torch.float32" in message
+        want = "bfloat16 exp_avg" if moved_to == "bf16" else "bitsandbytes' 8-bit state"
+        assert want in message
+        assert all(torch.equal(p.detach(), x) for p, x in zip((a, b, c), before))
+        assert [int(opt.state[p]["step"]) for p in (a, b, c)] == [1, 1, 1]
+    del opt.state[removed]
+    opt.step()
+    assert [int(opt.state[p]["step"]) for p in (a, b, c)] == [2, 2, 1]
+
+
 @pytest.mark.parametrize("rung", RUNGS)
 def test_channels_last_mid_run_keeps_each_element_with_its_moments(rung: str) -> None:
     """``model.to(memory_format=torch.channels_last)`` between steps gives the conv
