@@ -241,6 +241,32 @@ def test_step_hooks_run_once_per_step_in_torchs_order(rung: str) -> None:
     assert all(o is opt for _, o in events)
 
 
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit", "pinned", "escalated"])
+def test_construction_runs_no_global_step_hook(rung: str) -> None:
+    """Building the optimizer (its capability probe runs a fused AdamW step of its own,
+    once more for a pinned group's engine) fires no global step hook: a hook that counts
+    optimizer steps (a profiler, a step logger) sees the run's steps only, one pair per
+    ``step()``."""
+    events: list[tuple[str, object]] = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: events.append(("global pre", o))),
+        register_optimizer_step_post_hook(lambda o, a, k: events.append(("global post", o))),
+    ]
+    try:
+        model, opt = _build("fp32" if rung == "escalated" else rung)
+        if rung == "escalated":
+            opt = AdamW(model.parameters(), free_memory=FREE)
+            opt.escalate("test")
+        optladder.optimizers.probe_capabilities("cpu")
+        assert events == []
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert events == [("global pre", opt), ("global post", opt)]
+
+
 def test_signature_matches_torch_adamw_for_frameworks_that_build_by_name() -> None:
     """Hydra (``_target_: optladder.AdamW`` with ``params=`` as a keyword), LightningCLI and
     HF's ``optimizer_cls_and_kwargs`` build the class by name with torch's argument names:

@@ -485,3 +485,75 @@ def test_a_checkpoint_with_complex_params_loads_and_resumes_as_the_uninterrupted
     bad["state"][0]["exp_avg"][1] = complex(float("nan"), 0.0)
     with pytest.raises(ValueError, match="param 0: exp_avg holds 1 NaN or infinite values"):
         resumed.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("rung", ["fp32", "8bit"])
+def test_every_group_saves_its_rounding_options_on_every_rung(rung: str) -> None:
+    """``seed``, ``rounding`` and ``param_rounding`` are group keys saved in
+    ``state_dict()`` on every rung, also where the engine uses none of them (the fp32
+    rung of float32 params runs torch's AdamW, the 8bit rung bitsandbytes'): a later
+    move to the bf16 rung, here or after a resume, rounds with them. A group's own value
+    wins; a group added later takes the optimizer's."""
+    torch.manual_seed(0)
+    model = nn.Linear(80, 64)
+    opt = choose_optimizer(
+        [{"params": [model.weight]}, {"params": [model.bias], "seed": 5, "rounding": "stochastic"}],
+        rung=rung,
+        seed=3,
+        rounding="nearest",
+        param_rounding="nearest",
+        free_memory="64GiB",
+    )
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(4))]})
+    saved = opt.state_dict()["param_groups"]
+    assert [(g["seed"], g["rounding"], g["param_rounding"]) for g in saved] == [
+        (3, "nearest", "nearest"),
+        (5, "stochastic", "nearest"),
+        (3, "nearest", "nearest"),
+    ]
+
+
+def test_a_run_resumed_with_another_seed_escalates_as_the_uninterrupted_run() -> None:
+    """A run on the fp32 rung (float32 params: torch's AdamW) saved after 2 steps and
+    resumed in an optimizer built with the default seed, then escalated to bf16, ends bit
+    for bit where the uninterrupted run (seed 3) ends: the checkpoint carries the seed of
+    the bf16 rung's stochastic rounding. A run with seed 0 throughout ends elsewhere (the
+    seed matters)."""
+
+    def fresh() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Linear(80, 64)
+
+    def steps(m: nn.Module, opt: torch.optim.Optimizer, seeds: range) -> None:
+        for s in seeds:
+            for i, p in enumerate(m.parameters()):
+                g = torch.Generator().manual_seed(10 * s + i)
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+
+    def uninterrupted(seed: int) -> nn.Module:
+        m = fresh()
+        opt = choose_optimizer(m, lr=1e-2, seed=seed, free_memory="64GiB")
+        steps(m, opt, range(2))
+        opt.escalate("test")
+        steps(m, opt, range(2, 4))
+        return m
+
+    first = fresh()
+    opt = choose_optimizer(first, lr=1e-2, seed=3, free_memory="64GiB")
+    steps(first, opt, range(2))
+    assert opt.rung == "fp32"
+    ckpt = copy.deepcopy({"model": first.state_dict(), "optim": opt.state_dict()})
+    resumed = fresh()
+    resumed.load_state_dict(ckpt["model"])
+    opt = choose_optimizer(resumed, lr=1e-2, free_memory="64GiB")  # seed 0
+    opt.load_state_dict(ckpt["optim"])
+    opt.escalate("test")
+    assert opt.rung == "bf16"
+    steps(resumed, opt, range(2, 4))
+    for a, b in zip(resumed.parameters(), uninterrupted(3).parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(resumed.parameters(), uninterrupted(0).parameters(), strict=True)
+    )

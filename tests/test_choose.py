@@ -229,6 +229,30 @@ def test_params_no_optimizer_can_step_are_refused(param: torch.Tensor, match: st
         choose_optimizer([param], free_memory="1GiB")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "environ", "asked"),
+    [
+        ({"rung": "8bit"}, {}, "rung='8bit'"),
+        ({}, {"OPTLADDER_RUNG": "8bit"}, "OPTLADDER_RUNG=8bit"),
+        ({}, {"OPTLADDER_8BIT_ADAM": "1"}, "OPTLADDER_8BIT_ADAM=1"),
+        ({}, {"OPTLADDER_BF16_ADAM": "0", "OPTLADDER_8BIT_ADAM": "on"}, "OPTLADDER_8BIT_ADAM=on"),
+    ],
+)
+def test_a_rung_asked_for_that_cannot_take_the_params_names_who_asked(
+    kwargs: dict[str, str], environ: dict[str, str], asked: str
+) -> None:
+    """float64 params on the 8bit rung: the error names the setting that asked for it
+    (an ``OPTLADDER_*`` variable set in a job's environment is not in the code that
+    fails), the param, its dtype and what the rung takes."""
+    params = [torch.nn.Parameter(torch.randn(8, dtype=torch.float64))]
+    with pytest.raises(ValueError) as info:
+        choose_optimizer(params, free_memory="1GiB", environ=environ, **kwargs)
+    message = str(info.value)
+    assert message.startswith(f"{asked} asks for the 8bit rung, which cannot take the params")
+    assert "param 0 of group 0 has dtype torch.float64" in message
+    assert "the 8bit rung takes float32, bfloat16 or float16 params" in message
+
+
 def test_float64_params_skip_the_8bit_rung() -> None:
     """fp32 (torch's AdamW, float64 math) and bf16 (float32 update added in float64)
     step float64 params without rounding them; 8bit (bitsandbytes, float32 params' math

@@ -208,6 +208,29 @@ def test_demo_counts_must_be_positive(capsys: pytest.CaptureFixture[str], option
     assert f"argument {option}: invalid value '0': expected a whole number >= 1" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "option", "applies_to"),
+    [
+        (["--oom", "--rung", "bf16"], "--rung", "--oom"),
+        (["--oom", "--free-memory", "2MiB"], "--free-memory", "--oom"),
+        (["--oom", "--epochs", "3"], "--epochs", "--oom"),
+        (["--oom", "--seed", "7"], "--seed", "--oom"),
+        (["--rung", "bf16", "--steps", "5"], "--steps", "--rung"),
+        (["--free-memory", "2MiB", "--steps", "5"], "--steps", "--free-memory"),
+    ],
+)
+def test_demo_options_that_would_be_ignored_are_refused(
+    capsys: pytest.CaptureFixture[str], argv: list[str], option: str, applies_to: str
+) -> None:
+    """``--oom`` runs only the OOM child (its own model, rung and steps): ``--rung``,
+    ``--free-memory``, ``--epochs`` and ``--seed`` did nothing there; ``--rung`` or
+    ``--free-memory`` run only the digits run, where ``--steps`` did nothing. Refused
+    before anything runs, naming the option and the one it does not combine with."""
+    code, out, err = run(capsys, "demo", *argv)
+    assert code == EXIT_BAD_INPUT and out == ""
+    assert err.startswith(f"optladder demo: error: {option} has no effect with {applies_to}")
+
+
 def test_attach_negative_values() -> None:
     assert _attach_negative_values(["plan", "--free-memory", "-5GiB", "--params", "7B"]) == [
         "plan",

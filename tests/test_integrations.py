@@ -623,3 +623,110 @@ def test_lightning_ladder_step_mixin_reruns_one_rung_down() -> None:
     assert unwrap_optimizer(LightningOptimizer(opt)) is opt
     with pytest.raises(TypeError, match="got SGD holding SGD"):
         unwrap_optimizer(torch.optim.SGD(module.parameters()))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_ladder_over_lightnings_optimizer_moves_the_real_one() -> None:
+    """Manual optimization: ``Ladder(self.optimizers())`` is given Lightning's
+    ``LightningOptimizer``, an instance of the optimizer's class holding a copy of its
+    attributes. The Ladder works on the optimizer inside: a forward OOM moves the real
+    optimizer down (it moved the copy, and the real one's next step refused the groups
+    the copy had marked bf16), every batch steps once, and the params end bit for bit
+    where a run that escalates by hand before the same batch ends."""
+    pytest.importorskip("lightning")
+    import lightning as L
+
+    from optladder import AdamW, Ladder
+
+    class Net(L.LightningModule):
+        def __init__(self, oom_at: int | None, escalate_at: int | None) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 1))
+            self.automatic_optimization = False
+            self.oom_at, self.escalate_at, self.forwards = oom_at, escalate_at, 0
+            self.ladder: Ladder | None = None
+            self.opt: AdamW | None = None
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            wrapped = self.optimizers()
+            if self.ladder is None:
+                self.ladder = Ladder(wrapped)
+            if batch_idx == self.escalate_at:
+                assert self.opt is not None
+                self.opt.escalate("by hand")
+
+            def step() -> torch.Tensor:
+                wrapped.zero_grad()
+                self.forwards += 1
+                if self.forwards == self.oom_at:
+                    raise torch.OutOfMemoryError("injected: forward")
+                x, y = batch
+                loss = torch.nn.functional.mse_loss(self.net(x), y)
+                self.manual_backward(loss)
+                wrapped.step()
+                return loss
+
+            loss = self.ladder.run(step)
+            assert loss is not None
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            self.opt = AdamW(self.parameters(), 1e-2, free_memory=FREE)
+            return self.opt
+
+    x = torch.randn(48, 8, generator=torch.Generator().manual_seed(1))
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+
+    def fit(module: Net) -> Any:
+        trainer = L.Trainer(
+            max_epochs=1,
+            accelerator="cpu",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+        return trainer
+
+    module = Net(oom_at=3, escalate_at=None)
+    fit(module)
+    opt = module.opt
+    assert opt is not None and module.ladder is not None and module.ladder.optimizer is opt
+    assert module.forwards == 7  # 6 batches and the failed forward
+    assert [(e.from_rung, e.to_rung, e.step) for e in opt.escalations] == [("fp32", "bf16", 2)]
+    assert opt.rung == "bf16" and _moment_dtypes(opt) == {torch.bfloat16}
+    assert _steps(opt) == {6}
+    by_hand = Net(oom_at=None, escalate_at=2)
+    fit(by_hand)
+    for a, b in zip(module.net.parameters(), by_hand.net.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_ladder_over_accelerates_optimizer_moves_the_real_one() -> None:
+    """``Ladder(accelerator.prepare(opt))`` takes the optladder optimizer inside
+    accelerate's ``AcceleratedOptimizer``; a wrapper of anything else is refused, naming
+    what it holds."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from optladder import AdamW, Ladder
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = AdamW(model.parameters(), 1e-2, free_memory=FREE)
+    model, wrapped = Accelerator(cpu=True).prepare(model, opt)
+    ladder = Ladder(wrapped)
+    assert ladder.optimizer is opt
+    forwards = _oom_in_forward(model, at_call=1)
+
+    def step() -> None:
+        wrapped.zero_grad()
+        model(torch.ones(2, 8)).sum().backward()
+        wrapped.step()
+
+    ladder.run(step)
+    assert len(forwards) == 2 and opt.rung == "bf16" and _steps(opt) == {1}
+    with pytest.raises(TypeError, match=r"optimizer: .*got SGD holding SGD"):
+        Ladder(torch.optim.SGD(model.parameters()))

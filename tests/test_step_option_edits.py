@@ -214,3 +214,76 @@ def test_options_snapshot_never_takes_tensors_as_unchanged() -> None:
     assert same_options(group, snap)
     for options in ({"lr": torch.tensor(1e-3)}, {"betas": (torch.tensor(0.9), 0.999)}):
         assert options_snapshot({"params": [], **options}) is None
+
+
+# --- torch's kernel flags: optladder picks each rung's kernel (README: foreach,
+# fused=False and capturable=True raise at construction); a group holding other values
+# reached torch's own step, which failed in the commit (a PartialStepError, params
+# possibly written) for a tensor lr with foreach=True, or capturable=True on the CPU.
+
+KERNEL_FLAGS = [("foreach", True), ("capturable", True), ("fused", False)]
+
+
+@pytest.mark.parametrize(("key", "value"), KERNEL_FLAGS)
+@pytest.mark.parametrize("lr", ["float", "tensor"])
+def test_a_kernel_flag_edited_by_hand_is_refused_before_any_write(
+    key: str, value: object, lr: str
+) -> None:
+    """fp32 rung (torch's fused AdamW): a group whose ``foreach``, ``capturable`` or
+    ``fused`` was set by hand is refused before the step writes anything, naming the
+    group, the key, its value and the engine's; put back, the step runs and moves the
+    params as ``torch.optim.AdamW(fused=True)`` moves its own copies."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 8, generator=gen)) for _ in range(2)]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    rate = torch.tensor(1e-2) if lr == "tensor" else 1e-2
+    opt = choose_optimizer(params, lr=rate, rung="fp32", free_memory="1GiB", environ={})
+    ref = torch.optim.AdamW(copies, lr=torch.tensor(1e-2) if lr == "tensor" else 1e-2, fused=True)
+    _grads(params, 0)
+    _grads(copies, 0)
+    opt.step()
+    ref.step()
+    engine_value = opt.param_groups[0][key]
+    opt.param_groups[0][key] = value
+    before = [p.detach().clone() for p in params]
+    _grads(params, 1)
+    _grads(copies, 1)
+    with pytest.raises(
+        ValueError, match=rf"param group 0: {key}={value!r}, .*{key}={engine_value!r}"
+    ):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert [float(opt.state[p]["step"]) for p in params] == [1.0, 1.0]
+    opt.param_groups[0][key] = engine_value
+    opt.step()
+    ref.step()
+    for p, q in zip(params, copies, strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(("key", "value"), KERNEL_FLAGS)
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+def test_add_param_group_leaves_the_kernel_flags_to_the_engine(
+    rung: str, key: str, value: object
+) -> None:
+    """A group added with torch's kernel flags (a copy of another optimizer's group) gets
+    the engine's, as groups given at construction do; with a tensor lr its params then
+    step as ``torch.optim.AdamW(fused=True)`` steps them (fp32 rung)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 8, generator=gen)) for _ in range(2)]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = choose_optimizer(
+        params[:1], lr=torch.tensor(1e-2), rung=rung, free_memory="1GiB", environ={}
+    )
+    opt.add_param_group({"params": params[1:], key: value, "lr": torch.tensor(1e-2)})
+    assert opt.param_groups[1].get(key) == opt.param_groups[0].get(key)
+    ref = torch.optim.AdamW(copies, lr=torch.tensor(1e-2), fused=True)
+    for s in range(2):
+        _grads(params, s)
+        _grads(copies, s)
+        opt.step()
+        ref.step()
+    assert [float(opt.state[p]["step"]) for p in params] == [2.0, 2.0]
+    if rung == "fp32":
+        for p, q in zip(params, copies, strict=True):
+            assert torch.equal(p, q)

@@ -139,6 +139,50 @@ def test_float64_beside_bf16_params_needs_its_own_fp32_group() -> None:
     assert torch.equal(wide.detach(), ref.detach())  # torch's float64 AdamW, bit for bit
 
 
+def test_the_bf16_rung_takes_float64_params_added_or_converted_mid_run() -> None:
+    """The bf16 rung takes float64 params (README's table; construction accepts them):
+    so does ``add_param_group``, and so does its next step after ``model.double()``.
+    They were refused as though the engine were the fp32 rung's ("this fp32 rung runs
+    optladder's AdamW"). With ``lr=0`` a float64 param stays bit for bit (no float32
+    rounding), and an added one steps as in an optimizer built with it."""
+    gen = torch.Generator().manual_seed(0)
+    body = torch.nn.Parameter(torch.randn(64, generator=gen))
+    wide = torch.nn.Parameter(torch.full((64,), 1.0 + 1e-12, dtype=torch.float64))
+    twin = torch.nn.Parameter(wide.detach().clone())
+    opt = choose_optimizer([body], rung="bf16", free_memory=GiB)
+    opt.add_param_group({"params": [wide], "lr": 0.0})
+    ref = choose_optimizer(
+        [{"params": [body.detach().clone().requires_grad_()]}, {"params": [twin], "lr": 0.0}],
+        rung="bf16",
+        free_memory=GiB,
+    )
+    for _ in range(2):
+        g = torch.randn(64, generator=gen, dtype=torch.float64)
+        wide.grad, twin.grad = g.clone(), g.clone()
+        body.grad = torch.randn(64, generator=gen)
+        ref.param_groups[0]["params"][0].grad = body.grad.clone()
+        opt.step()
+        ref.step()
+    assert torch.equal(wide.detach(), torch.full((64,), 1.0 + 1e-12, dtype=torch.float64))
+    opt.param_groups[1]["lr"] = ref.param_groups[1]["lr"] = 1e-3
+    opt.step()
+    ref.step()
+    assert torch.equal(wide.detach(), twin.detach())
+    assert not torch.equal(wide.detach(), wide.detach().float().double())  # float64 values
+
+    model = torch.nn.Linear(8, 4)
+    opt = choose_optimizer(model, rung="bf16", free_memory=GiB)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    model.double()
+    opt.zero_grad()
+    model(torch.ones(2, 8, dtype=torch.float64)).sum().backward()
+    opt.step()
+    assert all(
+        p.dtype == torch.float64 and float(opt.state[p]["step"]) == 2 for p in model.parameters()
+    )
+
+
 # ---------------------------------------------------------------- group options
 
 
@@ -973,6 +1017,43 @@ def test_a_param_appended_twice_by_hand_is_refused_and_a_new_one_is_stepped(wher
     ref.grad = torch.ones(64)
     torch.optim.AdamW([ref], lr=1e-2, fused=True).step()
     assert torch.equal(c.detach(), ref.detach())
+
+
+@pytest.mark.parametrize("moved_to", ["bf16", "8bit"])
+def test_a_param_back_in_its_group_after_a_move_is_refused_before_any_write(
+    moved_to: str,
+) -> None:
+    """A param taken out of its group by hand keeps its state in ``opt.state`` (torch
+    keeps it too); a move to another rung converts the groups' params only, so back in
+    its group (appended by hand) its state is in the old rung's layout. The next step is
+    refused before any write, naming the param and both layouts (on 8bit the commit
+    failed half-way, a PartialStepError; on bf16 the kernel's table refused
+    ``exp_avgs[2]``); without its grad too. With its state dropped, as the message says,
+    it steps from a fresh state."""
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(64, 80)) for _ in range(3))
+    opt = choose_optimizer([a, b, c], lr=1e-2, free_memory="64GiB", environ={})
+    for p in (a, b, c):
+        p.grad = torch.ones(64, 80)
+    opt.step()
+    removed = opt.param_groups[0]["params"].pop()
+    opt.migrate_to(moved_to, "test")
+    opt.param_groups[0]["params"].append(removed)
+    for grad in (None, torch.ones(64, 80)):
+        removed.grad = grad
+        before = [p.detach().clone() for p in (a, b, c)]
+        with pytest.raises(ValueError) as info:
+            opt.step()
+        message = str(info.value)
+        assert "param 2 of group 0" in message and "del opt.state[param]" in message
+        assert "exp_avg torch.float32" in message
+        want = "bfloat16 exp_avg" if moved_to == "bf16" else "bitsandbytes' 8-bit state"
+        assert want in message
+        assert all(torch.equal(p.detach(), x) for p, x in zip((a, b, c), before))
+        assert [int(opt.state[p]["step"]) for p in (a, b, c)] == [1, 1, 1]
+    del opt.state[removed]
+    opt.step()
+    assert [int(opt.state[p]["step"]) for p in (a, b, c)] == [2, 2, 1]
 
 
 @pytest.mark.parametrize("rung", RUNGS)

@@ -112,6 +112,12 @@ def _attach_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
+_DEMO_EPOCHS = 12
+"""``optladder demo --epochs`` when not given."""
+_OOM_STEPS = 20
+"""``optladder demo --steps`` (the OOM demo's train steps) when not given."""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="optladder", description="Choose and run an AdamW optimizer rung by memory."
@@ -130,10 +136,10 @@ def _parser() -> argparse.ArgumentParser:
         "--free-memory",
         help="memory the optimizer may assume free: bytes or e.g. '2MiB' (default: probed)",
     )
-    demo.add_argument(
-        "--epochs", type=_positive_int, default=12, help="passes over the data (default 12)"
+    demo.add_argument(  # default None: _run_demo tells an option given from its default
+        "--epochs", type=_positive_int, help=f"passes over the data (default {_DEMO_EPOCHS})"
     )
-    demo.add_argument("--seed", type=_seed, default=0, help="seed, 0 to 2**64 - 1 (default 0)")
+    demo.add_argument("--seed", type=_seed, help="seed, 0 to 2**64 - 1 (default 0)")
     demo.add_argument(
         "--oom",
         action="store_true",
@@ -141,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
         "real on the fp32 rung and recovers on bf16",
     )
     demo.add_argument(
-        "--steps", type=_positive_int, default=20, help="train steps of the --oom demo (default 20)"
+        "--steps", type=_positive_int, help=f"train steps of the --oom demo (default {_OOM_STEPS})"
     )
     _add_plan_parser(sub)
     return parser
@@ -265,8 +271,42 @@ def _run_plan(args: argparse.Namespace) -> int:
     return EXIT_FITS if decision.fits else EXIT_DOES_NOT_FIT
 
 
-def _run_demo(args: argparse.Namespace) -> int:
+def _ignored_demo_option(args: argparse.Namespace) -> str | None:
+    """The error for an option the chosen demo would ignore, or None: ``--oom`` runs only
+    the OOM child (its own model, rung, memory cap and steps); ``--rung`` or
+    ``--free-memory`` run only the digits run, which takes no ``--steps``."""
+    given = {
+        "--rung": args.rung,
+        "--free-memory": args.free_memory,
+        "--epochs": args.epochs,
+        "--seed": args.seed,
+    }
+    if args.oom:
+        for option, value in given.items():
+            if value is not None:
+                return (
+                    f"{option} has no effect with --oom (the OOM demo's child trains its own "
+                    "model from the policy's rung under a memory cap; --steps sets its length); "
+                    f"drop {option}, or --oom to run the digits demo"
+                )
+    elif args.steps is not None:
+        for option in ("--rung", "--free-memory"):
+            if given[option] is not None:
+                return (
+                    f"--steps has no effect with {option} (one digits run, whose length is "
+                    "--epochs; --steps is the --oom demo's); drop --steps"
+                )
+    return None
 
+
+def _run_demo(args: argparse.Namespace) -> int:
+    ignored = _ignored_demo_option(args)
+    if ignored is not None:
+        print(f"optladder demo: error: {ignored}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    epochs = _DEMO_EPOCHS if args.epochs is None else args.epochs
+    seed = 0 if args.seed is None else args.seed
+    steps = _OOM_STEPS if args.steps is None else args.steps
     single = args.rung is not None or args.free_memory is not None
     try:
         free = None if args.free_memory is None else parse_bytes(args.free_memory, "--free-memory")
@@ -274,10 +314,10 @@ def _run_demo(args: argparse.Namespace) -> int:
         from optladder.oom_demo import run_oom_demo
 
         if not args.oom:
-            run_demo(rung=args.rung, free_memory=free, epochs=args.epochs, seed=args.seed)
+            run_demo(rung=args.rung, free_memory=free, epochs=epochs, seed=seed)
         if args.oom or not single:
             print("\n== the OOM ladder: a real out-of-memory error on the CPU ==")
-            return run_oom_demo(steps=args.steps)
+            return run_oom_demo(steps=steps)
     except (ValueError, ImportError) as exc:
         print(f"optladder demo: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -38,6 +38,12 @@ hyperparameters. They are cleared before another engine takes the groups: torch'
 ``add_param_group`` keeps existing keys, so a stale ``fused=True`` would otherwise reach
 an engine that must not use it."""
 
+KERNEL_KEYS = ("fused", "foreach", "capturable")
+"""The :data:`ENGINE_KEYS` that choose torch's kernel. optladder chooses it (construction
+refuses ``foreach``, ``fused=False`` and ``capturable=True``): a group's own values are
+cleared when it joins (construction, ``add_param_group``), and a torch engine's groups
+must keep the engine's (:func:`optladder.optimizers.transaction.check_step_inputs`)."""
+
 
 DTENSOR_UNSUPPORTED: dict[Rung, str] = {
     rung: accepts.sharded_reason for rung, accepts in RUNG_ACCEPTS.items() if not accepts.sharded
@@ -108,6 +114,24 @@ def dtype_names(param_groups: list[dict[str, Any]]) -> set[str]:
 
 
 _DTYPE = operator.attrgetter("dtype")
+
+
+def _keep_options(options: dict[str, Any], engine: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Keep ``options`` (``seed``, ``rounding``, ``param_rounding``) in each of
+    ``engine``'s groups that lacks them and in its ``defaults`` (which
+    ``add_param_group`` fills groups from), as :class:`LadderAdamW` keeps them, and
+    return ``engine``.
+
+    torch's AdamW (the fp32 rung of float32 params) and bitsandbytes' (8bit) use none
+    of them; kept, ``state_dict()`` saves them, and a later move to the bf16 rung (here,
+    or after a resume into an optimizer built with other values) rounds with the run's
+    own seed and modes instead of the defaults of whatever optimizer loads the checkpoint.
+    """
+    for key, value in options.items():
+        engine.defaults.setdefault(key, value)
+        for group in engine.param_groups:
+            group.setdefault(key, value)
+    return engine
 
 
 def build_engine(
@@ -181,15 +205,19 @@ def build_engine(
     if columns is None:  # plain columns: no DTensor among the params
         _refuse_dtensors(rung, param_groups, fp32_engine)
     clear_engine_keys(param_groups)
+    rounding_options = {"seed": seed, "rounding": rounding, "param_rounding": param_rounding}
     if fp32_engine is not None:
-        return build_fp32(
-            param_groups,
-            engine=fp32_engine,
-            seed=seed,
-            rounding=rounding,
-            param_rounding=param_rounding,
-            checked=checked,
-            **hyper,
+        return _keep_options(
+            rounding_options,
+            build_fp32(
+                param_groups,
+                engine=fp32_engine,
+                seed=seed,
+                rounding=rounding,
+                param_rounding=param_rounding,
+                checked=checked,
+                **hyper,
+            ),
         )
     if rung == "bf16":
         # LadderAdamW's own check of the dtypes, over every param: from the columns when
@@ -209,5 +237,6 @@ def build_engine(
                 **hyper,
             )
     if rung == "8bit":
-        return build_8bit(param_groups, columns=columns, checked=checked, **hyper)
+        engine = build_8bit(param_groups, columns=columns, checked=checked, **hyper)
+        return _keep_options(rounding_options, engine)
     raise ValueError(f"rung={rung!r} is not a rung; accepted values: fp32, bf16, 8bit")

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterable
 
 import torch
+from torch.optim.adamw import adamw
 
 from optladder.oom import is_oom
 from optladder.optimizers import spec
@@ -19,9 +20,13 @@ def fused_adamw_runs(device: torch.device) -> tuple[bool, str]:
     """Whether ``torch.optim.AdamW(fused=True)`` steps on ``device``, and how that is known.
 
     On a device present in this process, one step on a one-element param is run (the
-    probe, not an assumption). An out-of-memory error says nothing about the kernel: the
-    probe is tried again, and a second one is raised. For a device that is not present
-    (planning for a GPU on a CPU machine) torch's list of fused device types answers.
+    probe, not an assumption) through torch's functional ``adamw(..., fused=True)`` on a
+    device type in torch's list of fused device types: the kernel ``AdamW(fused=True)``
+    runs, without an optimizer's ``step()``, so torch's global step hooks
+    (``register_optimizer_step_pre_hook``) never see the probe. An out-of-memory error
+    says nothing about the kernel: the probe is tried again, and a second one is raised.
+    For a device that is not present (planning for a GPU on a CPU machine) torch's list
+    of fused device types answers.
 
     Raises:
         torch.OutOfMemoryError: (or the allocator's error) when the probe ran out of
@@ -33,11 +38,30 @@ def fused_adamw_runs(device: torch.device) -> tuple[bool, str]:
     if not present:
         listed = device.type in spec.torch_fused_device_types()
         return listed, "torch's list of fused device types (device not present)"
+    kernels = spec.torch_fused_device_types()
+    if device.type not in kernels:  # AdamW(fused=True) refuses the device at its first step
+        return False, f"torch's fused AdamW runs on {', '.join(kernels)}, not {device.type}"
     for attempt in range(_PROBE_ATTEMPTS):
         try:
-            p = torch.zeros(1, device=device, requires_grad=True)
-            p.grad = torch.ones_like(p)
-            torch.optim.AdamW([p], lr=1e-3, fused=True).step()
+            p, g = torch.zeros(1, device=device), torch.ones(1, device=device)
+            m, v = torch.zeros_like(p), torch.zeros_like(p)
+            step = torch.zeros((), device=device)
+            adamw(
+                [p],
+                [g],
+                [m],
+                [v],
+                [],
+                [step],
+                fused=True,
+                amsgrad=False,
+                beta1=0.9,
+                beta2=0.999,
+                lr=1e-3,
+                weight_decay=1e-2,
+                eps=1e-8,
+                maximize=False,
+            )
         except (RuntimeError, NotImplementedError, ValueError) as exc:
             if not is_oom(exc):
                 return False, f"a fused AdamW step failed: {exc}"

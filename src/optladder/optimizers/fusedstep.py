@@ -36,6 +36,8 @@ from typing import Any, cast
 import torch
 
 from optladder.columns import PLAIN_TYPES, dense, plain_types
+from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.migrate import is_bnb_engine
 from optladder.optimizers.stepmemo import same_objects
 from optladder.optimizers.steps import refuse_shared_steps
 from optladder.sharding import local_numel
@@ -151,10 +153,14 @@ def refuse_resized(
             keeps them so, and its kernels refuse a mix: a param converted by
             ``module.to(dtype)`` after its state was made would fail in the commit).
 
+    It also refuses a param (with a grad or not) whose state is in another layout than
+    the engine keeps (:func:`_refuse_foreign_layouts`).
+
     Raises:
         ValueError: naming the param, its element count (or dtype) and the tensor that
-            differs.
+            differs; or the layout its state has and the engine's.
     """
+    _refuse_foreign_layouts(engine, group_names)
     state = engine.state
     for gi, (group, gs) in enumerate(zip(engine.param_groups, grads)):
         present = list(map(operator.is_not, gs, repeat(None)))
@@ -188,6 +194,59 @@ def refuse_resized(
                     )
         if moments_like_params:
             _refuse_moment_dtypes(group, gi, params, states, group_names)
+
+
+def _layout_name(state: Mapping[str, Any]) -> str:
+    """One param's state layout in words, for messages."""
+    if "state1" in state:
+        return "bitsandbytes' 8-bit state (state1, state2)"
+    m = state.get("exp_avg")
+    if isinstance(m, torch.Tensor):
+        return f"exp_avg {m.dtype}"
+    return f"the keys {sorted(map(str, state))}"
+
+
+def _refuse_foreign_layouts(
+    engine: torch.optim.Optimizer, group_names: Mapping[int, str] | None
+) -> None:
+    """Raise when a param of ``engine``'s groups holds state in another layout than the
+    engine keeps: bitsandbytes' ``state1``/``state2`` on the 8bit rung, Adam moments of
+    :class:`~optladder.optimizers.adamw.LadderAdamW`'s ``moment_dtype`` (bf16 rung, and
+    fp32 rung of bfloat16/float16 params), Adam moments on torch's AdamW (their dtype is
+    :func:`_refuse_moment_dtypes`'s). A move to another rung converts the state of the
+    groups' params only: a param taken out of its group by hand keeps its state as it
+    was (torch keeps it too), and appended back after the move it was refused by a
+    kernel's table (bf16) or failed the commit half-way (8bit)."""
+    bnb = is_bnb_engine(engine)
+    moment_dtype = engine.moment_dtype if isinstance(engine, LadderAdamW) else None
+    if bnb:
+        want = "bitsandbytes' 8-bit state (state1, state2)"
+    elif moment_dtype is not None:
+        want = f"{str(moment_dtype).removeprefix('torch.')} exp_avg and exp_avg_sq"
+    else:
+        want = "exp_avg and exp_avg_sq in the param's dtype"
+    state = engine.state
+    for gi, group in enumerate(engine.param_groups):
+        for p in group["params"]:
+            st = state.get(p)
+            if not st:
+                continue
+            m = st.get("exp_avg")
+            if bnb:
+                fits = "state1" in st
+            else:
+                fits = isinstance(m, torch.Tensor) and m.dtype == (moment_dtype or m.dtype)
+            if fits:
+                continue
+            raise ValueError(
+                f"{_param_name(group, gi, p, group_names)} holds state in another layout "
+                f"({_layout_name(st)}) than its group's engine keeps ({want}): it was out of "
+                "its group's params when the optimizer moved to another rung (a move "
+                "converts the groups' params only) and was put back by hand. Drop its state "
+                "(del opt.state[param]) to start it afresh; to freeze a param for a while, "
+                "leave it in its group with requires_grad_(False) (no grad: not stepped, "
+                "and moves convert its state)"
+            )
 
 
 def _refuse_moment_dtypes(

@@ -38,6 +38,7 @@ import torch
 
 from optladder.columns import PLAIN_TYPES, dense
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
+from optladder.optimizers.build import KERNEL_KEYS
 from optladder.optimizers.fusedstep import (
     FusedCall,
     StepCounts,
@@ -123,6 +124,8 @@ def check_step_inputs(
                     )
                 validate_group_hyperparams(group)
                 _check_decay_mode(engine, group)
+                if fused:
+                    _check_kernel_flags(engine, group)
                 if ladder:
                     LadderAdamW.check_group_options(group)
             except ValueError as exc:
@@ -168,6 +171,22 @@ def _check_decay_mode(engine: torch.optim.Optimizer, group: Mapping[str, Any]) -
             f"decays the {'AdamW' if mode else 'Adam'} way (decoupled_weight_decay={mode!r}); "
             "one mode per optimizer: create it with the other mode instead"
         )
+
+
+def _check_kernel_flags(engine: torch.optim.Optimizer, group: Mapping[str, Any]) -> None:
+    """Refuse a group of torch's AdamW whose kernel flags (:data:`~.build.KERNEL_KEYS`,
+    set by hand after construction) are not the engine's: optladder chooses the kernel,
+    and torch's own step, which runs such a group, failed in the commit (a tensor lr
+    with ``foreach=True``, ``capturable=True`` on the CPU) after writing params."""
+    for key in KERNEL_KEYS:
+        want = engine.defaults.get(key)
+        if group.get(key, want) != want:
+            flags = ", ".join(f"{k}={engine.defaults.get(k)!r}" for k in KERNEL_KEYS)
+            raise ValueError(
+                f"{key}={group[key]!r}, but optladder chooses each rung's kernel (this "
+                f"group's engine runs {flags}); set {key}={want!r} back, or leave "
+                "the kernel flags out of the group"
+            )
 
 
 _HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")

@@ -11,6 +11,7 @@ import torch
 from optladder.columns import ParamColumns, plain_types
 from optladder.dtype_names import dtype_name
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
+from optladder.optimizers.build import KERNEL_KEYS
 from optladder.optimizers.eightbit import steps_noncontiguous
 from optladder.optimizers.migrate import foreign_group_reason
 from optladder.policies.decision import Decision, allowed_rungs
@@ -83,7 +84,10 @@ def check_new_group(param_group: object) -> dict[str, Any]:
     dict whose ``"params"`` is a list of tensors.
 
     ``(name, param)`` pairs (``named_parameters()``) become ``"params"`` and
-    ``"param_names"``, as torch keeps them.
+    ``"param_names"``, as torch keeps them. torch's kernel flags
+    (:data:`~optladder.optimizers.build.KERNEL_KEYS`: ``fused``, ``foreach``,
+    ``capturable``, as a copy of another optimizer's group holds them) are left out:
+    the group takes its engine's, as groups given at construction do.
 
     Raises:
         TypeError: ``param_group`` is not a dict, or its ``"params"`` is a set.
@@ -94,7 +98,7 @@ def check_new_group(param_group: object) -> dict[str, Any]:
             f"param_group must be a dict with a 'params' entry (as torch's add_param_group "
             f"takes), got {type(param_group).__name__}; wrap it: {{'params': [...]}}"
         )
-    group = dict(param_group)
+    group = {k: v for k, v in param_group.items() if k not in KERNEL_KEYS}
     if "params" not in group:
         keys = ", ".join(map(repr, group)) or "no keys"
         raise ValueError(
@@ -325,14 +329,16 @@ def check_params_for_rung(
 ) -> None:
     """Refuse params ``rung``'s engine cannot step exactly.
 
-    The rung's own rules come from :data:`optladder.rungs.RUNG_ACCEPTS` (float64 and
-    complex params on fp32 only; DTensor params not on bf16). The engine's: torch's
-    AdamW (the fp32 rung of float32/float64 params) would keep bfloat16/float16 params'
-    moments in their own dtype and has no fused kernel for complex params; optladder's
-    AdamW (the fp32 rung of bfloat16/float16 params) computes in float32, so it takes
-    no float64 or complex params; bitsandbytes' plain ``AdamW8bit`` would move a
-    non-contiguous param to new storage (an 8bit engine built over such params steps
-    them through a contiguous copy instead).
+    The rung's own rules come from :data:`optladder.rungs.RUNG_ACCEPTS` (complex params
+    on fp32 only, float64 ones not on 8bit; DTensor params not on bf16). The engine's:
+    torch's AdamW (the fp32 rung of float32/float64 params) would keep bfloat16/float16
+    params' moments in their own dtype and has no fused kernel for complex params;
+    optladder's AdamW as the fp32 rung's engine (of bfloat16/float16 params) keeps
+    float32 moments, so it takes no float64 or complex params (as the bf16 rung's engine
+    it takes what the rung takes: a float64 param gets its float32 update added in
+    float64); bitsandbytes' plain ``AdamW8bit`` would move a non-contiguous param to new
+    storage (an 8bit engine built over such params steps them through a contiguous copy
+    instead).
 
     Args:
         params: the params of one group.
@@ -358,7 +364,8 @@ def check_params_for_rung(
             raise ValueError(f"{name} {kind}; {refusal}")
         if engine is None:
             continue
-        if isinstance(engine, LadderAdamW) and dtype_name(p.dtype) in FP32_WIDE_DTYPES:
+        ladder_fp32 = rung == "fp32" and isinstance(engine, LadderAdamW)
+        if ladder_fp32 and dtype_name(p.dtype) in FP32_WIDE_DTYPES:
             raise ValueError(
                 f"{where}: this fp32 rung runs optladder's AdamW (float32 moments and math "
                 f"for bfloat16/float16 params), which takes {', '.join(FLOAT32_MATH_DTYPES)} "
@@ -397,8 +404,8 @@ def _rung_takes(columns: ParamColumns, rung: Rung, engine: torch.optim.Optimizer
         return False
     if engine is None:
         return True
-    if isinstance(engine, LadderAdamW):
-        return not names & set(FP32_WIDE_DTYPES)
+    if isinstance(engine, LadderAdamW):  # the bf16 rung's takes what the rung takes
+        return rung != "fp32" or not names & set(FP32_WIDE_DTYPES)
     if rung == "fp32":
         if names & {"bfloat16", "float16"}:
             return False

@@ -33,6 +33,7 @@ from optladder.policies import (
 )
 from optladder.policies.decision import allowed_rungs
 from optladder.policies.footprint import groups_footprint
+from optladder.policies.overrides import ENV_8BIT, ENV_BF16, Overrides
 from optladder.rungs import Rung, group_pin
 from optladder.selector.agreement import largest_over_ranks, min_over_ranks, same_on_all_ranks
 from optladder.selector.checks import (
@@ -204,10 +205,18 @@ def decide_and_build(
     footprint = groups_footprint(groups, columns)
     overrides = read_overrides(rung, environ)
     asked = overrides.fixed or overrides.forced
-    if asked is not None:  # name the first param the asked rung cannot take
+    if asked is not None:  # name the first param the asked rung cannot take, and who asked
         for gi, g in enumerate(groups):
             if group_pin(g, f"param group {gi}") is None:
-                check_params_for_rung(g["params"], asked, None, f"group {gi}", columns.group(gi))
+                try:
+                    check_params_for_rung(
+                        g["params"], asked, None, f"group {gi}", columns.group(gi)
+                    )
+                except ValueError as exc:
+                    raise ValueError(
+                        f"{_asked_by(overrides)} asks for the {asked} rung, which cannot "
+                        f"take the params: {exc}"
+                    ) from None
     target = _target_device(groups, device, columns)
     if free_memory is None:
         probe = probe_free_memory(target)
@@ -271,6 +280,16 @@ def decide_and_build(
     if logger.isEnabledFor(logging.INFO):  # the summary formats every rung's bytes
         logger.info("optladder decision: %s", decision.summary())
     return Built(engine, decision, rebuild, groups)
+
+
+def _asked_by(overrides: Overrides) -> str:
+    """The setting behind the fixed or forced rung of ``overrides``, as its sources
+    quote it: ``"rung='8bit'"``, ``"OPTLADDER_RUNG=8bit"`` or
+    ``"OPTLADDER_8BIT_ADAM=1"``."""
+    if overrides.fixed is not None:
+        return overrides.sources[0]
+    variable = ENV_BF16 if overrides.forced == "bf16" else ENV_8BIT
+    return next(s for s in overrides.sources if s.startswith(f"{variable}="))
 
 
 def _check_options(

@@ -99,11 +99,18 @@ class Ladder:
     docstring and in README's "The OOM ladder").
 
     Args:
-        optimizer: the optladder optimizer from :func:`optladder.choose_optimizer`.
+        optimizer: the optladder optimizer from :func:`optladder.choose_optimizer`, or a
+            framework's wrapper around it (accelerate's ``AcceleratedOptimizer``,
+            Lightning's ``self.optimizers()``): the Ladder works on the optimizer inside
+            (:func:`unwrap_optimizer`; ``.optimizer`` is that one).
         max_retries: reruns allowed per call, ``>= 0`` (each moves one rung).
         scaler: the ``torch.amp.GradScaler`` the train step uses, if any: its record of
             this optimizer (``unscale_`` already called) is reset before a rerun, so the
             rerun's ``scaler.unscale_(opt)`` works.
+
+    Raises:
+        TypeError: ``optimizer`` is no optladder optimizer nor holds one (naming what it
+            holds); ``scaler`` is not a GradScaler.
 
     Example::
 
@@ -123,16 +130,15 @@ class Ladder:
 
     def __init__(
         self,
-        optimizer: LadderOptimizer,
+        optimizer: object,
         *,
         max_retries: int = 2,
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
-        if not isinstance(optimizer, LadderOptimizer):
-            raise TypeError(
-                f"optimizer must be an optladder optimizer (from choose_optimizer), got "
-                f"{type(optimizer).__name__}"
-            )
+        try:  # Lightning's wrapper is an instance of the class, holding a copy of it
+            optimizer = unwrap_optimizer(optimizer)
+        except TypeError as exc:
+            raise TypeError(f"optimizer: {exc}") from None
         check_max_retries(max_retries)
         if scaler is not None and not hasattr(scaler, "_per_optimizer_states"):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
@@ -271,3 +277,37 @@ class Ladder:
 
     def __repr__(self) -> str:
         return f"Ladder(rung={self.optimizer.rung!r}, max_retries={self.max_retries})"
+
+
+def unwrap_optimizer(optimizer: object) -> LadderOptimizer:
+    """The optladder optimizer inside a framework's wrappers.
+
+    Follows ``.optimizer`` (accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``) to the innermost optladder optimizer: a
+    ``LightningOptimizer`` is an instance of its optimizer's class holding a copy of its
+    attributes, which must not be moved down the ladder in the real one's place.
+
+    :class:`Ladder` takes what it is given through this; the integrations too
+    (:func:`optladder.integrations.unwrap_optimizer` is this function).
+
+    Args:
+        optimizer: an optladder optimizer, or a wrapper around one.
+
+    Raises:
+        TypeError: if there is no optladder optimizer inside, naming what was found.
+    """
+    seen, found = optimizer, None
+    for _ in range(8):  # wrappers nest a few levels at most
+        if isinstance(seen, LadderOptimizer):
+            found = seen  # a wrapper may subclass it (LightningOptimizer does): go deeper
+        inner = getattr(seen, "optimizer", None)
+        if inner is None or inner is seen:
+            break
+        seen = inner
+    if found is not None:
+        return found
+    raise TypeError(
+        "expected an optladder optimizer (optladder.AdamW or choose_optimizer's), or a "
+        f"wrapper around one; got "
+        f"{type(optimizer).__name__} holding {type(seen).__name__}"
+    )
