@@ -98,17 +98,24 @@ def test_a_pinned_group_runs_its_rung_and_the_rest_runs_the_decision() -> None:
     model = _model()
     opt = choose_optimizer(_groups(model, "fp32"), rung="bf16", free_memory="1GiB")
     ref_model = _model()
-    ref = choose_optimizer(list(ref_model.proj.parameters()), rung="bf16", free_memory="1GiB")
+    # the decided params at the same places over all groups (their rounding streams are
+    # keyed by them), behind the embedding, which has no grad there and steps nothing
+    ref = choose_optimizer(
+        [{"params": [ref_model.emb.weight]}, {"params": list(ref_model.proj.parameters())}],
+        rung="bf16",
+        free_memory="1GiB",
+    )
     for s in range(3):
         _set_grads(_params(model), s)
         _set_grads(_params(ref_model), s)
+        ref_model.emb.weight.grad = None
         opt.step()
         ref.step()
     # the pinned embedding followed torch's fused AdamW (fp32 moments) bit for bit
     assert torch.equal(model.emb.weight, _torch_adamw_emb(3))
     assert opt.state[model.emb.weight]["exp_avg"].dtype == torch.float32
     assert type(opt.pinned_engines["fp32"]) is torch.optim.AdamW
-    # the rest ran the bf16 rung exactly as an optimizer over those params alone
+    # the rest ran the bf16 rung exactly as an optimizer stepping those params alone
     assert isinstance(opt.engine, LadderAdamW)
     for p, r in zip(model.proj.parameters(), ref_model.proj.parameters()):
         assert torch.equal(p, r)
@@ -603,3 +610,33 @@ def test_state_dict_hooks_run_as_torch_runs_them(pin: str | None) -> None:
     assert saved["extra"] == 1 and calls == ["save pre"]
     opt.load_state_dict(saved)  # the pre-hook drops "extra"
     assert calls == ["save pre", "load post"]
+
+
+@pytest.mark.parametrize(("rung", "pin"), [("bf16", "bf16"), ("fp32", "bf16"), ("bf16", "fp32")])
+def test_a_pinned_groups_params_keep_their_own_rounding_streams(rung: str, pin: str) -> None:
+    """Stochastic rounding is keyed by (seed, step, the param's index over all groups),
+    whichever engine steps the param. Four equal bfloat16 params with equal grads in
+    four groups, the second and fourth pinned: each ends bit-identical to a run of its
+    own rung in which it has the same index (behind params without grads, which step
+    nothing), so no two share a stream (each engine had counted its params from 0, so
+    the pinned group's first param shared the first decided param's stream)."""
+    base = torch.randn(4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    grad = torch.randn(4096, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+    def stepped(groups: list[dict], params: list[torch.Tensor], fixed: str) -> None:  # type: ignore[type-arg]
+        opt = choose_optimizer(groups, lr=1e-3, rung=fixed, free_memory="8GiB", environ={})
+        for _ in range(3):
+            for p in params:
+                p.grad = grad.clone()
+            opt.step()
+
+    ps = [torch.nn.Parameter(base.clone()) for _ in range(4)]
+    groups: list[dict] = [{"params": [p]} for p in ps]  # type: ignore[type-arg]
+    groups[1]["rung"] = groups[3]["rung"] = pin
+    stepped(groups, ps, rung)
+    for i, p in enumerate(ps):
+        alone = torch.nn.Parameter(base.clone())
+        ahead = [{"params": [torch.nn.Parameter(base.clone())]} for _ in range(i)]
+        stepped([*ahead, {"params": [alone]}], [alone], pin if i % 2 else rung)
+        assert torch.equal(p, alone), i
+    assert not torch.equal(ps[0], ps[1])

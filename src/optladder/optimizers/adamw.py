@@ -576,6 +576,11 @@ class LadderAdamW(torch.optim.Optimizer):
         self._state_seen: list[Any] = []  # self.state's values after the last prepare
         self._lr_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}  # Triton's lr
         self._untracked_steps = False  # a plan has params off the C kernel (see prepare)
+        # each group's first param's index over all the owning optimizer's groups (its
+        # rounding streams' param index, and the index messages name): set by
+        # LadderOptimizer when other engines hold some of its groups; None: counted over
+        # this engine's own groups
+        self.param_starts: list[int] | None = None
         super().__init__(params, defaults)
 
     _step_supports_amp_scaling = True
@@ -716,9 +721,14 @@ class LadderAdamW(torch.optim.Optimizer):
             self._group_plans.clear()  # made again below, with a new table
             self._cpu_table, self._table_plans = None, []
             self._table_held, self._table_ptrs = [], []
+        starts = self.param_starts
+        if starts is not None and len(starts) != len(self.param_groups):
+            starts = None  # set for other groups: count over this engine's own
         try:
             start = 0
             for gi, group in enumerate(self.param_groups):
+                if starts is not None:
+                    start = starts[gi]
                 if checked is None and not self._options_memo.options_unchanged(gi, group):
                     try:
                         self.check_group_options(group)

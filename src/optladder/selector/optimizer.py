@@ -252,6 +252,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             weakref.WeakKeyDictionary()
         )
         self._names: tuple[tuple[int, ...], dict[int, str]] = ((), {})
+        self._numbered: tuple[Any, ...] = ()  # what _number_params last numbered
         order = list(param_groups)
         held = {id(g) for g in engine.param_groups}
         if not held <= {id(g) for g in order}:
@@ -659,6 +660,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         (another rank moved there outside a step)."""
         engines = self._engines()
         names = self._group_names()
+        self._number_params(engines)
         prepared: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
         error: BaseException | None = None
         status = STEP_OK
@@ -729,6 +731,33 @@ class LadderOptimizer(torch.optim.Optimizer):
             furthest_rung,
             False,
         )
+
+    def _number_params(self, engines: list[torch.optim.Optimizer]) -> None:
+        """Tell each engine that keeps ``param_starts`` (:class:`LadderAdamW`) where its
+        groups' params stand over all groups, so that a param's stochastic rounding
+        stream (keyed by its index over all groups, :mod:`optladder.optimizers.rounding`)
+        is its own when pinned groups live in other engines (each engine had counted
+        from 0, so a pinned group's first param shared the first decided param's
+        stream). With one engine its own count is that index already."""
+        if len(engines) == 1:
+            return
+        groups = self.param_groups
+        key = (
+            tuple(map(id, groups)),
+            tuple(len(g["params"]) for g in groups),
+            tuple(map(id, engines)),
+        )
+        if key == self._numbered:
+            return
+        first: dict[int, int] = {}
+        start = 0
+        for group in groups:
+            first[id(group)] = start
+            start += len(group["params"])
+        for engine in engines:
+            if hasattr(engine, "param_starts"):
+                engine.param_starts = [first[id(g)] for g in engine.param_groups]
+        self._numbered = key
 
     def _group_names(self) -> dict[int, str]:
         """``id(group) -> "group {place}"`` for messages, kept while the groups are."""
