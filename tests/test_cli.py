@@ -71,6 +71,24 @@ def test_help_and_version_import_no_heavy_module(argv: list[str]) -> None:
     assert proc.stdout.splitlines()[-1] == "RESULT 0 []"
 
 
+def test_a_reader_that_closes_the_pipe_ends_the_plan_quietly() -> None:
+    """``optladder plan --json | head -1``: the reader is gone before the plan is
+    printed; the command stops with 141 (128 + SIGPIPE, as a shell says) and no
+    BrokenPipeError traceback."""
+    argv = ["plan", "--params", "7B", "--device", "cuda", "--free-memory", "80GiB", "--json"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "optladder", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # long before the interpreter has imported torch and printed
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "--version")
     assert code == 0 and out == f"optladder {optladder.__version__}\n"

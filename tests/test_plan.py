@@ -273,6 +273,12 @@ def test_model_factory_built_on_meta(
 
             def not_a_module():
                 return [1]
+
+            def needs_width(width):
+                return nn.Linear(width, width)
+
+            def raises():
+                raise RuntimeError("no config here")
             """
         )
     )
@@ -292,9 +298,13 @@ def test_model_factory_built_on_meta(
         ("plan_factory_mod:NOT_CALLABLE", "not a callable"),
         ("plan_factory_mod:not_a_module", "not a torch.nn.Module"),
         ("plan_factory_mod:missing", "has no attribute"),
+        ("plan_factory_mod:needs_width", "needs_width needs arguments"),
+        ("plan_factory_mod:raises", "failed (RuntimeError: no config here)"),
     ]:
         code, _, err = plan_cli(capsys, "--model", spec, "--free-memory", "1GiB")
         assert code == 2 and "--model=" in err and words in err, err
+        # the no-arguments rule is named only for a factory that needs arguments
+        assert ("taking no arguments" in err) is (spec.endswith(("needs_width", "CALLABLE"))), err
 
 
 @pytest.mark.parametrize(

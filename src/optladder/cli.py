@@ -15,11 +15,14 @@ Exit status (``optladder plan``; the numbers are :data:`EXIT_FITS` and friends):
   plan for that device.
 
 ``optladder demo`` exits 0 when it ran, 2 on bad input, and the OOM demo's status else.
+Either exits 141 (:data:`EXIT_BROKEN_PIPE`), quietly, when the reader of its output
+closed the pipe first (``optladder plan --json | head -1``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -31,6 +34,8 @@ EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 1
 EXIT_BAD_INPUT = 2
 EXIT_NO_DECISION = 3
+EXIT_BROKEN_PIPE = 141
+"""The reader of the output closed the pipe first (128 + SIGPIPE, as a shell reports it)."""
 
 RUNG_CHOICES = ("fp32", "bf16", "8bit")
 """``optladder.rungs.RUNGS``, written out so that parsing does not import pydantic (a test
@@ -332,9 +337,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     given = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(_attach_negative_values(given))
-    if args.command == "plan":
-        return _run_plan(args)
-    return _run_demo(args)
+    try:
+        code = _run_plan(args) if args.command == "plan" else _run_demo(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader closed the pipe (`optladder plan --json | head -1`): stop quietly, as
+        # Python's documentation recommends (stdout to devnull, or the flush at exit
+        # raises again), with a shell's status for a process ended by SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return code
 
 
 if __name__ == "__main__":

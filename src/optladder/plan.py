@@ -21,6 +21,7 @@ option (a keyword argument of :func:`make_plan` with dashes: ``model_config`` is
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 import os
@@ -361,12 +362,21 @@ def model_from_factory(spec: str) -> torch.nn.Module:
             "a callable taking no arguments that returns a torch.nn.Module"
         )
     try:
+        inspect.signature(target).bind()
+    except TypeError as exc:
+        raise PlanError(
+            f"--model={spec!r}: {attr} needs arguments ({exc}); expected a callable taking "
+            "no arguments that returns a torch.nn.Module"
+        ) from None
+    except ValueError:  # no signature to read (some builtins): calling it will tell
+        pass
+    try:
         with torch.device("meta"):
             model = target()
     except Exception as exc:  # the user's code: report whatever it raised
         raise PlanError(
             f"--model={spec!r}: calling {attr}() on the meta device failed "
-            f"({type(exc).__name__}: {exc}); the factory must take no arguments"
+            f"({type(exc).__name__}: {exc})"
         ) from exc
     if not isinstance(model, torch.nn.Module):
         raise PlanError(
