@@ -704,3 +704,13 @@ def test_migrate_to_honours_fixed_and_disabled_rungs() -> None:
     _, escalated = _trained("bf16", escalated=True)
     no_bf16.load_state_dict(escalated.state_dict())
     assert no_bf16.rung == "fp32"
+
+
+def test_migrate_to_reads_a_rung_as_choose_optimizer_does() -> None:
+    """rung= takes "BF16" (any case, spaces stripped); migrate_to had refused it."""
+    opt = _opt(_params(), rung=None)
+    opt.migrate_to(" BF16", "test")
+    assert opt.rung == "bf16" and [g["rung"] for g in opt.param_groups] == ["bf16", "bf16"]
+    with pytest.raises(ValueError, match=r"rung='int4' is not a rung; accepted values: fp32"):
+        opt.migrate_to("int4", "test")
+    assert opt.rung == "bf16"

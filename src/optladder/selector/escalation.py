@@ -31,7 +31,7 @@ from optladder.policies.decision import (
     escalation_target,
     fixed_reason,
 )
-from optladder.rungs import RUNGS, Rung
+from optladder.rungs import RUNGS, Rung, parse_rung
 from optladder.selector.checks import check_params_for_rung
 
 if TYPE_CHECKING:
@@ -139,8 +139,7 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
     Raises:
         ValueError: an unknown rung or origin; a refused move without ``force``.
     """
-    if rung not in RUNGS:
-        raise ValueError(f"rung={rung!r} is not a rung; accepted values: {', '.join(RUNGS)}")
+    rung = parse_rung(rung, "rung")  # as choose_optimizer's rung=: "BF16" is bf16
     if origin not in ("escalated", "checkpoint"):
         raise ValueError(f"origin must be 'escalated' or 'checkpoint', got {origin!r}")
     if rung == opt.rung:
