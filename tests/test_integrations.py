@@ -730,3 +730,39 @@ def test_ladder_over_accelerates_optimizer_moves_the_real_one() -> None:
     assert len(forwards) == 2 and opt.rung == "bf16" and _steps(opt) == {1}
     with pytest.raises(TypeError, match=r"optimizer: .*got SGD holding SGD"):
         Ladder(torch.optim.SGD(model.parameters()))
+
+
+def test_moves_and_counts_through_lightnings_wrapper_reach_the_optimizer() -> None:
+    """Lightning's ``LightningOptimizer`` (what ``self.optimizers()`` returns) is an
+    instance of a subclass of the optimizer's class that reads missing attributes from
+    the optimizer: ``zero_grad``, ``escalate``, ``migrate_to``, ``add_param_group`` and
+    ``load_state_dict`` called on it act on the optimizer itself (their writes had stayed
+    on the wrapper: the optimizer Lightning steps kept its fp32 engine beside groups
+    marked bf16, and Ladder never saw the wrapper's zero_grad calls)."""
+    pytest.importorskip("lightning")
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    from optladder import choose_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 128)  # 8,192 weights: 8-bit codes on 8bit
+    opt = choose_optimizer(model, lr=1e-2, free_memory="1GiB", environ={})
+    wrapper = LightningOptimizer(opt)
+    assert isinstance(wrapper, LadderOptimizer)
+    wrapper.zero_grad()
+    assert opt.zero_grad_calls == 1 and "_zero_grad_calls" not in wrapper.__dict__
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    wrapper.escalate("asked through the wrapper")
+    assert opt.rung == wrapper.rung == "bf16" and "_decision" not in wrapper.__dict__
+    assert opt.state[model.weight]["exp_avg"].dtype == torch.bfloat16
+    opt.step()  # the optimizer's engine is the bf16 one its groups say
+    wrapper.migrate_to("8bit", "again through the wrapper")
+    assert opt.rung == "8bit" and [g["rung"] for g in opt.param_groups] == ["8bit"]
+    wrapper.load_state_dict(saved)  # an fp32 checkpoint of the policy: converted to 8bit
+    assert opt.rung == "8bit" and opt.state[model.weight]["state1"].dtype == torch.uint8
+    extra = torch.nn.Parameter(torch.zeros(3))
+    wrapper.add_param_group({"params": [extra]})
+    assert len(opt.param_groups) == 2 and opt.param_groups[1]["params"][0] is extra
+    assert not {"_engine", "param_groups", "state"} & set(wrapper.__dict__)

@@ -284,8 +284,8 @@ def unwrap_optimizer(optimizer: object) -> LadderOptimizer:
 
     Follows ``.optimizer`` (accelerate's ``AcceleratedOptimizer``, Lightning's
     ``LightningOptimizer``) to the innermost optladder optimizer: a
-    ``LightningOptimizer`` is an instance of its optimizer's class holding a copy of its
-    attributes, which must not be moved down the ladder in the real one's place.
+    ``LightningOptimizer`` is an instance of a subclass of its optimizer's class that
+    reads the optimizer's attributes; attributes written on it would stay on it.
 
     :class:`Ladder` takes what it is given through this; the integrations too
     (:func:`optladder.integrations.unwrap_optimizer` is this function).

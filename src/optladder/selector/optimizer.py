@@ -323,6 +323,18 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._share_state(engine)
         return list(engine.param_groups)
 
+    def _wrapped(self) -> LadderOptimizer | None:
+        """The optladder optimizer that a framework's wrapper of this class stands for, or
+        None when this is the optimizer itself.
+
+        Lightning's ``LightningOptimizer`` is an instance of a subclass of the optimizer's
+        class that holds the optimizer as ``_optimizer`` and reads missing attributes
+        from it: a method that changes attributes (``zero_grad``'s count, a move's
+        engine and decision) must run on the optimizer itself, or its writes land on the
+        wrapper, and the optimizer Lightning steps never sees them."""
+        inner = self.__dict__.get("_optimizer")
+        return inner if isinstance(inner, LadderOptimizer) and inner is not self else None
+
     def _engines(self, engine: torch.optim.Optimizer | None = None) -> list[torch.optim.Optimizer]:
         """The engine of the groups that follow the decision, then the pinned engines."""
         return [self.engine if engine is None else engine, *self._pinned.values()]
@@ -386,6 +398,9 @@ class LadderOptimizer(torch.optim.Optimizer):
             ValueError: naming the param or option, what was found and what is allowed;
                 a pinned rung that is disabled or unavailable.
         """
+        inner = self._wrapped()
+        if inner is not None:
+            return inner.add_param_group(param_group)
         if self._engine is None:  # called by torch.optim.Optimizer.__init__ with the
             self.param_groups.append(param_group)  # engine's groups, which it checked
             return
@@ -442,6 +457,9 @@ class LadderOptimizer(torch.optim.Optimizer):
     @run_eagerly
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of all params (to None by default, as torch does)."""
+        inner = self._wrapped()
+        if inner is not None:
+            return inner.zero_grad(set_to_none)
         self._zero_grad_calls += 1
         for engine in self._engines():
             engine.zero_grad(set_to_none=set_to_none)
@@ -856,6 +874,9 @@ class LadderOptimizer(torch.optim.Optimizer):
                 ran out of memory (the message says so; the rung stays, and the state is
                 as before, or names the params an 8-bit move rounded).
         """
+        inner = self._wrapped()
+        if inner is not None:
+            return inner.escalate(reason)
         return escalation.escalate(self, reason)
 
     def migrate_to(
@@ -884,6 +905,9 @@ class LadderOptimizer(torch.optim.Optimizer):
             ValueError: an unknown rung or origin; a fixed rung or a disabled or
                 unavailable target without ``force``.
         """
+        inner = self._wrapped()
+        if inner is not None:
+            return inner.migrate_to(rung, reason, origin, force=force)
         escalation.migrate(self, rung, reason, origin, force=force)
 
     # ------------------------------------------------------------------ checkpoints
@@ -959,6 +983,9 @@ class LadderOptimizer(torch.optim.Optimizer):
                 hyperparameters or options are out of range; the optimizer is left
                 unchanged.
         """
+        inner = self._wrapped()
+        if inner is not None:
+            return inner.load_state_dict(state_dict)
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # shallow, as torch does before its hooks
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
