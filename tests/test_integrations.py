@@ -574,6 +574,19 @@ def test_accelerate_reports_an_amp_overflow_step_skipped(mode: str) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+def _quiet_trainer(lightning: Any) -> Any:
+    """A Lightning ``Trainer`` for one epoch on the CPU, with no logger, checkpoints,
+    progress bar or model summary."""
+    return lightning.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
 def test_lightning_ladder_step_mixin_reruns_one_rung_down() -> None:
     pytest.importorskip("lightning")
     import lightning as L
@@ -604,14 +617,7 @@ def test_lightning_ladder_step_mixin_reruns_one_rung_down() -> None:
     )
     module = Net()
     forwards = _oom_in_forward(module.net, at_call=3)
-    trainer = L.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _quiet_trainer(L)
     trainer.fit(module, loader)
     opt = module.opt
     assert opt is not None
@@ -679,14 +685,7 @@ def test_ladder_over_lightnings_optimizer_moves_the_real_one() -> None:
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
 
     def fit(module: Net) -> Any:
-        trainer = L.Trainer(
-            max_epochs=1,
-            accelerator="cpu",
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = _quiet_trainer(L)
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
         return trainer
 
