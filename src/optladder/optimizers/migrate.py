@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -469,7 +470,11 @@ def _split_state(
             new[name], lows[name] = _split_moment(state[name], p.shape)
             state[name] = new[name]  # the float32 moment is freed here
     except BaseException:
-        _unsplit_state(state, lows)
+        try:
+            _unsplit_state(state, lows)
+        except BaseException:
+            state.clear()  # the way back failed too: no state rather than half of each
+            raise
         raise
     return new, lows
 
@@ -505,6 +510,12 @@ def migrate_engine(
       params converted so far are converted back, which rounds them to the target's
       format; the error raised is then :class:`MigrationRoundedError`, naming them.
 
+    The way back starts with the param converted last (what its conversion freed pays for
+    its way back), after the failed conversion's tensors are dropped. Should it run out
+    of memory too (memory taken during the move stayed taken), the params it cannot
+    convert back get no state rather than a state in the other format, and
+    :class:`MigrationRoundedError` names them (``lost``).
+
     Args:
         source: the engine holding the state.
         target: the new engine, over the same params, with empty state.
@@ -514,8 +525,8 @@ def migrate_engine(
             so the bound above does not hold anyway).
 
     Raises:
-        MigrationRoundedError: a conversion failed and params were rounded on the way back
-            (the original error chained).
+        MigrationRoundedError: a conversion failed and params were rounded on the way back,
+            or lost their state there (the original error chained).
         Whatever a conversion raised, otherwise (the state exactly as before).
     """
     release = getattr(source, "release_tables", None)
@@ -528,8 +539,10 @@ def migrate_engine(
     done: list[torch.Tensor] = []
     kept: dict[torch.Tensor, Any] = {}
     lows: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+    current: torch.Tensor | None = None
     try:
         for p in todo:
+            current = p
             spec = state_target(target, target_groups[id(p)], p)
             old = source.state[p]
             if not keep_source and _splits_exactly(old, p, spec):
@@ -541,32 +554,55 @@ def migrate_engine(
                 kept[p] = old
             del old
             done.append(p)
+            current = None
     except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # the failed conversion's tensors go first
         rounded: list[int] = []
+        lost: list[int] = []
+        interrupt: BaseException | None = None
         order = {
             id(q): i for i, q in enumerate(q for g in source.param_groups for q in g["params"])
         }
-        for p in done:
-            if p in kept:
-                target.state.pop(p)
-                source.state[p] = kept.pop(p)
-            elif p in lows:
-                state = dict(target.state.pop(p))
-                _unsplit_state(state, lows.pop(p))
-                spec = state_target(source, source_groups[id(p)], p)
-                source.state[p] = convert_param_state(state, p, spec)
-            else:
-                spec = state_target(source, source_groups[id(p)], p)
-                source.state[p] = convert_param_state(target.state.pop(p), p, spec)
-                rounded.append(order[id(p)])
-        if rounded:
-            raise MigrationRoundedError(
-                f"the move ran out of memory or failed ({type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}) after "
-                f"converting params {sorted(rounded)} (index over all groups); they were "
-                "converted back and keep the narrower format's rounding",
-                sorted(rounded),
-            ) from exc
+        if current is not None and not source.state.get(current):  # its way back failed
+            source.state.pop(current, None)
+            lost.append(order[id(current)])
+        # the last converted first: the memory its conversion freed pays for its way back
+        for p in reversed(done):
+            try:
+                if p in kept:
+                    source.state[p] = kept.pop(p)
+                elif p in lows:
+                    state = dict(target.state[p])
+                    _unsplit_state(state, lows[p])
+                    spec = state_target(source, source_groups[id(p)], p)
+                    source.state[p] = convert_param_state(state, p, spec)
+                else:
+                    spec = state_target(source, source_groups[id(p)], p)
+                    source.state[p] = convert_param_state(target.state[p], p, spec)
+                    rounded.append(order[id(p)])
+            except BaseException as back:  # out of memory again: p's state is lost
+                lost.append(order[id(p)])
+                if not isinstance(back, Exception):
+                    interrupt = back
+            target.state.pop(p, None)
+            lows.pop(p, None)
+        if interrupt is not None:
+            raise interrupt from exc
+        if rounded or lost:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            said = f"the move ran out of memory or failed ({type(exc).__name__}: {first})"
+            if rounded:
+                said += (
+                    f" after converting params {sorted(rounded)} (index over all groups); they "
+                    "were converted back and keep the narrower format's rounding"
+                )
+            if lost:
+                said += (
+                    f"; params {sorted(lost)} lost their state (index over all groups): the "
+                    "way back ran out of memory too, so they start again from zero moments "
+                    "and step 0 at their next step"
+                )
+            raise MigrationRoundedError(said, sorted(rounded), sorted(lost)) from exc
         raise
 
 
@@ -577,11 +613,15 @@ class MigrationRoundedError(torch.OutOfMemoryError):
 
     Attributes:
         rounded: indices (over all the source engine's groups) of the rounded params.
+        lost: indices of params whose way back ran out of memory too (memory taken
+            during the move stayed taken): they have no state (it was dropped rather
+            than left in the other format), so their next step starts from zero moments.
     """
 
-    def __init__(self, message: str, rounded: list[int]) -> None:
+    def __init__(self, message: str, rounded: list[int], lost: list[int] | None = None) -> None:
         super().__init__(message)
         self.rounded = rounded
+        self.lost = lost or []
 
 
 FOREIGN_GROUP_KEYS: dict[str, str] = {

@@ -107,13 +107,21 @@ def escalate(
     except BaseException as exc:
         if not is_oom(exc):
             raise
-        rounded = getattr(exc, "rounded", None)
-        state = (
-            f"params {rounded} (index over the moved groups) were converted back with the "
-            f"{target} format's rounding"
+        rounded, lost = getattr(exc, "rounded", None), getattr(exc, "lost", None)
+        said = (
+            [
+                f"params {rounded} (index over the moved groups) were converted back with the "
+                f"{target} format's rounding"
+            ]
             if rounded
-            else "every param's state is exactly as before"
+            else []
         )
+        if lost:
+            said.append(
+                f"params {lost} lost their state (the way back ran out of memory too: they "
+                "start again from zero moments and step 0)"
+            )
+        state = "; ".join(said) or "every param's state is exactly as before"
         raise opt.out_of_memory_error(
             f"{reason}; escalating {opt.rung} -> {target} ran out of memory too "
             f"({describe_error(exc)}): the optimizer stays on {opt.rung} and {state}"

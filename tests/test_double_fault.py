@@ -1,0 +1,106 @@
+"""A move down that runs out of memory and whose way back runs out of memory too.
+
+``tests/test_exactly_once.py`` and ``tests/test_every_op.py`` fail one allocation of a
+move; then the way back (converting the moved params back) has all the memory it needs.
+Memory that another process takes during the move stays taken: here every allocation
+from the ``k``-th on fails (:class:`FailFromNth`). The way back may then fail too; every
+param must still hold its state exactly as before, or be named by the error (rounded
+back, or its state lost), and the error must not call the state exact when it is not.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from memtools import FailNthAllocation, _fresh_results
+from optladder import OptimizerOutOfMemoryError, choose_optimizer
+from snapshots import flat_state
+
+
+class FailFromNth(FailNthAllocation):
+    """Raise ``torch.OutOfMemoryError`` instead of every allocating op from the ``n``-th
+    on (1-based): memory taken away for good."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if _fresh_results(func):
+            self.count += 1
+            if self.n is not None and self.count >= self.n:
+                raise torch.OutOfMemoryError(f"injected: allocation {self.count} ({func})")
+        return func(*args, **(kwargs or {}))
+
+
+def _trained(env: dict[str, str]) -> tuple[list[torch.nn.Parameter], Any]:
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(k)) for k in (3000, 1000)]
+    opt = choose_optimizer(ps, lr=1e-2, free_memory="8GiB", environ=env)
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return ps, opt
+
+
+def _copy(state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in flat_state(state).items()
+    }
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, va in a.items():
+        vb = b[k]
+        if isinstance(va, torch.Tensor):
+            if not (isinstance(vb, torch.Tensor) and va.dtype == vb.dtype):
+                return False
+            if not torch.equal(va.reshape(-1).view(torch.uint8), vb.reshape(-1).view(torch.uint8)):
+                return False
+        elif va != vb:
+            return False
+    return True
+
+
+def _named(message: str, what: str) -> set[int]:
+    """The param indices the error names after ``what`` (``"params [0, 2] <what>"``)."""
+    import re
+
+    found = re.search(r"params \[([0-9, ]+)\][^\[]*?" + what, message)
+    return {int(i) for i in found.group(1).split(",")} if found else set()
+
+
+@pytest.mark.parametrize(("env", "rung"), [({}, "fp32"), ({"OPTLADDER_BF16_ADAM": "1"}, "bf16")])
+def test_a_move_whose_way_back_runs_out_of_memory_loses_nothing_unnamed(
+    env: dict[str, str], rung: str
+) -> None:
+    """fp32 -> bf16 (exact split) and bf16 -> 8bit (rounded back), every allocation from
+    the k-th on failing, for every k of the move: the rung stays; each param's state is
+    exactly as before (bits and dtypes) unless the error names it as rounded back or
+    lost; a lost param holds no state (it is not left in the other rung's format); and
+    the error says "exactly as before" only when that is so."""
+    _, opt = _trained(env)
+    with FailNthAllocation() as counter:
+        opt.escalate("count")
+    assert counter.count > 4
+    for k in range(1, counter.count + 2):  # the first move in a process makes code books
+        ps, opt = _trained(env)
+        before = [_copy(opt.state[p]) for p in ps]
+        try:
+            with FailFromNth(k):
+                opt.escalate("injected")
+        except OptimizerOutOfMemoryError as exc:
+            message = str(exc)
+        else:
+            assert k > 4 and opt.rung != rung
+            break
+        assert opt.rung == rung, k
+        rounded, lost = _named(message, "were converted back"), _named(message, "lost")
+        changed = {i for i, p in enumerate(ps) if not _same(_copy(opt.state.get(p, {})), before[i])}
+        assert changed <= rounded | lost, (k, changed, message)
+        for i in lost:
+            assert not opt.state.get(ps[i]), (k, i)
+        if "exactly as before" in message:
+            assert not changed, (k, message)
