@@ -34,7 +34,7 @@ class FailFromNth(FailNthAllocation):
 
 def _trained(env: dict[str, str]) -> tuple[list[torch.nn.Parameter], Any]:
     torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(k)) for k in (3000, 1000)]
+    ps = [torch.nn.Parameter(torch.randn(k)) for k in (6000, 5000)]
     opt = choose_optimizer(ps, lr=1e-2, free_memory="8GiB", environ=env)
     for _ in range(2):
         for p in ps:
@@ -84,7 +84,7 @@ def test_a_move_whose_way_back_runs_out_of_memory_loses_nothing_unnamed(
     _, opt = _trained(env)
     with FailNthAllocation() as counter:
         opt.escalate("count")
-    assert counter.count > 4
+    named = False
     for k in range(1, counter.count + 2):  # the first move in a process makes code books
         ps, opt = _trained(env)
         before = [_copy(opt.state[p]) for p in ps]
@@ -94,13 +94,15 @@ def test_a_move_whose_way_back_runs_out_of_memory_loses_nothing_unnamed(
         except OptimizerOutOfMemoryError as exc:
             message = str(exc)
         else:
-            assert k > 4 and opt.rung != rung
+            assert opt.rung != rung
             break
         assert opt.rung == rung, k
         rounded, lost = _named(message, "were converted back"), _named(message, "lost")
+        named = named or bool(rounded | lost)
         changed = {i for i, p in enumerate(ps) if not _same(_copy(opt.state.get(p, {})), before[i])}
         assert changed <= rounded | lost, (k, changed, message)
         for i in lost:
             assert not opt.state.get(ps[i]), (k, i)
         if "exactly as before" in message:
             assert not changed, (k, message)
+    assert named  # some fault came after a param had moved: the way back ran
