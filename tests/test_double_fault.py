@@ -106,3 +106,36 @@ def test_a_move_whose_way_back_runs_out_of_memory_loses_nothing_unnamed(
         if "exactly as before" in message:
             assert not changed, (k, message)
     assert named  # some fault came after a param had moved: the way back ran
+
+
+class InterruptAtNth(FailNthAllocation):
+    """Raise ``KeyboardInterrupt`` (Ctrl-C arriving there) at the ``n``-th allocating op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if _fresh_results(func):
+            self.count += 1
+            if self.count == self.n:
+                raise KeyboardInterrupt
+        return func(*args, **(kwargs or {}))
+
+
+def test_ctrl_c_during_a_move_to_8bit_stays_a_keyboard_interrupt() -> None:
+    """Ctrl-C at any allocation of bf16 -> 8bit (whose way back rounds the params moved
+    so far) is raised as KeyboardInterrupt, not reported as running out of memory (it
+    was raised as ``MigrationRoundedError``, and ``escalate`` said the move "ran out of
+    memory too"); the rung stays and every param keeps a state."""
+    ps, opt = _trained({"OPTLADDER_BF16_ADAM": "1"})
+    with FailNthAllocation() as counter:
+        opt.escalate("count")
+    for k in range(1, counter.count + 2):
+        ps, opt = _trained({"OPTLADDER_BF16_ADAM": "1"})
+        try:
+            with InterruptAtNth(k):
+                opt.escalate("injected")
+        except KeyboardInterrupt:
+            pass
+        else:
+            assert opt.rung == "8bit"
+            break
+        assert opt.rung == "bf16", k
+        assert all(opt.state.get(p) for p in ps), k

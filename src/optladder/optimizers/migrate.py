@@ -527,6 +527,8 @@ def migrate_engine(
     Raises:
         MigrationRoundedError: a conversion failed and params were rounded on the way back,
             or lost their state there (the original error chained).
+        KeyboardInterrupt: Ctrl-C during the move, after the way back (as it came, never
+            reported as running out of memory; the rounded params are not named then).
         Whatever a conversion raised, otherwise (the state exactly as before).
     """
     release = getattr(source, "release_tables", None)
@@ -588,7 +590,7 @@ def migrate_engine(
             lows.pop(p, None)
         if interrupt is not None:
             raise interrupt from exc
-        if rounded or lost:
+        if (rounded or lost) and isinstance(exc, Exception):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             said = f"the move ran out of memory or failed ({type(exc).__name__}: {first})"
             if rounded:
