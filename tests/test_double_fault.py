@@ -139,3 +139,39 @@ def test_ctrl_c_during_a_move_to_8bit_stays_a_keyboard_interrupt() -> None:
             break
         assert opt.rung == "bf16", k
         assert all(opt.state.get(p) for p in ps), k
+
+
+def test_ctrl_c_at_the_handover_of_a_move_waits_until_the_move_is_whole() -> None:
+    """A real Ctrl-C (SIGINT) arriving after the state was converted, while the new engine
+    is handed over (between the decision's update and the engine's attach), used to drop
+    every param's state (it was only on the new engine) and leave the decision on bf16
+    beside the fp32 engine. Now it is held back until the move is done and recorded: the
+    optimizer is on bf16 with every state, and its next step equals, bit for bit, that of
+    a run that escalated without the interrupt."""
+    import signal
+
+    from snapshots import assert_same, snapshot
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT has a handler of its own here")
+    ps, opt = _trained({})
+    ref_ps, ref = _trained({})
+    mark = opt._mark_groups
+
+    def interrupted_mark(groups: list[dict[str, Any]], decision: Any) -> None:
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C, delivered at the next bytecode
+        mark(groups, decision)
+
+    opt._mark_groups = interrupted_mark  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        opt.escalate("injected")
+    del opt._mark_groups
+    ref.escalate("injected")
+    assert opt.rung == "bf16" and len(opt.escalations) == 1
+    assert all(opt.state.get(p) for p in ps)
+    for params, o in ((ps, opt), (ref_ps, ref)):
+        torch.manual_seed(5)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        o.step()
+    assert_same(snapshot(opt), snapshot(ref))

@@ -25,6 +25,7 @@ import torch
 
 from optladder.oom import describe_error, is_oom
 from optladder.optimizers.migrate import migrate_engine, read_step, rung_step_limit
+from optladder.optimizers.transaction import deferred_interrupts
 from optladder.policies.decision import (
     Decision,
     allowed_rungs,
@@ -103,7 +104,9 @@ def escalate(
             raise opt.out_of_memory_error(f"{reason}; {'; '.join([*passed, why_not])}")
     event = Escalation(opt.rung, target, reason, opt._steps)
     try:
-        opt.migrate_to(target, reason, origin="escalated")
+        with deferred_interrupts():  # Ctrl-C waits until the move is whole and recorded
+            opt.migrate_to(target, reason, origin="escalated")
+            opt.escalations.append(event)
     except BaseException as exc:
         if not is_oom(exc):
             raise
@@ -126,7 +129,6 @@ def escalate(
             f"{reason}; escalating {opt.rung} -> {target} ran out of memory too "
             f"({describe_error(exc)}): the optimizer stays on {opt.rung} and {state}"
         ) from exc
-    opt.escalations.append(event)
     logger.warning(
         "optladder: %s; escalated %s -> %s after %d steps",
         reason,
@@ -166,14 +168,17 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
         raise ValueError(f"cannot move to {rung}: {refusal}")
     saved_groups = [dict(g) for g in old.param_groups]
     opt._memos.clear()  # they hold the state dicts the move drops
-    try:
-        fused = opt._decision.capabilities.fused[rung]
-        new = opt._rebuild(rung, old.param_groups, fused)
-        migrate_engine(old, new, keep_source=RUNGS.index(rung) < RUNGS.index(opt.rung))
-    except BaseException:
-        restore_groups(old.param_groups, saved_groups)
-        raise
-    switch(opt, new, rung, reason, origin)
+    # Ctrl-C waits until the move is done: between the conversion and the handover below,
+    # the state is only on the new engine, which an interrupt there would drop
+    with deferred_interrupts():
+        try:
+            fused = opt._decision.capabilities.fused[rung]
+            new = opt._rebuild(rung, old.param_groups, fused)
+            migrate_engine(old, new, keep_source=RUNGS.index(rung) < RUNGS.index(opt.rung))
+        except BaseException:
+            restore_groups(old.param_groups, saved_groups)
+            raise
+        switch(opt, new, rung, reason, origin)
 
 
 def steps_refusal(opt: LadderOptimizer, rung: Rung) -> str | None:
