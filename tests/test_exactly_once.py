@@ -482,9 +482,10 @@ def test_a_failed_fp32_to_bf16_escalation_changes_nothing_at_any_allocation() ->
 def test_a_failed_move_to_8bit_names_the_rounded_params() -> None:
     """8-bit codes cannot hold bf16 moments exactly within the one-param bound: the error
     names the params converted back with that rounding."""
-    _, opt = _trained_params((300_000, 200_000, 100_000), {"OPTLADDER_BF16_ADAM": "1"})
-    with FailNthAllocation() as counter:
-        opt.escalate("count")
+    for _ in range(2):  # the first move in a process also makes the code books: not counted
+        _, opt = _trained_params((300_000, 200_000, 100_000), {"OPTLADDER_BF16_ADAM": "1"})
+        with FailNthAllocation() as counter:
+            opt.escalate("count")
     _, opt = _trained_params((300_000, 200_000, 100_000), {"OPTLADDER_BF16_ADAM": "1"})
     with (
         pytest.raises(OptimizerOutOfMemoryError, match=r"params \[0, 1\]"),
