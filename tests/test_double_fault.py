@@ -119,14 +119,18 @@ class InterruptAtNth(FailNthAllocation):
         return func(*args, **(kwargs or {}))
 
 
-def test_ctrl_c_during_a_move_to_8bit_stays_a_keyboard_interrupt() -> None:
+def test_ctrl_c_during_a_move_to_8bit_stays_a_keyboard_interrupt(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Ctrl-C at any allocation of bf16 -> 8bit (whose way back rounds the params moved
     so far) is raised as KeyboardInterrupt, not reported as running out of memory (it
     was raised as ``MigrationRoundedError``, and ``escalate`` said the move "ran out of
-    memory too"); the rung stays and every param keeps a state."""
+    memory too"); the rung stays, every param keeps a state, and the params rounded on
+    the way back are named in a warning."""
     ps, opt = _trained({"OPTLADDER_BF16_ADAM": "1"})
     with FailNthAllocation() as counter:
         opt.escalate("count")
+    named = False
     for k in range(1, counter.count + 2):
         ps, opt = _trained({"OPTLADDER_BF16_ADAM": "1"})
         try:
@@ -139,6 +143,8 @@ def test_ctrl_c_during_a_move_to_8bit_stays_a_keyboard_interrupt() -> None:
             break
         assert opt.rung == "bf16", k
         assert all(opt.state.get(p) for p in ps), k
+        named = named or "keep the narrower format's rounding" in caplog.text
+    assert named  # some Ctrl-C came after a param had moved
 
 
 def test_ctrl_c_at_the_handover_of_a_move_waits_until_the_move_is_whole() -> None:

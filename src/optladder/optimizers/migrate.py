@@ -24,6 +24,7 @@ is quantized follows the param's global element count. No conversion communicate
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import traceback
@@ -528,7 +529,8 @@ def migrate_engine(
         MigrationRoundedError: a conversion failed and params were rounded on the way back,
             or lost their state there (the original error chained).
         KeyboardInterrupt: Ctrl-C during the move, after the way back (as it came, never
-            reported as running out of memory; the rounded params are not named then).
+            reported as running out of memory; the rounded params are named in a warning
+            on the ``optladder`` logger).
         Whatever a conversion raised, otherwise (the state exactly as before).
     """
     release = getattr(source, "release_tables", None)
@@ -588,9 +590,8 @@ def migrate_engine(
                     interrupt = back
             target.state.pop(p, None)
             lows.pop(p, None)
-        if interrupt is not None:
-            raise interrupt from exc
-        if (rounded or lost) and isinstance(exc, Exception):
+        said = ""
+        if rounded or lost:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             said = f"the move ran out of memory or failed ({type(exc).__name__}: {first})"
             if rounded:
@@ -604,6 +605,11 @@ def migrate_engine(
                     "way back ran out of memory too, so they start again from zero moments "
                     "and step 0 at their next step"
                 )
+        if said and (interrupt is not None or not isinstance(exc, Exception)):
+            logging.getLogger("optladder").warning("optladder: %s", said)  # Ctrl-C goes on
+        if interrupt is not None:
+            raise interrupt from exc
+        if said and isinstance(exc, Exception):
             raise MigrationRoundedError(said, sorted(rounded), sorted(lost)) from exc
         raise
 
