@@ -181,3 +181,36 @@ def test_ctrl_c_at_the_handover_of_a_move_waits_until_the_move_is_whole() -> Non
             p.grad = torch.randn_like(p)
         o.step()
     assert_same(snapshot(opt), snapshot(ref))
+
+
+def test_ctrl_c_during_a_loads_commit_waits_until_the_load_is_whole() -> None:
+    """A real Ctrl-C arriving in ``load_state_dict``'s commit (after the groups took the
+    checkpoint's options, before the state was replaced) used to leave the checkpoint's
+    lr beside the old state. Now it is held back until the load is done: the optimizer
+    equals, bit for bit, one that loaded the same checkpoint without the interrupt."""
+    import copy
+    import signal
+
+    from snapshots import assert_same, snapshot
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT has a handler of its own here")
+    _, source = _trained({})
+    saved = source.state_dict()
+    for group in saved["param_groups"]:
+        group["lr"] = 3e-3
+    ps, opt = _trained({"OPTLADDER_RUNG": "bf16"})
+    _, clean = _trained({"OPTLADDER_RUNG": "bf16"})
+    release = opt.engine.release_tables
+
+    def interrupted_release() -> None:
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C, delivered at the next bytecode
+        release()
+
+    opt.engine.release_tables = interrupted_release  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        opt.load_state_dict(copy.deepcopy(saved))
+    del opt.engine.release_tables
+    clean.load_state_dict(copy.deepcopy(saved))
+    assert_same(snapshot(opt), snapshot(clean))
+    assert all(float(opt.state[p]["step"]) == 2 for p in ps)

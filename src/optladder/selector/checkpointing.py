@@ -37,6 +37,7 @@ from optladder.optimizers.migrate import (
     unwrap_bnb_state,
     wrap_bnb_state,
 )
+from optladder.optimizers.transaction import deferred_interrupts
 from optladder.rungs import GROUP_PIN_ORIGIN, ORIGIN_KEY, REASON_KEY, RUNG_KEY, RUNGS, Rung
 from optladder.selector.checks import check_checkpoint_groups, decoupled_mode
 from optladder.selector.escalation import move_refused, restore_groups, switch
@@ -199,18 +200,19 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
     except BaseException:
         restore_groups(live_groups, saved_groups)
         raise
-    # Commit: nothing below allocates.
-    for values, live in zip(options, live_groups):
-        live.update(values)
-    opt._memos.clear()  # they hold the state dicts being replaced
-    for held in opt._engines():
-        release = getattr(held, "release_tables", None)
-        if release is not None:
-            release()  # their tables hold the state being replaced
-    opt.state.clear()
-    opt.state.update(new_state)
-    if move_to is not None:
-        switch(opt, engine, move_to, checkpoint_reason(opt, move_to), "checkpoint")
+    # Commit: nothing below allocates; Ctrl-C waits until it is whole.
+    with deferred_interrupts():
+        for values, live in zip(options, live_groups):
+            live.update(values)
+        opt._memos.clear()  # they hold the state dicts being replaced
+        for held in opt._engines():
+            release = getattr(held, "release_tables", None)
+            if release is not None:
+                release()  # their tables hold the state being replaced
+        opt.state.clear()
+        opt.state.update(new_state)
+        if move_to is not None:
+            switch(opt, engine, move_to, checkpoint_reason(opt, move_to), "checkpoint")
 
 
 def _refuse_overflow(converted: dict[str, Any], saved: dict[str, Any], where: str) -> None:
