@@ -10,6 +10,7 @@ back, or its state lost), and the error must not call the state exact when it is
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -127,6 +128,7 @@ def test_ctrl_c_during_a_move_to_8bit_stays_a_keyboard_interrupt(
     was raised as ``MigrationRoundedError``, and ``escalate`` said the move "ran out of
     memory too"); the rung stays, every param keeps a state, and the params rounded on
     the way back are named in a warning."""
+    caplog.set_level(logging.WARNING, logger="optladder")  # other test files quiet it
     ps, opt = _trained({"OPTLADDER_BF16_ADAM": "1"})
     with FailNthAllocation() as counter:
         opt.escalate("count")
@@ -214,3 +216,48 @@ def test_ctrl_c_during_a_loads_commit_waits_until_the_load_is_whole() -> None:
     clean.load_state_dict(copy.deepcopy(saved))
     assert_same(snapshot(opt), snapshot(clean))
     assert all(float(opt.state[p]["step"]) == 2 for p in ps)
+
+
+@pytest.mark.parametrize("pin", [None, "8bit"])
+def test_ctrl_c_during_add_param_group_adds_the_group_whole(pin: str | None) -> None:
+    """A real Ctrl-C arriving in ``add_param_group`` right after an engine took the group
+    used to leave it stepped by the engine but missing from ``param_groups`` (so from
+    ``state_dict()``; adding it again was refused as a duplicate). Now it is held back
+    until the group is added everywhere: ``param_groups`` lists it, and a step then a
+    checkpoint equal, bit for bit, those of an optimizer that added it without the
+    interrupt."""
+    import signal
+
+    from snapshots import assert_same, snapshot
+
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT has a handler of its own here")
+    runs = []
+    for interrupted in (True, False):
+        ps, opt = _trained({})
+        extra = [torch.nn.Parameter(torch.full((5000,), 0.5))]
+        group: dict[str, Any] = {"params": extra, "lr": 1e-3}
+        if pin is not None:
+            group["rung"] = pin
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))], "rung": pin})
+        engine = opt.pinned_engines[pin] if pin is not None else opt.engine
+        if interrupted:
+            take = engine.add_param_group
+
+            def interrupted_take(g: dict[str, Any], take: Any = take) -> None:
+                take(g)
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C, delivered at the next bytecode
+
+            engine.add_param_group = interrupted_take  # type: ignore[method-assign]
+            with pytest.raises(KeyboardInterrupt):
+                opt.add_param_group(group)
+            del engine.add_param_group
+        else:
+            opt.add_param_group(group)
+        assert any(g["params"][0] is extra[0] for g in opt.param_groups)
+        torch.manual_seed(5)
+        for p in [*ps, *extra]:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        runs.append(snapshot(opt))
+    assert_same(runs[0], runs[1])

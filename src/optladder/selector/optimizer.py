@@ -417,18 +417,19 @@ class LadderOptimizer(torch.optim.Optimizer):
         refuse_meta_params([group], first_group=len(self.param_groups))
         gi = len(self.param_groups)
         pin = group_pin(group, f"param group {gi}")
-        if pin is None:
-            check_params_for_rung(params, self.rung, self._engine)
-            self._mark_groups([group], self._decision)
-            self._engine.add_param_group(group)
-            self.param_groups.append(self._engine.param_groups[-1])
-        else:
-            check_pins([*self.param_groups, group], self._decision)
-            self.param_groups += self._add_pinned(pin, [(gi, group)])
-        footprint = measure_footprint(self.param_groups)
-        self._decision = self._decision.model_copy(
-            update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
-        )
+        with deferred_interrupts():  # Ctrl-C waits until the group is added everywhere
+            if pin is None:
+                check_params_for_rung(params, self.rung, self._engine)
+                self._mark_groups([group], self._decision)
+                self._engine.add_param_group(group)
+                self.param_groups.append(self._engine.param_groups[-1])
+            else:
+                check_pins([*self.param_groups, group], self._decision)
+                self.param_groups += self._add_pinned(pin, [(gi, group)])
+            footprint = measure_footprint(self.param_groups)
+            self._decision = self._decision.model_copy(
+                update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
+            )
         # the next step checks all params again (the new group's and any edit since)
 
     @property
