@@ -4,9 +4,9 @@ optimizer runs lives here.
 At construction every rank must reach the same decision (:func:`min_over_ranks` of the
 free memory, :func:`largest_over_ranks` of each rung's state bytes, then rank 0's decision
 on every rank: :func:`same_on_all_ranks`); in a step every rank must agree, before any
-rank commits, whether any rank ran out of memory and which rung the most escalated rank
-is on (:func:`agree_step`, one small all-reduce); after an escalation, whether every
-rank's move succeeded (:func:`agree_any`).
+rank commits, whether any rank's prepare ran out of memory or failed and which rungs the
+ranks are on (:func:`agree_step`, one small all-reduce); after an escalation, whether
+every rank's move succeeded (:func:`agree_any`).
 On a single process (no initialized process group) each returns its input and
 communicates nothing.
 
