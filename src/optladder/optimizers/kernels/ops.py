@@ -19,7 +19,7 @@ the op's schema.
 """
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -123,8 +123,7 @@ adamw_bf16_ = torch.library.custom_op(
 )(_adamw_bf16_triton)
 
 
-@adamw_bf16_.register_kernel("cpu")
-def _adamw_bf16_cpu(
+def _adamw_bf16_c(
     params: list[Tensor],
     grads: list[Tensor],
     exp_avgs: list[Tensor],
@@ -145,7 +144,7 @@ def _adamw_bf16_cpu(
     grad_scale: Optional[Tensor],  # noqa: UP045
     found_inf: Optional[Tensor],  # noqa: UP045
 ) -> None:
-    """The op on CPU tensors: the C kernel over a table of these params, in one call.
+    """The op's C kernel over a table of these CPU params, in one call.
 
     The same contract as on CUDA: each step count is incremented first, with a nonzero
     ``found_inf`` nothing changes (read on the host: a CPU tensor, no device to wait
@@ -162,29 +161,6 @@ def _adamw_bf16_cpu(
         optladder.optimizers.kernels.cpu.KernelBuildError: no C compiler to build the
             kernel (LadderAdamW then steps eagerly; called directly, the op cannot).
     """
-    if os.environ.get("TRITON_INTERPRET") == "1":  # Triton's interpreter on CPU tensors
-        _adamw_bf16_triton(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            steps,
-            param_indices,
-            lr,
-            lr_tensor,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            decoupled_weight_decay,
-            maximize,
-            stochastic,
-            param_stochastic,
-            seed_key,
-            grad_scale,
-            found_inf,
-        )
-        return
     from optladder.optimizers.kernels import cpu
 
     n = len(params)
@@ -233,6 +209,17 @@ def _adamw_bf16_cpu(
     )
     cpu.run_table(table, library=library)
     table.bump_steps(library)
+
+
+@adamw_bf16_.register_kernel("cpu")
+def _adamw_bf16_cpu(*args: Any, **kwargs: Any) -> None:
+    """The op on CPU tensors: the C kernel (:func:`_adamw_bf16_c`), or Triton's
+    interpreter under ``TRITON_INTERPRET=1`` (so the Triton kernel's tests run on the
+    CPU)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _adamw_bf16_triton(*args, **kwargs)
+    else:
+        _adamw_bf16_c(*args, **kwargs)
 
 
 @adamw_bf16_.register_fake
