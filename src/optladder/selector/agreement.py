@@ -41,16 +41,24 @@ def _distributed() -> Any:
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
+def _reduced(
+    dist: Any, values: list[int], op: Any, dtype: torch.dtype, device: str | torch.device
+) -> list[int]:
+    """``values`` reduced elementwise over the ranks with ``op`` (``dist.ReduceOp``), in
+    one all-reduce on ``device`` under NCCL and on the CPU under other backends (gloo)."""
+    on = device if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=dtype, device=on)
+    dist.all_reduce(t, op=op)
+    return [int(v) for v in t.tolist()]
+
+
 def agree_any(flag: bool, device: str) -> bool:
     """True on every rank if ``flag`` is True on any rank (an all-reduce with MAX of one
     int32 on ``device``, or on the CPU under a backend other than NCCL)."""
     dist = _distributed()
     if dist is None:
         return flag
-    on = device if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return bool(_reduced(dist, [int(flag)], dist.ReduceOp.MAX, torch.int32, device)[0])
 
 
 STEP_OK = 0
@@ -79,11 +87,9 @@ def agree_step(status: int, rung_index: int, device: str) -> tuple[int, int, int
     dist = _distributed()
     if dist is None:
         return status, rung_index, rung_index
-    on = device if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor([status, rung_index, -rung_index], dtype=torch.int32, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    worst, furthest, minus_nearest = t.tolist()
-    return int(worst), int(furthest), -int(minus_nearest)
+    values = [status, rung_index, -rung_index]
+    worst, furthest, minus_nearest = _reduced(dist, values, dist.ReduceOp.MAX, torch.int32, device)
+    return worst, furthest, -minus_nearest
 
 
 def min_over_ranks(free: int, source: str, device: torch.device) -> tuple[int, str]:
@@ -92,10 +98,8 @@ def min_over_ranks(free: int, source: str, device: torch.device) -> tuple[int, s
     dist = _distributed()
     if dist is None or dist.get_world_size() == 1:
         return free, source
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([free], dtype=torch.int64, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item()), f"{source}; minimum over {dist.get_world_size()} ranks"
+    least = _reduced(dist, [free], dist.ReduceOp.MIN, torch.int64, device)[0]
+    return least, f"{source}; minimum over {dist.get_world_size()} ranks"
 
 
 def largest_over_ranks(footprint: Footprint, device: torch.device) -> Footprint:
@@ -107,10 +111,8 @@ def largest_over_ranks(footprint: Footprint, device: torch.device) -> Footprint:
     dist = _distributed()
     if dist is None or dist.get_world_size() == 1:
         return footprint
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([footprint.state_bytes[r] for r in RUNGS], dtype=torch.int64, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    largest = dict(zip(RUNGS, (int(b) for b in t.tolist())))
+    each = [footprint.state_bytes[r] for r in RUNGS]
+    largest = dict(zip(RUNGS, _reduced(dist, each, dist.ReduceOp.MAX, torch.int64, device)))
     return footprint.model_copy(update={"state_bytes": largest})
 
 
