@@ -16,13 +16,14 @@ cheaper rung and retries the step, once per rung. The rest sits in a module of i
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -90,6 +91,8 @@ __all__ = [
 
 _PIN_REASON = "pinned by its param group"
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
 EngineBuilder = Callable[[Rung, list[dict[str, Any]], bool], torch.optim.Optimizer]
 """``(rung, param_groups, fused)``: builds the engine of a rung over the param groups,
 on the fused kernel when ``fused`` (see :func:`optladder.optimizers.build_engine`)."""
@@ -131,6 +134,25 @@ class PartialStepError(RuntimeError):
         self.stepped = stepped
         self.partly = partly
         self.not_stepped = not_stepped
+
+
+def _on_the_optimizer(method: _Method) -> _Method:
+    """Run ``method`` on the optladder optimizer that a framework's wrapper stands for.
+
+    Lightning's ``LightningOptimizer`` is an instance of a subclass of the optimizer's
+    class that holds the optimizer as ``_optimizer`` and reads missing attributes from
+    it: a method that changes attributes (``zero_grad``'s count, a move's engine and
+    decision) must run on the optimizer itself, or its writes land on the wrapper and
+    the optimizer Lightning steps never sees them."""
+
+    @functools.wraps(method)
+    def on_the_optimizer(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inner = self.__dict__.get("_optimizer")
+        if isinstance(inner, LadderOptimizer) and inner is not self:
+            self = inner
+        return method(self, *args, **kwargs)
+
+    return cast(_Method, on_the_optimizer)
 
 
 class LadderOptimizer(torch.optim.Optimizer):
@@ -323,18 +345,6 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._share_state(engine)
         return list(engine.param_groups)
 
-    def _wrapped(self) -> LadderOptimizer | None:
-        """The optladder optimizer that a framework's wrapper of this class stands for, or
-        None when this is the optimizer itself.
-
-        Lightning's ``LightningOptimizer`` is an instance of a subclass of the optimizer's
-        class that holds the optimizer as ``_optimizer`` and reads missing attributes
-        from it: a method that changes attributes (``zero_grad``'s count, a move's
-        engine and decision) must run on the optimizer itself, or its writes land on the
-        wrapper, and the optimizer Lightning steps never sees them."""
-        inner = self.__dict__.get("_optimizer")
-        return inner if isinstance(inner, LadderOptimizer) and inner is not self else None
-
     def _engines(self, engine: torch.optim.Optimizer | None = None) -> list[torch.optim.Optimizer]:
         """The engine of the groups that follow the decision, then the pinned engines."""
         return [self.engine if engine is None else engine, *self._pinned.values()]
@@ -385,6 +395,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         return self._decision.capabilities.device
 
     @run_eagerly
+    @_on_the_optimizer
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (torch's semantics) after the same checks as
         ``choose_optimizer`` (hyperparameters, duplicates, params the rung cannot take);
@@ -398,9 +409,6 @@ class LadderOptimizer(torch.optim.Optimizer):
             ValueError: naming the param or option, what was found and what is allowed;
                 a pinned rung that is disabled or unavailable.
         """
-        inner = self._wrapped()
-        if inner is not None:
-            return inner.add_param_group(param_group)
         if self._engine is None:  # called by torch.optim.Optimizer.__init__ with the
             self.param_groups.append(param_group)  # engine's groups, which it checked
             return
@@ -456,11 +464,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         return self._zero_grad_calls
 
     @run_eagerly
+    @_on_the_optimizer
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of all params (to None by default, as torch does)."""
-        inner = self._wrapped()
-        if inner is not None:
-            return inner.zero_grad(set_to_none)
         self._zero_grad_calls += 1
         for engine in self._engines():
             engine.zero_grad(set_to_none=set_to_none)
@@ -867,6 +873,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 logger.warning("optladder: %s rung not on the fused path: %s", rung, reason)
 
     # ------------------------------------------------------------------ moving
+    @_on_the_optimizer
     def escalate(self, reason: str) -> Escalation:
         """Move the state to the next cheaper rung (one rung), in place.
 
@@ -875,11 +882,9 @@ class LadderOptimizer(torch.optim.Optimizer):
                 ran out of memory (the message says so; the rung stays, and the state is
                 as before, or names the params an 8-bit move rounded).
         """
-        inner = self._wrapped()
-        if inner is not None:
-            return inner.escalate(reason)
         return escalation.escalate(self, reason)
 
+    @_on_the_optimizer
     def migrate_to(
         self, rung: Rung, reason: str, origin: str = "escalated", *, force: bool = False
     ) -> None:
@@ -906,9 +911,6 @@ class LadderOptimizer(torch.optim.Optimizer):
             ValueError: an unknown rung or origin; a fixed rung or a disabled or
                 unavailable target without ``force``.
         """
-        inner = self._wrapped()
-        if inner is not None:
-            return inner.migrate_to(rung, reason, origin, force=force)
         escalation.migrate(self, rung, reason, origin, force=force)
 
     # ------------------------------------------------------------------ checkpoints
@@ -952,6 +954,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         return state_dict
 
     @run_eagerly
+    @_on_the_optimizer
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict`` saved from any rung into this optimizer.
 
@@ -984,9 +987,6 @@ class LadderOptimizer(torch.optim.Optimizer):
                 hyperparameters or options are out of range; the optimizer is left
                 unchanged.
         """
-        inner = self._wrapped()
-        if inner is not None:
-            return inner.load_state_dict(state_dict)
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # shallow, as torch does before its hooks
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
