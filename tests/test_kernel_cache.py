@@ -34,8 +34,9 @@ EVIL_SOURCE = """
 __attribute__((constructor)) static void planted(void) {
     FILE *f = fopen("%s", "w"); if (f) { fputs("ran", f); fclose(f); }
 }
-int ol_abi_version(void) { return 5; }  /* cpu._ABI_VERSION: would pass the ABI check */
-int ol_adamw_step(void *a, long n, void *o, void *h, int t) { return 0; }
+int ol_abi_version(void) { return 6; }  /* cpu._ABI_VERSION: would pass the ABI check */
+int ol_adamw_step(void *a, long n, void *o, void *h, int t, int s) { return 0; }
+int ol_simd_level(void) { return 0; }
 void ol_read_steps(void *a, long n, void *out) {}
 void ol_bump_steps(void *a, long n) {}
 """

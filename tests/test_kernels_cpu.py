@@ -80,7 +80,9 @@ CONFIGS: list[dict[str, Any]] = [
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}" for k in c) or "-")
-def test_one_step_matches_oracle(config: dict[str, Any], grad_dtype: torch.dtype) -> None:
+def test_one_step_matches_oracle(
+    config: dict[str, Any], grad_dtype: torch.dtype, kernel_simd: int
+) -> None:
     ref, ref_opt = _run("eager", 2, grad_dtype, **config)
     got, got_opt = _run("cpu", 2, grad_dtype, **config)
     assert got_opt.eager_reasons == {}

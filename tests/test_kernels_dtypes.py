@@ -11,6 +11,7 @@ small params there: the interpreter is slow), or compiled on CUDA where a GPU is
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import math
 from collections.abc import Iterator
@@ -161,8 +162,9 @@ CPU_CASES = list(itertools.product(MOMENTS, DTYPES, DTYPES))
 @needs_gcc
 @pytest.mark.parametrize(("rung", "param_dtype", "grad_dtype"), CPU_CASES)
 def test_c_kernel_matches_float64_and_eager_bits(
-    rung: str, param_dtype: torch.dtype, grad_dtype: torch.dtype
+    rung: str, param_dtype: torch.dtype, grad_dtype: torch.dtype, kernel_simd: int
 ) -> None:
+    """Each SIMD path (``kernel_simd``); sizes that leave tails of every vector width."""
     inputs = _inputs(
         (1, 17, 4099, 70_001),
         param_dtype,
@@ -381,14 +383,30 @@ def test_the_fp32_rung_takes_the_seed_and_keeps_it_and_rounding_across_a_move() 
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 @pytest.mark.parametrize("param_dtype", DTYPES)
 def test_nan_and_inf_write_the_same_bits_in_kernel_and_eager(
-    request: pytest.FixtureRequest, backend: str, param_dtype: torch.dtype, rounding: str
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    backend: str,
+    param_dtype: torch.dtype,
+    rounding: str,
 ) -> None:
     """NaN and infinite grads, params and moments: stochastic writes keep NaN a NaN
     (quiet, its sign and high payload bits kept; float16: 0x7E00 with the sign), nearest
     bfloat16 writes make it 0x7FC0, and the kernel writes the eager bits, the NaN
-    patterns included (the Triton kernel: compiled on CUDA, else in its interpreter)."""
+    patterns included (the Triton kernel: compiled on CUDA, else in its interpreter; the
+    C kernel: each SIMD path this CPU runs)."""
     if backend == "triton":
         request.getfixturevalue("triton_interpreter")
+    levels = range(cpu.simd_level() + 1) if backend == "cpu" else [None]
+    for level in levels:
+        if level is not None:
+            monkeypatch.setattr(cpu, "run_table", functools.partial(_RUN_TABLE, simd=level))
+        _check_nan_and_inf(backend, param_dtype, rounding)
+
+
+_RUN_TABLE = cpu.run_table
+
+
+def _check_nan_and_inf(backend: str, param_dtype: torch.dtype, rounding: str) -> None:
     inputs = _inputs((64,), param_dtype, torch.float32, seed=3)
     x = inputs[0]
     x["g"][:8] = torch.tensor(

@@ -12,11 +12,14 @@ needs no torch headers: Python passes raw pointers through ctypes.
 ``target_clones`` builds the loop for AVX-512, AVX2+FMA and baseline x86-64; the dynamic
 loader picks one at load time from the CPU's features. The loop body is plain C that gcc
 vectorizes (one 32-bit hash per element for the moments' stochastic rounding, one more
-for a low-precision param's). On x86-64 CPUs with AVX2, FMA and F16C but not the AVX-512
-of the v4 clone, float32 and bfloat16 params run instead through ``ol_range_v3``, the
-same operations written with AVX2 intrinsics (gcc's vectorization of the C loop took
-about 150 instructions per 16 elements there and was compute-bound); its bits are the C
-loop's, which defines them.
+for a low-precision param's); float16 params always run it. Float32 and bfloat16 params
+run instead through the same operations written with intrinsics: ``ol_range_v4``
+(AVX-512 F/BW/DQ/VL, 16 lanes) on x86-64-v4 CPUs, ``ol_range_v3`` (AVX2, FMA, F16C) on
+x86-64-v3 ones. gcc's vectorization of the C loop was compute-bound on both (about 150
+instructions per 16 elements on AVX2; ~0.52 ns per element on one Zen 4 core against
+~0.42 for ``ol_range_v4``, float32 params with stochastically rounded bfloat16 moments
+in L3). Their bits are the C loop's, which defines them; ``ol_adamw_step``'s ``simd``
+argument caps the path taken, so tests check every path against the oracle.
 """
 
 SOURCE = r"""
@@ -455,14 +458,189 @@ static void ol_range_v3(const ol_param_t *P, const ol_hyper_t *H, int64_t lo, in
     if (i < hi) ol_range(P, H, i, hi);
 }
 
-/* 1 where ol_range_v3 runs: AVX2, FMA and F16C without the AVX-512 of the v4 clone */
-static int ol_cpu_v3(void) {
+/* The same update with AVX-512 intrinsics (F, BW, DQ, VL), for x86-64-v4 CPUs: 16 lanes
+   a vector, 32 elements an iteration, in element order. gcc's vectorization of ol_body
+   for the v4 clone ran at ~0.53 ns per element on one Zen 4 core in L2 as in L3
+   (compute-bound); this loop takes ~0.42-0.44 there (float32 params, stochastically
+   rounded bfloat16 moments): the NaN test of the roundings once per 32 elements on the
+   new params, each 16-bit store one two-source permute of the high halves. The bits are
+   ol_body's (the tail of a range runs ol_range). */
+#define OL_V4_TARGET "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c"
+#define OL_V4 static inline __attribute__((target(OL_V4_TARGET), always_inline))
+
+/* 16 values of dtype dt from base[i..i+16) as float32 (exact) */
+OL_V4 __m512 ol16v_load(const void *base, int64_t i, const int dt) {
+    if (dt == OL_F32) return _mm512_loadu_ps((const float *)base + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    if (dt == OL_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+OL_V4 __m512i ol16v_hash32(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846CA68Bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+/* ol_bf16_sr on 16 lanes none of which is NaN, before the shift: the addition alone */
+OL_V4 __m512i ol16v_bf16_sr_num(__m512 x, __m512i r16) {
+    return _mm512_add_epi32(_mm512_castps_si512(x), r16);
+}
+
+/* ol_bf16_sr on 16 lanes, before the shift: the bfloat16 in the high half of each lane */
+OL_V4 __m512i ol16v_bf16_sr(__m512 x, __m512i r16) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(_mm512_add_epi32(u, r16), nan, u, _mm512_set1_epi32(0x00400000));
+}
+
+/* ol_bf16_ne on 16 lanes, before the shift: the bfloat16 in the high half of each lane */
+OL_V4 __m512i ol16v_bf16_ne(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
+}
+
+/* the high halves of a's 16 lanes, then b's, to dst[0..32): one two-source permute
+   instead of two shifts and two narrowing moves */
+OL_V4 void ol16v_store_bf16(uint16_t *dst, __m512i a, __m512i b) {
+    const __m512i odd = _mm512_set_epi16(
+        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+        31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    _mm512_storeu_si512((void *)dst, _mm512_permutex2var_epi16(a, odd, b));
+}
+
+/* Elements [lo, lo + 32 k) of ol_body(P, H, lo, hi, gd, pd, md, stoch, pstoch) for
+   float32 or bfloat16 params; returns where it stopped. */
+OL_V4 int64_t ol_body_v4(
+    const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64_t hi,
+    const int gd, const int pd, const int md, const int stoch, const int pstoch)
+{
+    void *const param = P->param;
+    const void *const grad = P->grad;
+    float *const m32 = (float *)P->exp_avg, *const v32 = (float *)P->exp_avg_sq;
+    uint16_t *const m16 = (uint16_t *)P->exp_avg, *const v16 = (uint16_t *)P->exp_avg_sq;
+    const uint32_t key = ol_mix(ol_mix(P->step_key, (uint32_t)P->param_index),
+                                (uint32_t)((uint64_t)P->param_index >> 32));
+    const uint32_t pkey = ol_mix(key, OL_PARAM_STREAM);
+    const float w = H->lerp_weight;
+    const int coupled = H->coupled, maximize = H->maximize, small = w < 0.5f;
+    const __mmask16 pick_m = small ? 0xFFFF : 0;  /* small ? m : g, lane by lane */
+    const __m512 step_size = _mm512_set1_ps(P->step_size), bc2 = _mm512_set1_ps(P->bc2_sqrt);
+    const __m512 coeff = _mm512_set1_ps(small ? w : w - 1.0f);
+    const __m512 b2 = _mm512_set1_ps(H->beta2), omb2 = _mm512_set1_ps(H->one_minus_beta2);
+    const __m512 eps = _mm512_set1_ps(H->eps), decay = _mm512_set1_ps(H->decay);
+    const __m512 wd = _mm512_set1_ps(H->weight_decay);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u), lo16 = _mm512_set1_epi32(0xFFFF);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i sixteen = _mm512_set1_epi32(16), thirty_two = _mm512_set1_epi32(32);
+    /* the hash inputs (uint32_t)i + key and (uint32_t)i + pkey of the first 16 lanes */
+    __m512i ctr = _mm512_add_epi32(_mm512_set1_epi32((int)((uint32_t)lo + key)), lanes);
+    __m512i pctr = _mm512_add_epi32(_mm512_set1_epi32((int)((uint32_t)lo + pkey)), lanes);
+    int64_t i = lo;
+    for (; i + 32 <= hi; i += 32) {
+        __m512 Q[2], M[2], V[2];
+        __m512i pr[2], mr[2], vr[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t j = i + 16 * h;
+            __m512 g = ol16v_load(grad, j, gd);
+            if (maximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
+            __m512 p = _mm512_mul_ps(ol16v_load(param, j, pd), decay);
+            if (coupled) g = _mm512_fmadd_ps(p, wd, g);
+            __m512 m = md == OL_F32 ? _mm512_loadu_ps(m32 + j) : ol16v_load(m16, j, OL_BF16);
+            __m512 v = md == OL_F32 ? _mm512_loadu_ps(v32 + j) : ol16v_load(v16, j, OL_BF16);
+            m = _mm512_fmadd_ps(coeff, _mm512_sub_ps(g, m), _mm512_mask_blend_ps(pick_m, g, m));
+            v = _mm512_fmadd_ps(_mm512_mul_ps(omb2, g), g, _mm512_mul_ps(v, b2));
+            const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
+            p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, m), denom));
+            Q[h] = p; M[h] = m; V[h] = v;
+            if (pd == OL_F32) _mm512_storeu_ps((float *)param + j, p);
+            if (md == OL_F32) {
+                _mm512_storeu_ps(m32 + j, m);
+                _mm512_storeu_ps(v32 + j, v);
+            }
+        }
+        /* The random bits, then the roundings. A NaN m or v makes p NaN (m enters p
+           through a product and a quotient, v through the denominator), so when no p
+           of the 32 is NaN (two compares), no value to round is NaN and the stochastic
+           rounding is the addition alone; otherwise (rare) each value takes
+           ol_bf16_sr's NaN test. */
+        __m512i pb[2], mb[2], vb[2];
+        for (int h = 0; h < 2; h++) {
+            if (pd == OL_BF16 && pstoch) {
+                const __m512i pc = h ? _mm512_add_epi32(pctr, sixteen) : pctr;
+                pb[h] = _mm512_and_si512(ol16v_hash32(pc), lo16);
+            }
+            if (md == OL_BF16 && stoch) {
+                const __m512i bits = ol16v_hash32(h ? _mm512_add_epi32(ctr, sixteen) : ctr);
+                mb[h] = _mm512_and_si512(bits, lo16);
+                vb[h] = _mm512_srli_epi32(bits, 16);
+            }
+        }
+        const int any_sr = (pd == OL_BF16 && pstoch) || (md == OL_BF16 && stoch);
+        const int clean = any_sr && (_mm512_cmp_ps_mask(Q[0], Q[0], _CMP_UNORD_Q)
+                                     | _mm512_cmp_ps_mask(Q[1], Q[1], _CMP_UNORD_Q)) == 0;
+        for (int h = 0; h < 2; h++) {
+            if (pd == OL_BF16)
+                pr[h] = !pstoch ? ol16v_bf16_ne(Q[h])
+                        : clean ? ol16v_bf16_sr_num(Q[h], pb[h]) : ol16v_bf16_sr(Q[h], pb[h]);
+            if (md == OL_BF16 && stoch) {
+                mr[h] = clean ? ol16v_bf16_sr_num(M[h], mb[h]) : ol16v_bf16_sr(M[h], mb[h]);
+                vr[h] = clean ? ol16v_bf16_sr_num(V[h], vb[h]) : ol16v_bf16_sr(V[h], vb[h]);
+            } else if (md == OL_BF16) {
+                mr[h] = ol16v_bf16_ne(M[h]);
+                vr[h] = ol16v_bf16_ne(V[h]);
+            }
+        }
+        if (pd == OL_BF16) ol16v_store_bf16((uint16_t *)param + i, pr[0], pr[1]);
+        if (md == OL_BF16) {
+            ol16v_store_bf16(m16 + i, mr[0], mr[1]);
+            ol16v_store_bf16(v16 + i, vr[0], vr[1]);
+        }
+        ctr = _mm512_add_epi32(ctr, thirty_two);
+        pctr = _mm512_add_epi32(pctr, thirty_two);
+    }
+    return i;
+}
+
+#define OL_V4G(pd, md, st, ps) \
+    do { \
+        if (gd == OL_F32) i = ol_body_v4(P, H, lo, hi, OL_F32, pd, md, st, ps); \
+        else if (gd == OL_BF16) i = ol_body_v4(P, H, lo, hi, OL_BF16, pd, md, st, ps); \
+        else i = ol_body_v4(P, H, lo, hi, OL_F16, pd, md, st, ps); \
+    } while (0)
+#define OL_V4M(pd, ps) \
+    do { \
+        if (H->moment_dtype == OL_F32) OL_V4G(pd, OL_F32, 0, ps); \
+        else if (H->stochastic) OL_V4G(pd, OL_BF16, 1, ps); \
+        else OL_V4G(pd, OL_BF16, 0, ps); \
+    } while (0)
+
+/* ol_range for float32 and bfloat16 params on x86-64-v4 */
+__attribute__((target(OL_V4_TARGET)))
+static void ol_range_v4(const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64_t hi) {
+    const int gd = P->grad_dtype, pd = P->param_dtype;
+    int64_t i = lo;
+    if (pd == OL_F32) OL_V4M(OL_F32, 0);
+    else if (H->param_stochastic) OL_V4M(OL_BF16, 1);
+    else OL_V4M(OL_BF16, 0);
+    if (i < hi) ol_range(P, H, i, hi);
+}
+
+/* The hand-written paths this CPU runs: 2 = ol_range_v4 (the AVX-512 of the v4 clone),
+   1 = ol_range_v3 (AVX2, FMA and F16C), 0 = none (ol_range alone). */
+static int ol_cpu_simd(void) {
     __builtin_cpu_init();
     int v4 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
              && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")
              && __builtin_cpu_supports("avx512cd");
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-           && __builtin_cpu_supports("f16c") && !v4;
+    int v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+             && __builtin_cpu_supports("f16c");
+    return v3 && v4 ? 2 : v3 ? 1 : 0;
 }
 #endif
 
@@ -472,7 +650,8 @@ typedef struct {
     const ol_hyper_t *hyper;  /* the groups' options, indexed by hyper_index */
     const int64_t *offsets;  /* offsets[k]: first element of param k; offsets[n] = total */
     int64_t begin, end;      /* range in the concatenation of all params' elements */
-    int v3;                  /* 1: ol_range_v3 steps float32 and bfloat16 params */
+    int simd;                /* float32 and bfloat16 params: 2 ol_range_v4, 1 ol_range_v3,
+                                0 ol_range (float16 params: always ol_range) */
 } ol_job_t;
 
 static void *ol_run(void *arg) {
@@ -491,7 +670,8 @@ static void *ol_run(void *arg) {
         if (lo >= hi) continue;
         const ol_hyper_t *H = &job->hyper[P->hyper_index];
 #ifdef OL_HAVE_V3
-        if (job->v3 && P->param_dtype != OL_F16) { ol_range_v3(P, H, lo, hi); continue; }
+        if (job->simd == 2 && P->param_dtype != OL_F16) { ol_range_v4(P, H, lo, hi); continue; }
+        if (job->simd == 1 && P->param_dtype != OL_F16) { ol_range_v3(P, H, lo, hi); continue; }
 #endif
         ol_range(P, H, lo, hi);
     }
@@ -515,20 +695,21 @@ static void ol_split(ol_job_t *job, int64_t total, int64_t t, int64_t n_parts,
    OpenMP runtime torch has already loaded: the kernel runs on torch's own (warm) worker
    threads instead of competing with them. Without OpenMP it starts pthreads. */
 
+int ol_simd_level(void);
+
 /* Update every param of the table, each with the options of its group
    (hyper[params[k].hyper_index]: the table may hold params of many groups, stepped in
    one call). offsets has n_params + 1 entries (the prefix sums of the numels, built by
    the caller with the table: the kernel allocates nothing).
-   Returns 0, or -1 if a worker thread could not start (then the update ran on fewer
-   threads: the result is the same). */
+   simd caps the hand-written path taken (2, 1 or 0, see ol_cpu_simd; every path writes
+   the same bits). Returns 0, or -1 if a worker thread could not start (then the update
+   ran on fewer threads: the result is the same). */
 int ol_adamw_step(const ol_param_t *params, int64_t n_params, const int64_t *offsets,
-                  const ol_hyper_t *hyper, int32_t n_threads) {
+                  const ol_hyper_t *hyper, int32_t n_threads, int32_t simd) {
     if (n_params <= 0) return 0;
     const int64_t total = offsets[n_params];
-    ol_job_t base = {params, n_params, hyper, offsets, 0, total, 0};
-#ifdef OL_HAVE_V3
-    base.v3 = ol_cpu_v3();
-#endif
+    const int level = ol_simd_level();
+    ol_job_t base = {params, n_params, hyper, offsets, 0, total, simd < level ? simd : level};
     if (n_threads < 1) n_threads = 1;
     if (n_threads > OL_MAX_THREADS) n_threads = OL_MAX_THREADS;
     int rc = 0;
@@ -579,5 +760,16 @@ void ol_bump_steps(const ol_param_t *params, int64_t n) {
     for (int64_t k = 0; k < n; k++) *params[k].step += 1.0;
 }
 
-int ol_abi_version(void) { return 5; }
+/* The highest hand-written path this CPU runs (see ol_cpu_simd): 2, 1 or 0. */
+int ol_simd_level(void) {
+#ifdef OL_HAVE_V3
+    static int level = -1;  /* a fact of the CPU, not configuration: computed once */
+    if (level < 0) level = ol_cpu_simd();
+    return level;
+#else
+    return 0;
+#endif
+}
+
+int ol_abi_version(void) { return 6; }
 """

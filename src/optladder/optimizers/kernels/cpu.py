@@ -68,6 +68,15 @@ _CFLAGS = (
     "-fno-strict-aliasing",
 )
 
+SIMD_C_LOOP = 0
+"""``simd`` level of :func:`run_table`: the C loop alone (``target_clones`` compiles it for
+x86-64-v4, x86-64-v3 and baseline x86-64, and gcc vectorizes each clone)."""
+SIMD_AVX2 = 1
+"""``simd`` level: float32 and bfloat16 params on the AVX2/FMA/F16C intrinsics path."""
+SIMD_AVX512 = 2
+"""``simd`` level: float32 and bfloat16 params on the AVX-512 (F, BW, DQ, VL) intrinsics
+path. Every level writes the C loop's bits; float16 params always run the C loop."""
+
 _MIN_ELEMENTS_PER_THREAD = 1 << 16
 """Below this many elements per thread, starting threads costs more than it saves."""
 
@@ -320,7 +329,7 @@ def _declare(lib: ctypes.CDLL, path: Path) -> ctypes.CDLL:
     return lib
 
 
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 """``ol_abi_version()`` of the source: the layout of ``ol_param_t``/``ol_hyper_t``."""
 
 
@@ -332,8 +341,11 @@ def _declare_signature(lib: ctypes.CDLL) -> None:
         ctypes.POINTER(ctypes.c_int64),
         ctypes.POINTER(_Hyper),
         ctypes.c_int32,
+        ctypes.c_int32,
     )
     lib.ol_adamw_step.restype = ctypes.c_int
+    lib.ol_simd_level.argtypes = ()
+    lib.ol_simd_level.restype = ctypes.c_int
     lib.ol_read_steps.argtypes = (
         ctypes.POINTER(_Param),
         ctypes.c_int64,
@@ -648,8 +660,23 @@ class KernelTable:
         self._options[group] = key
 
 
+def simd_level(library: ctypes.CDLL | None = None) -> int:
+    """The highest ``simd`` level this CPU runs: :data:`SIMD_AVX512`, :data:`SIMD_AVX2` or
+    :data:`SIMD_C_LOOP`.
+
+    Raises:
+        KernelBuildError: if the kernel cannot be built or loaded.
+    """
+    lib = load_library() if library is None else library
+    return int(lib.ol_simd_level())
+
+
 def run_table(
-    table: KernelTable, *, num_threads: int | None = None, library: ctypes.CDLL | None = None
+    table: KernelTable,
+    *,
+    num_threads: int | None = None,
+    library: ctypes.CDLL | None = None,
+    simd: int = SIMD_AVX512,
 ) -> None:
     """Update the params and moments of every row of ``table`` in place, each row with
     its group's options, in one call (on up to ``num_threads`` threads, default
@@ -657,6 +684,10 @@ def run_table(
     does. Allocates nothing: :meth:`KernelTable.set_grads`,
     :meth:`~KernelTable.set_scalars` and :meth:`~KernelTable.set_options` must have run
     for this step.
+
+    ``simd`` caps the hand-written path taken (:data:`SIMD_C_LOOP`, :data:`SIMD_AVX2`,
+    :data:`SIMD_AVX512`; the CPU's own features cap it too, :func:`simd_level`): every
+    path writes the same bits, so lower levels are for tests and benchmarks.
 
     Raises:
         KernelBuildError: if the kernel cannot be built or loaded.
@@ -666,4 +697,4 @@ def run_table(
     threads = torch.get_num_threads() if num_threads is None else num_threads
     threads = max(1, min(threads, table.total // _MIN_ELEMENTS_PER_THREAD))
     lib = load_library() if library is None else library
-    lib.ol_adamw_step(table.rows, table.n_params, table.offsets, table.hypers, threads)
+    lib.ol_adamw_step(table.rows, table.n_params, table.offsets, table.hypers, threads, simd)
