@@ -28,8 +28,10 @@ Not a test: the numbers depend on the machine and on what else runs on it.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -84,13 +86,13 @@ def make_jobs(numels: list[int], dtype: torch.dtype, seed: int = 0) -> list[cpu8
 
 
 def time_levels(
-    table: cpu8bit.Table, levels: list[int], reps: int, inner: int, clock: str
+    run: Callable[..., object], levels: list[int], reps: int, inner: int, clock: str
 ) -> dict[int, list[float]]:
-    """Seconds of one ``run_table`` per level and rep (the best of ``inner`` calls)."""
+    """Seconds of one ``run(simd=level)`` per level and rep (the best of ``inner`` calls),
+    the levels' order rotated by one each rep."""
     now = time.process_time if clock == "cpu" else time.perf_counter
-    lib = cpu8bit.load_library()
     for level in levels:  # warm: pages, caches, the library
-        cpu8bit.run_table(table, lib, simd=level)
+        run(simd=level)
     out: dict[int, list[float]] = {level: [] for level in levels}
     for rep in range(reps):
         k = rep % len(levels)
@@ -98,10 +100,23 @@ def time_levels(
             best = float("inf")
             for _ in range(inner):
                 t0 = now()
-                cpu8bit.run_table(table, lib, simd=level)
+                run(simd=level)
                 best = min(best, now() - t0)
             out[level].append(best)
     return out
+
+
+def report(label: str, n: int, times: dict[int, list[float]], names: dict[int, str]) -> None:
+    """Print ns per element (median [min-max]) of each level over ``n`` elements and the
+    ratio of medians to the first level."""
+    levels = list(times)
+    base = statistics.median(times[levels[0]])
+    for level in levels:
+        ns = [t / n * 1e9 for t in times[level]]
+        print(
+            f"{label} {names[level]:7s} ns/element {statistics.median(ns):6.3f}"
+            f" [{min(ns):.3f}-{max(ns):.3f}]  x{base / statistics.median(times[level]):.2f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,15 +141,9 @@ def main(argv: list[str] | None = None) -> None:
         n = sum(numels)
         for threads in (int(x) for x in args.threads.split(",")):
             table = cpu8bit.prepare_table(jobs, num_threads=threads)
-            times = time_levels(table, levels, args.reps, args.inner, args.clock)
-            base = statistics.median(times[levels[0]])
-            for level in levels:
-                ns = [t / n * 1e9 for t in times[level]]
-                print(
-                    f"{args.dtype} {layout:4s} threads={table.threads} {LEVEL_NAMES[level]:7s}"
-                    f" ns/element {statistics.median(ns):6.3f} [{min(ns):.3f}-{max(ns):.3f}]"
-                    f"  x{base / statistics.median(times[level]):.2f}"
-                )
+            run = functools.partial(cpu8bit.run_table, table, cpu8bit.load_library())
+            times = time_levels(run, levels, args.reps, args.inner, args.clock)
+            report(f"{args.dtype} {layout:4s} threads={table.threads}", n, times, LEVEL_NAMES)
 
 
 if __name__ == "__main__":
