@@ -28,9 +28,17 @@ SHAPES = [(1,), (17,), (33, 17), (4099,), (70_001,), (0,)]
 """Odd sizes so that the vector loops' tails and the thread split are exercised."""
 
 
-def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+SPLIT_SHAPES = [(33,), (200_001,), (70_001,)]
+"""270,035 elements: enough for three threads (``cpu.run_table`` gives each at least
+65,536), split inside params at offsets that are no multiple of any vector width
+(OpenMP's 131,072-element work items, the pthread build's thirds rounded to 64)."""
+
+
+def _params(
+    seed: int = 0, shapes: list[tuple[int, ...]] = SHAPES, dtype: torch.dtype = torch.float32
+) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
 
 
 def _grads(params: list[torch.nn.Parameter], step: int, dtype: torch.dtype) -> None:
@@ -108,9 +116,16 @@ def test_many_steps_stay_bitwise() -> None:
     assert not torch.equal(ref[4].detach(), _params()[4].detach())
 
 
-def _direct_step(threads: int, library: Any = None) -> torch.Tensor:
-    """One kernel call on fresh params; returns params and moments, concatenated."""
-    params = [p for p in _params() if p.numel() > 0]
+def _direct_step(
+    threads: int,
+    library: Any = None,
+    shapes: list[tuple[int, ...]] = SHAPES,
+    dtype: torch.dtype = torch.float32,
+    **run: Any,
+) -> torch.Tensor:
+    """One kernel call (``cpu.run_table(..., **run)``) on fresh params of ``shapes`` and
+    ``dtype``; returns params and moments, concatenated."""
+    params = [p for p in _params(shapes=shapes, dtype=dtype) if p.numel() > 0]
     _grads(params, 0, torch.float32)
     params = [p for p in params if p.grad is not None]
     moments = [torch.zeros_like(p, dtype=torch.bfloat16) for p in params for _ in range(2)]
@@ -125,7 +140,7 @@ def _direct_step(threads: int, library: Any = None) -> torch.Tensor:
         0, beta1=0.9, beta2=0.999, eps=1e-8, lr=1e-2, weight_decay=0.01,
         decoupled_weight_decay=True, maximize=False, stochastic=True, param_stochastic=True,
     )  # fmt: skip
-    cpu.run_table(table, num_threads=threads, library=library)
+    cpu.run_table(table, num_threads=threads, library=library, **run)
     table.bump_steps(library)
     assert [s.item() for s in steps] == [k + 1.0 for k in range(len(params))]
     parts = [t.detach().reshape(-1).float() for t in [*params, *moments[0::2]]]
@@ -137,6 +152,18 @@ def test_thread_count_does_not_change_the_result() -> None:
     assert torch.equal(one, _direct_step(2)) and torch.equal(one, _direct_step(3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_threads_split_inside_params_on_every_simd_path(
+    dtype: torch.dtype, kernel_simd: int
+) -> None:
+    """Params split between threads at offsets off every vector width write the bits of
+    one thread on the C loop (the random bits are keyed by each element's index)."""
+    want = _direct_step(1, shapes=SPLIT_SHAPES, dtype=dtype, simd=cpu.SIMD_C_LOOP)
+    for threads in (1, 2, 3):
+        got = _direct_step(threads, shapes=SPLIT_SHAPES, dtype=dtype)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), threads
+
+
 def test_pthread_build_matches_openmp_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -145,6 +172,8 @@ def test_pthread_build_matches_openmp_build(
     monkeypatch.setattr(cpu, "_uses_gnu_openmp", lambda: False)
     lib = cpu.load(cpu.build())
     assert torch.equal(_direct_step(1), _direct_step(2, library=lib))
+    one = _direct_step(1, shapes=SPLIT_SHAPES)
+    assert torch.equal(one, _direct_step(3, library=lib, shapes=SPLIT_SHAPES))
 
 
 def test_amp_found_inf_changes_nothing_and_grad_scale_unscales() -> None:
