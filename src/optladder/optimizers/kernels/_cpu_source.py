@@ -434,28 +434,35 @@ OL_V3 int64_t ol_body_v3(
     return i;
 }
 
-#define OL_V3G(pd, md, st, ps) \
+/* The body of ol_range_v3 and ol_range_v4: one instance of body (ol_body_v3 or
+   ol_body_v4) per grad dtype, param dtype, moment format and rounding, as ol_range's;
+   the tail of the range (under one iteration's elements) runs ol_range. */
+#define OL_SIMD_G(body, pd, md, st, ps) \
     do { \
-        if (gd == OL_F32) i = ol_body_v3(P, H, lo, hi, OL_F32, pd, md, st, ps); \
-        else if (gd == OL_BF16) i = ol_body_v3(P, H, lo, hi, OL_BF16, pd, md, st, ps); \
-        else i = ol_body_v3(P, H, lo, hi, OL_F16, pd, md, st, ps); \
+        if (gd == OL_F32) i = body(P, H, lo, hi, OL_F32, pd, md, st, ps); \
+        else if (gd == OL_BF16) i = body(P, H, lo, hi, OL_BF16, pd, md, st, ps); \
+        else i = body(P, H, lo, hi, OL_F16, pd, md, st, ps); \
     } while (0)
-#define OL_V3M(pd, ps) \
+#define OL_SIMD_M(body, pd, ps) \
     do { \
-        if (H->moment_dtype == OL_F32) OL_V3G(pd, OL_F32, 0, ps); \
-        else if (H->stochastic) OL_V3G(pd, OL_BF16, 1, ps); \
-        else OL_V3G(pd, OL_BF16, 0, ps); \
+        if (H->moment_dtype == OL_F32) OL_SIMD_G(body, pd, OL_F32, 0, ps); \
+        else if (H->stochastic) OL_SIMD_G(body, pd, OL_BF16, 1, ps); \
+        else OL_SIMD_G(body, pd, OL_BF16, 0, ps); \
+    } while (0)
+#define OL_SIMD_RANGE(body) \
+    do { \
+        const int gd = P->grad_dtype, pd = P->param_dtype; \
+        int64_t i = lo; \
+        if (pd == OL_F32) OL_SIMD_M(body, OL_F32, 0); \
+        else if (H->param_stochastic) OL_SIMD_M(body, OL_BF16, 1); \
+        else OL_SIMD_M(body, OL_BF16, 0); \
+        if (i < hi) ol_range(P, H, i, hi); \
     } while (0)
 
 /* ol_range for float32 and bfloat16 params on x86-64-v3 */
 __attribute__((target("avx2,fma,f16c")))
 static void ol_range_v3(const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64_t hi) {
-    const int gd = P->grad_dtype, pd = P->param_dtype;
-    int64_t i = lo;
-    if (pd == OL_F32) OL_V3M(OL_F32, 0);
-    else if (H->param_stochastic) OL_V3M(OL_BF16, 1);
-    else OL_V3M(OL_BF16, 0);
-    if (i < hi) ol_range(P, H, i, hi);
+    OL_SIMD_RANGE(ol_body_v3);
 }
 
 /* The same update with AVX-512 intrinsics (F, BW, DQ, VL), for x86-64-v4 CPUs: 16 lanes
@@ -607,28 +614,10 @@ OL_V4 int64_t ol_body_v4(
     return i;
 }
 
-#define OL_V4G(pd, md, st, ps) \
-    do { \
-        if (gd == OL_F32) i = ol_body_v4(P, H, lo, hi, OL_F32, pd, md, st, ps); \
-        else if (gd == OL_BF16) i = ol_body_v4(P, H, lo, hi, OL_BF16, pd, md, st, ps); \
-        else i = ol_body_v4(P, H, lo, hi, OL_F16, pd, md, st, ps); \
-    } while (0)
-#define OL_V4M(pd, ps) \
-    do { \
-        if (H->moment_dtype == OL_F32) OL_V4G(pd, OL_F32, 0, ps); \
-        else if (H->stochastic) OL_V4G(pd, OL_BF16, 1, ps); \
-        else OL_V4G(pd, OL_BF16, 0, ps); \
-    } while (0)
-
 /* ol_range for float32 and bfloat16 params on x86-64-v4 */
 __attribute__((target(OL_V4_TARGET)))
 static void ol_range_v4(const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64_t hi) {
-    const int gd = P->grad_dtype, pd = P->param_dtype;
-    int64_t i = lo;
-    if (pd == OL_F32) OL_V4M(OL_F32, 0);
-    else if (H->param_stochastic) OL_V4M(OL_BF16, 1);
-    else OL_V4M(OL_BF16, 0);
-    if (i < hi) ol_range(P, H, i, hi);
+    OL_SIMD_RANGE(ol_body_v4);
 }
 
 /* The hand-written paths this CPU runs: 2 = ol_range_v4 (the AVX-512 of the v4 clone),
