@@ -164,6 +164,13 @@ def test_threads_split_inside_params_on_every_simd_path(
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), threads
 
 
+@pytest.mark.parametrize("simd", [-1, 3, True, 2.0, "2"])
+def test_run_table_refuses_a_simd_level_it_does_not_have(simd: Any) -> None:
+    table = cpu.KernelTable([], [], [], [], [])
+    with pytest.raises(ValueError, match=rf"simd={simd!r} is not a SIMD level; accepted: 0"):
+        cpu.run_table(table, simd=simd)
+
+
 def test_pthread_build_matches_openmp_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

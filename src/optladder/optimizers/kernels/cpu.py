@@ -76,6 +76,7 @@ SIMD_AVX2 = 1
 SIMD_AVX512 = 2
 """``simd`` level: float32 and bfloat16 params on the AVX-512 (F, BW, DQ, VL) intrinsics
 path. Every level writes the C loop's bits; float16 params always run the C loop."""
+_SIMD_LEVELS = (SIMD_C_LOOP, SIMD_AVX2, SIMD_AVX512)
 
 _MIN_ELEMENTS_PER_THREAD = 1 << 16
 """Below this many elements per thread, starting threads costs more than it saves."""
@@ -690,8 +691,14 @@ def run_table(
     path writes the same bits, so lower levels are for tests and benchmarks.
 
     Raises:
+        ValueError: ``simd`` not one of the three levels.
         KernelBuildError: if the kernel cannot be built or loaded.
     """
+    if type(simd) is not int or simd not in _SIMD_LEVELS:
+        raise ValueError(
+            f"simd={simd!r} is not a SIMD level; accepted: {SIMD_C_LOOP} (SIMD_C_LOOP), "
+            f"{SIMD_AVX2} (SIMD_AVX2), {SIMD_AVX512} (SIMD_AVX512)"
+        )
     if table.n_params == 0:
         return
     threads = torch.get_num_threads() if num_threads is None else num_threads
