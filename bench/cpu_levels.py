@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--size", type=parse_size, default=16 * 2**20, help="params, e.g. 16M")
     ap.add_argument("--layouts", default="one", help="one, list (bench/step_time.py's)")
     ap.add_argument("--threads", default="1", help="thread counts, e.g. 1,2")
-    dtypes = ["float32", "bfloat16"]
+    dtypes = ["float32", "bfloat16", "float16"]
     ap.add_argument("--param-dtype", default="float32", choices=dtypes)
     ap.add_argument("--grad-dtype", default="float32", choices=dtypes)
-    ap.add_argument("--moments", default="bfloat16", choices=dtypes)
+    ap.add_argument("--moments", default="bfloat16", choices=dtypes[:2])
     ap.add_argument("--rounding", default="stochastic", choices=["stochastic", "nearest"])
     ap.add_argument("--levels", default="", help="e.g. 0,2 (default: every level here)")
     ap.add_argument("--reps", type=int, default=5)

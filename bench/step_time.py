@@ -3,12 +3,13 @@ kernel is ``optladder-8bit-cpu``: bitsandbytes' state format) against baselines.
 
 Every implementation steps the same params (one float32 tensor of N elements, or a
 transformer-like list of tensors adding up to about N elements: ``--layouts``) with
-grads of the params' dtype (float32, or bfloat16 with ``--param-dtype bfloat16``;
+grads of the params' dtype (float32, or bfloat16 / float16 with ``--param-dtype``;
 stochastic rounding on for optladder), its state allocated by warm-up steps before
-timing. With bfloat16 params the baseline is torch's fused AdamW on the same params (it
-keeps bfloat16 moments), and optladder's fp32 rung (float32 moments on its own kernel)
-is measured beside the bf16 rung. All implementations live in one process and are timed in turns,
-the order rotated by one every rep, so that drifts of the machine hit all alike.
+timing. With bfloat16 or float16 params the baseline is torch's fused AdamW on the same
+params (it keeps its moments in their dtype), and optladder's fp32 rung (float32 moments
+on its own kernel) is measured beside the bf16 rung. All implementations live in one
+process and are timed in turns, the order rotated by one every rep, so that drifts of
+the machine hit all alike.
 Reported per (threads, layout, size, implementation): the median of ``--reps`` timed
 steps with the min-max over reps, the state bytes per param summed over the real state
 tensors, the speed ratio to torch's fused AdamW (``t_fused / t_impl`` of the
@@ -21,6 +22,7 @@ Usage::
     python bench/step_time.py --sizes 16M,64M --threads 1,2 --layouts one,list --reps 9
     python bench/step_time.py --device cuda --peak-gbps 4800   # H200 HBM3e
     python bench/step_time.py --param-dtype bfloat16 --sizes 16M,64M
+    python bench/step_time.py --param-dtype float16 --sizes 16M --threads 1,2
 
 Not a test: numbers depend on the machine. The README carries the CPU table.
 """
@@ -58,7 +60,7 @@ class Stepper(Protocol):
 
 Factory = Callable[[list[torch.nn.Parameter]], Stepper]
 
-PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PARAM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def moment_bytes(impl: str, param_dtype: torch.dtype) -> int:
@@ -140,7 +142,7 @@ def implementations(
 ) -> dict[str, Factory | str]:
     """Name -> optimizer factory, or the reason it cannot run here. The first name is
     the baseline: torch's fused AdamW (moments in the param dtype, hence its suffix)."""
-    tag = {torch.float32: "fp32", torch.bfloat16: "bf16"}[param_dtype]
+    tag = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[param_dtype]
     impls: dict[str, Factory | str] = {
         f"torch-fused-{tag}": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
         f"torch-foreach-{tag}": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),

@@ -430,6 +430,45 @@ def _check_nan_and_inf(backend: str, param_dtype: torch.dtype, rounding: str) ->
 
 
 @needs_gcc
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("lr", [1e-9, 1e-6, 1e-2, 30.0])
+def test_float16_params_in_every_range_write_the_eager_bits(
+    rounding: str, lr: float, kernel_simd: int
+) -> None:
+    """float16 params whose new values fall below the smallest subnormal (2**-24: the
+    stochastic write rounds up with probability |x| / 2**-24), among the subnormals (a
+    quantum of 2**-24), among the normals, and past the largest finite value (65504: an
+    infinity), written by each SIMD path with the eager oracle's bits; 1,000 elements (a
+    tail after every vector width)."""
+    gen = torch.Generator().manual_seed(11)
+    n = 1000
+    starts = torch.tensor([0.0, 2.0**-24, -(2.0**-20), 2.0**-14, 1.0, -3.0, 60000.0, -65504.0])
+    p = starts[torch.randint(0, len(starts), (n,), generator=gen)]
+    inputs = [
+        {
+            "p": p.to(torch.float16),
+            "g": torch.randn(n, generator=gen) * 10.0 ** torch.randint(-4, 2, (n,), generator=gen),
+            "m": torch.randn(n, generator=gen) * 0.1,
+            "v": torch.rand(n, generator=gen) * 0.01,
+            "step": torch.tensor(3.0),
+        }
+    ]
+    options = {"rounding": rounding, "param_rounding": rounding, "lr": lr}
+    for rung in MOMENTS:
+        got, got_opt = _one_step("cpu", rung, inputs, **options)
+        ref, ref_opt = _one_step("eager", rung, inputs, **options)
+        assert torch.equal(_bits(ref[0]), _bits(got[0])), rung
+        for name in ("exp_avg", "exp_avg_sq"):
+            a, b = ref_opt.state[ref[0]][name], got_opt.state[got[0]][name]
+            assert torch.equal(_bits(a), _bits(b)), name
+    new = got[0].detach().float().abs()
+    if lr == 1e-9:  # below and among the subnormals, some rounded up to 2**-24
+        assert bool(((new > 0) & (new <= 2.0**-24)).any())
+    if lr == 30.0:  # past 65504
+        assert bool(torch.isinf(new).any())
+
+
+@needs_gcc
 def test_tables_released_between_prepare_and_commit_still_step() -> None:
     """release_tables() (before state moves) between a prepare and its commit: the commit
     steps with the table the prepared plans point into, as the eager oracle does."""

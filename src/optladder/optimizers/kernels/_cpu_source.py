@@ -449,20 +449,22 @@ OL_V3 int64_t ol_body_v3(
         else if (H->stochastic) OL_SIMD_G(body, pd, OL_BF16, 1, ps); \
         else OL_SIMD_G(body, pd, OL_BF16, 0, ps); \
     } while (0)
-#define OL_SIMD_RANGE(body) \
+#define OL_SIMD_RANGE(body, f16) \
     do { \
         const int gd = P->grad_dtype, pd = P->param_dtype; \
         int64_t i = lo; \
         if (pd == OL_F32) OL_SIMD_M(body, OL_F32, 0); \
-        else if (H->param_stochastic) OL_SIMD_M(body, OL_BF16, 1); \
-        else OL_SIMD_M(body, OL_BF16, 0); \
+        else if (pd == OL_BF16 && H->param_stochastic) OL_SIMD_M(body, OL_BF16, 1); \
+        else if (pd == OL_BF16) OL_SIMD_M(body, OL_BF16, 0); \
+        else if (f16 && H->param_stochastic) OL_SIMD_M(body, OL_F16, 1); \
+        else if (f16) OL_SIMD_M(body, OL_F16, 0); \
         if (i < hi) ol_range(P, H, i, hi); \
     } while (0)
 
 /* ol_range for float32 and bfloat16 params on x86-64-v3 */
 __attribute__((target("avx2,fma,f16c")))
 static void ol_range_v3(const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64_t hi) {
-    OL_SIMD_RANGE(ol_body_v3);
+    OL_SIMD_RANGE(ol_body_v3, 0);
 }
 
 /* The same update with AVX-512 intrinsics (F, BW, DQ, VL), for x86-64-v4 CPUs: 16 lanes
@@ -510,6 +512,49 @@ OL_V4 __m512i ol16v_bf16_ne(__m512 x) {
     const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
+}
+
+#define OL_F16_NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+/* ol_f16_sr on 16 lanes (32 random bits each): the same integer and float steps, and
+   the final conversion exact (the rounded value is a float16 value). When every lane is
+   a float16 normal or an infinity (2**-14 <= |x| <= inf: the usual case), the rounding
+   is (u + (r & 0x1FFF)) & ~0x1FFF, the sign carried along (no carry reaches it). */
+OL_V4 __m256i ol16v_f16_sr(__m512 x, __m512i r) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    const __mmask16 plain = _mm512_cmple_epu32_mask(
+        _mm512_sub_epi32(a, _mm512_set1_epi32(0x38800000)), _mm512_set1_epi32(0x47000000));
+    if (plain == 0xFFFF) {
+        const __m512i low13 = _mm512_set1_epi32(0x1FFF);
+        const __m512i y = _mm512_andnot_si512(
+            low13, _mm512_add_epi32(u, _mm512_and_si512(r, low13)));
+        return _mm512_cvtps_ph(_mm512_castsi512_ps(y), OL_F16_NEAREST);
+    }
+    const __m512i s = _mm512_and_si512(u, _mm512_set1_epi32((int)0x80000000u));
+    const __m512i e = _mm512_srli_epi32(a, 23);
+    const __mmask16 normal = _mm512_cmpge_epu32_mask(e, _mm512_set1_epi32(113));
+    const __mmask16 quantum = _mm512_cmpge_epu32_mask(e, _mm512_set1_epi32(103));
+    __m512i sh = _mm512_mask_sub_epi32(_mm512_set1_epi32(23), quantum, _mm512_set1_epi32(126), e);
+    sh = _mm512_mask_mov_epi32(sh, normal, _mm512_set1_epi32(13));
+    const __m512i mask = _mm512_sub_epi32(_mm512_sllv_epi32(_mm512_set1_epi32(1), sh),
+                                          _mm512_set1_epi32(1));
+    const __m512i big = _mm512_andnot_si512(mask, _mm512_add_epi32(a, _mm512_and_si512(r, mask)));
+    const __m512 t = _mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(281474976710656.0f));
+    const __mmask16 up = _mm512_cmp_ps_mask(
+        _mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), t, _CMP_LT_OQ);
+    const __m512i tiny = _mm512_maskz_mov_epi32(up, _mm512_set1_epi32(0x33800000));
+    const __m512i y = _mm512_or_si512(s, _mm512_mask_blend_epi32(quantum, tiny, big));
+    const __m256i h = _mm512_cvtps_ph(_mm512_castsi512_ps(y), OL_F16_NEAREST);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000));
+    const __m256i n = _mm512_cvtepi32_epi16(
+        _mm512_or_si512(_mm512_srli_epi32(s, 16), _mm512_set1_epi32(0x7E00)));
+    return _mm256_mask_mov_epi16(h, nan, n);
+}
+
+/* (_Float16)x on 16 lanes: round to nearest even, as the C loop's conversion */
+OL_V4 __m256i ol16v_f16_ne(__m512 x) {
+    return _mm512_cvtps_ph(x, OL_F16_NEAREST);
 }
 
 /* the high halves of a's 16 lanes, then b's, to dst[0..32): one two-source permute
@@ -566,6 +611,11 @@ OL_V4 int64_t ol_body_v4(
             p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(step_size, m), denom));
             Q[h] = p; M[h] = m; V[h] = v;
             if (pd == OL_F32) _mm512_storeu_ps((float *)param + j, p);
+            if (pd == OL_F16) {
+                const __m512i pc = h ? _mm512_add_epi32(pctr, sixteen) : pctr;
+                _mm256_storeu_si256((__m256i *)((uint16_t *)param + j),
+                                    pstoch ? ol16v_f16_sr(p, ol16v_hash32(pc)) : ol16v_f16_ne(p));
+            }
             if (md == OL_F32) {
                 _mm512_storeu_ps(m32 + j, m);
                 _mm512_storeu_ps(v32 + j, v);
@@ -614,10 +664,10 @@ OL_V4 int64_t ol_body_v4(
     return i;
 }
 
-/* ol_range for float32 and bfloat16 params on x86-64-v4 */
+/* ol_range on x86-64-v4 (float32, bfloat16 and float16 params) */
 __attribute__((target(OL_V4_TARGET)))
 static void ol_range_v4(const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64_t hi) {
-    OL_SIMD_RANGE(ol_body_v4);
+    OL_SIMD_RANGE(ol_body_v4, 1);
 }
 
 /* The hand-written paths this CPU runs: 2 = ol_range_v4 (the AVX-512 of the v4 clone),
@@ -659,7 +709,7 @@ static void *ol_run(void *arg) {
         if (lo >= hi) continue;
         const ol_hyper_t *H = &job->hyper[P->hyper_index];
 #ifdef OL_HAVE_V3
-        if (job->simd == 2 && P->param_dtype != OL_F16) { ol_range_v4(P, H, lo, hi); continue; }
+        if (job->simd == 2) { ol_range_v4(P, H, lo, hi); continue; }
         if (job->simd == 1 && P->param_dtype != OL_F16) { ol_range_v3(P, H, lo, hi); continue; }
 #endif
         ol_range(P, H, lo, hi);
