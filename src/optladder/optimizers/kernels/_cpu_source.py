@@ -12,14 +12,16 @@ needs no torch headers: Python passes raw pointers through ctypes.
 ``target_clones`` builds the loop for AVX-512, AVX2+FMA and baseline x86-64; the dynamic
 loader picks one at load time from the CPU's features. The loop body is plain C that gcc
 vectorizes (one 32-bit hash per element for the moments' stochastic rounding, one more
-for a low-precision param's); float16 params always run it. Float32 and bfloat16 params
-run instead through the same operations written with intrinsics: ``ol_range_v4``
-(AVX-512 F/BW/DQ/VL, 16 lanes) on x86-64-v4 CPUs, ``ol_range_v3`` (AVX2, FMA, F16C) on
-x86-64-v3 ones. gcc's vectorization of the C loop was compute-bound on both (about 150
-instructions per 16 elements on AVX2; ~0.52 ns per element on one Zen 4 core against
-~0.42 for ``ol_range_v4``, float32 params with stochastically rounded bfloat16 moments
-in L3). Their bits are the C loop's, which defines them; ``ol_adamw_step``'s ``simd``
-argument caps the path taken, so tests check every path against the oracle.
+for a low-precision param's). On x86-64 the params run instead through the same
+operations written with intrinsics: ``ol_range_v4`` (AVX-512 F/BW/DQ/VL, 16 lanes) on
+x86-64-v4 CPUs, ``ol_range_v3`` (AVX2, FMA, F16C, 8 lanes) on x86-64-v3 ones. gcc's
+vectorization of the C loop was compute-bound on both (about 150 instructions per 16
+elements on AVX2; ~0.52 ns per element on one Zen 4 core against ~0.42 for
+``ol_range_v4``, float32 params with stochastically rounded bfloat16 moments in L3), and
+it does not vectorize float16 params at all (4-7 ns per element there, against 0.5-0.9
+on either intrinsics path). Their bits are the C loop's, which defines them;
+``ol_adamw_step``'s ``simd`` argument caps the path taken, so tests check every path
+against the oracle.
 """
 
 SOURCE = r"""
@@ -233,6 +235,7 @@ static void ol_range(const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64
 #define OL_HAVE_V3 1
 #define OL_PREFETCH 256  /* elements: 1 KiB ahead in a float32 stream, 512 B in a 16-bit one */
 #define OL_V3 static inline __attribute__((target("avx2,fma,f16c"), always_inline))
+#define OL_F16_NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 /* 8 values of dtype dt from base[i..i+8), as float32 (exact) */
 OL_V3 __m256 ol8_load(const void *base, int64_t i, const int dt) {
@@ -273,6 +276,42 @@ OL_V3 __m256i ol8_bf16_ne(__m256 x) {
     r = _mm256_srli_epi32(r, 16);
     return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r),
         _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), nan));
+}
+
+/* ol_f16_sr on 8 lanes (32 random bits each), as ol16v_f16_sr: the float16 bits */
+OL_V3 __m128i ol8_f16_sr(__m256 x, __m256i r) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+    /* a float16 normal or an infinity in every lane: 2**-14 <= |x| <= inf */
+    const __m256i plain = _mm256_and_si256(_mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x387FFFFF)),
+                                           _mm256_cmpgt_epi32(_mm256_set1_epi32(0x7F800001), a));
+    if (_mm256_movemask_ps(_mm256_castsi256_ps(plain)) == 0xFF) {
+        const __m256i low13 = _mm256_set1_epi32(0x1FFF);
+        const __m256i y = _mm256_andnot_si256(
+            low13, _mm256_add_epi32(u, _mm256_and_si256(r, low13)));
+        return _mm256_cvtps_ph(_mm256_castsi256_ps(y), OL_F16_NEAREST);
+    }
+    const __m256i s = _mm256_and_si256(u, _mm256_set1_epi32((int)0x80000000u));
+    const __m256i e = _mm256_srli_epi32(a, 23);
+    const __m256i quantum = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(102));
+    const __m256i normal = _mm256_cmpgt_epi32(e, _mm256_set1_epi32(112));
+    __m256i sh = _mm256_blendv_epi8(_mm256_set1_epi32(23),
+                                    _mm256_sub_epi32(_mm256_set1_epi32(126), e), quantum);
+    sh = _mm256_blendv_epi8(sh, _mm256_set1_epi32(13), normal);
+    const __m256i mask = _mm256_sub_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(1), sh),
+                                          _mm256_set1_epi32(1));
+    const __m256i big = _mm256_andnot_si256(mask, _mm256_add_epi32(a, _mm256_and_si256(r, mask)));
+    const __m256 t = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(281474976710656.0f));
+    const __m256 up = _mm256_cmp_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), t, _CMP_LT_OQ);
+    const __m256i tiny = _mm256_and_si256(_mm256_castps_si256(up), _mm256_set1_epi32(0x33800000));
+    const __m256i y = _mm256_or_si256(s, _mm256_blendv_epi8(tiny, big, quantum));
+    const __m128i h = _mm256_cvtps_ph(_mm256_castsi256_ps(y), OL_F16_NEAREST);
+    const __m256i nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000));
+    const __m256i n = _mm256_or_si256(_mm256_srli_epi32(s, 16), _mm256_set1_epi32(0x7E00));
+    const __m128i n16 = _mm_packus_epi32(_mm256_castsi256_si128(n), _mm256_extracti128_si256(n, 1));
+    const __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(nan),
+                                          _mm256_extracti128_si256(nan, 1));
+    return _mm_blendv_epi8(h, n16, nan16);
 }
 
 /* 16 values of dtype dt from base[i..i+16) as float32 (exact), in two vectors: d[0] the
@@ -325,7 +364,7 @@ OL_V3 int64_t ol_body_v3(
     /* with bfloat16 moments (and no float16 grads), every vector holds the elements in
        ol16_load's perm order: measured on Zen 3, float32 params with bf16 moments ~5 %
        faster, bfloat16 params with float32 moments ~6 % slower (so not there) */
-    const int perm = gd != OL_F16 && md == OL_BF16;
+    const int perm = gd != OL_F16 && pd != OL_F16 && md == OL_BF16;
     void *const param = P->param;
     const void *const grad = P->grad;
     float *const m32 = (float *)P->exp_avg, *const v32 = (float *)P->exp_avg_sq;
@@ -378,6 +417,14 @@ OL_V3 int64_t ol_body_v3(
             Q[h] = p; M[h] = m; V[h] = v;
         }
         if (pd == OL_F32) ol16_store_f32((float *)param + i, Q[0], Q[1], perm);
+        if (pd == OL_F16) {  /* in order (perm is 0) */
+            for (int h = 0; h < 2; h++) {
+                const __m256i pc = h ? _mm256_add_epi32(pctr, half) : pctr;
+                _mm_storeu_si128((__m128i *)((uint16_t *)param + i + 8 * h),
+                                 pstoch ? ol8_f16_sr(Q[h], ol8_hash32(pc))
+                                        : _mm256_cvtps_ph(Q[h], OL_F16_NEAREST));
+            }
+        }
         if (md == OL_F32) {
             ol16_store_f32(m32 + i, M[0], M[1], perm);
             ol16_store_f32(v32 + i, V[0], V[1], perm);
@@ -449,22 +496,22 @@ OL_V3 int64_t ol_body_v3(
         else if (H->stochastic) OL_SIMD_G(body, pd, OL_BF16, 1, ps); \
         else OL_SIMD_G(body, pd, OL_BF16, 0, ps); \
     } while (0)
-#define OL_SIMD_RANGE(body, f16) \
+#define OL_SIMD_RANGE(body) \
     do { \
         const int gd = P->grad_dtype, pd = P->param_dtype; \
         int64_t i = lo; \
         if (pd == OL_F32) OL_SIMD_M(body, OL_F32, 0); \
         else if (pd == OL_BF16 && H->param_stochastic) OL_SIMD_M(body, OL_BF16, 1); \
         else if (pd == OL_BF16) OL_SIMD_M(body, OL_BF16, 0); \
-        else if (f16 && H->param_stochastic) OL_SIMD_M(body, OL_F16, 1); \
-        else if (f16) OL_SIMD_M(body, OL_F16, 0); \
+        else if (H->param_stochastic) OL_SIMD_M(body, OL_F16, 1); \
+        else OL_SIMD_M(body, OL_F16, 0); \
         if (i < hi) ol_range(P, H, i, hi); \
     } while (0)
 
-/* ol_range for float32 and bfloat16 params on x86-64-v3 */
+/* ol_range on x86-64-v3 (float32, bfloat16 and float16 params) */
 __attribute__((target("avx2,fma,f16c")))
 static void ol_range_v3(const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64_t hi) {
-    OL_SIMD_RANGE(ol_body_v3, 0);
+    OL_SIMD_RANGE(ol_body_v3);
 }
 
 /* The same update with AVX-512 intrinsics (F, BW, DQ, VL), for x86-64-v4 CPUs: 16 lanes
@@ -513,8 +560,6 @@ OL_V4 __m512i ol16v_bf16_ne(__m512 x) {
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC00000));
 }
-
-#define OL_F16_NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
 /* ol_f16_sr on 16 lanes (32 random bits each): the same integer and float steps, and
    the final conversion exact (the rounded value is a float16 value). When every lane is
@@ -667,7 +712,7 @@ OL_V4 int64_t ol_body_v4(
 /* ol_range on x86-64-v4 (float32, bfloat16 and float16 params) */
 __attribute__((target(OL_V4_TARGET)))
 static void ol_range_v4(const ol_param_t *P, const ol_hyper_t *H, int64_t lo, int64_t hi) {
-    OL_SIMD_RANGE(ol_body_v4, 1);
+    OL_SIMD_RANGE(ol_body_v4);
 }
 
 /* The hand-written paths this CPU runs: 2 = ol_range_v4 (the AVX-512 of the v4 clone),
@@ -710,7 +755,7 @@ static void *ol_run(void *arg) {
         const ol_hyper_t *H = &job->hyper[P->hyper_index];
 #ifdef OL_HAVE_V3
         if (job->simd == 2) { ol_range_v4(P, H, lo, hi); continue; }
-        if (job->simd == 1 && P->param_dtype != OL_F16) { ol_range_v3(P, H, lo, hi); continue; }
+        if (job->simd == 1) { ol_range_v3(P, H, lo, hi); continue; }
 #endif
         ol_range(P, H, lo, hi);
     }
