@@ -19,7 +19,9 @@ least ``min_8bit_size`` elements has ``state1`` / ``state2`` uint8 codes of its 
 ``absmax1`` / ``absmax2`` one float32 per started 256-element block; a smaller one has
 float32 ``state1`` / ``state2``. Per element a step reads and writes 2 code bytes plus
 the param and grad (10 bytes with float32 params and grads, against 28 for torch's fused
-float32 AdamW), and at most 2 KiB of stack per thread; no float32 copy of any tensor.
+float32 AdamW), and at most ~8 KiB of stack per thread (the AVX-512 path: the block's
+moments, the code books' byte planes and the encoder's tables); no float32 copy of any
+tensor.
 
 Update rule: bitsandbytes' CPU fallback for ``"adam"`` (``backends/cpu/ops.py``:
 ``_optimizer_update_8bit_blockwise_cpu`` for 8-bit state, ``_optimizer_update_32bit_cpu``
