@@ -420,8 +420,9 @@ def _vector_tables(bounds: torch.Tensor) -> torch.Tensor:
     of their 7 top mantissa bits ``m7``, ``key = base + (m7 >> s)``, with ``s`` per sign
     and exponent the largest (0 to 7) whose buckets each hold at most one bound. Every
     exponent under ``E0 + 1`` is one bucket (``E0`` is one under the smallest exponent
-    of a non-zero bound: only a bound of 0 can lie there). ``e = 127`` holds 1.0 alone
-    (x is clamped) and, in the keys of ``m7 >= 64``, NaN: the encoder reads ``e & 31``,
+    of a non-zero bound: only a bound of 0 can lie there). ``e = 127`` holds ±1.0 (x is
+    clamped, or at most a step over) and, in the keys of ``m7 >= 64``, NaN: the encoder
+    reads ``e & 31``,
     and a NaN, quiet after the scaling, has ``e = 255`` and ``m7 >= 64``; NaN's keys count
     255. Per key, ``c0``: the bounds below the bucket's smallest float; the code is then
     ``c0 + (bounds[c0] < x)`` (``bounds[c0]`` is the bound inside the bucket, or one
@@ -430,10 +431,11 @@ def _vector_tables(bounds: torch.Tensor) -> torch.Tensor:
     Layout (int32, :data:`VECTOR_TABLE_WORDS` words): ``[1, E0]``, then 64 uint16
     (``base | s << 9`` for ``x >= +0`` at ``e & 31``, then 32 for ``x <= -0``), then 512
     uint8 (``c0`` per key), in little-endian order. All 0 (the kernel then encodes with
-    the start table) where a book needs more than 512 keys, has a bound of -0.0 or a
-    non-zero bound under ``2**-31`` (``E0 < 96``), or has no room for 1.0 alone in its top
-    exponent's buckets (``s <= 6`` required). bitsandbytes' signed dynamic map takes 438
-    keys, the unsigned one 464.
+    the start table) where a book needs more than 512 keys, has a bound of -0.0, a bound
+    outside (-1, 1) (the encoder leaves blocks with a finite absmax unclamped, whose
+    values may pass ±1 by a float32 step) or a non-zero bound under ``2**-31`` (``E0 <
+    96``), or has no room for 1.0 alone in its top exponent's buckets (``s <= 6``).
+    bitsandbytes' signed dynamic map takes 438 keys, the unsigned one 464.
 
     Args:
         bounds: from :func:`code_bounds` (255 ascending midpoints, then +inf).
@@ -445,6 +447,8 @@ def _vector_tables(bounds: torch.Tensor) -> torch.Tensor:
     edges = bounds[:255]
     bits = edges.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     if not bool(bounds[255] == math.inf) or bool((bits == 0x80000000).any()):
+        return none
+    if not bool((edges.abs() < 1).all()):  # see above: unclamped values
         return none
     exps = bits[edges != 0] >> 23 & 0xFF
     e0 = (min(int(exps.min()), 127) if exps.numel() else 127) - 1
