@@ -613,6 +613,77 @@ def test_the_start_table_encodes_as_the_binary_search_and_the_reference(
         assert torch.equal(search[1][blocks_ok], want_absmax[blocks_ok])
 
 
+def _absmax_one_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32, within [-1, 1]) as whole blocks of 255 values after a 1.0 (the last
+    padded with zeros): every block's absmax is 1, so each value is encoded as it is
+    (``x * (1 / 1)``)."""
+    x = torch.cat([x, torch.zeros(-x.numel() % 255)])
+    return torch.cat([torch.ones(x.numel() // 255, 1), x.view(-1, 255)], dim=1).flatten()
+
+
+def _near_every_bound_and_a_stride(bounds: torch.Tensor) -> torch.Tensor:
+    """Every float within 64 float32 steps of each midpoint, a stride through every float
+    in [-1, 1] (both signs), ±0, ±1, the smallest normals and denormals."""
+    mids = bounds[:255]
+    bits = mids.view(torch.int32).to(torch.int64)
+    steps = torch.arange(-64, 65, dtype=torch.int64)
+    near = bits[:, None] + steps  # float32 steps away from the midpoint, on its sign's side
+    near = near[(near >= -(1 << 31)) & (near < 1 << 31)].to(torch.int32).view(torch.float32)
+    across = torch.cat([near, -near])  # the midpoints' mirror images too
+    stride = torch.arange(0, 0x3F800001, 4099, dtype=torch.int64).to(torch.int32)
+    stride = stride.view(torch.float32)
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0**-126, -(2.0**-126), 1e-45, -1e-45])
+    x = torch.cat([across, stride, -stride, special])
+    return x[x.abs() <= 1]
+
+
+def test_the_vector_encode_counts_the_bounds_below_every_float() -> None:
+    """The AVX-512 encode (``ol8v_quantize64``, by register permutes on the tables at the
+    end of ``code_table``) against the rule, counted independently (``searchsorted`` on
+    the midpoints, NaN last), and against the scalar loop with the start table: every
+    float within 64 steps of every midpoint, a stride through all floats in [-1, 1], zeros
+    and denormals, NaN of both signs, on both books (negative values on the unsigned book
+    too), through ``quantize_blockwise`` at each SIMD level the CPU has."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    for code in _books():
+        bounds = cpu8bit.code_bounds(code)
+        table = cpu8bit.code_table(bounds)
+        assert int(table[4 + 2 * int(table[1])]) == 1  # the vector tables serve the book
+        x = _near_every_bound_and_a_stride(bounds)
+        values = _absmax_one_blocks(x)
+        want = torch.searchsorted(bounds[:255], values, side="left").to(torch.uint8)
+        nan = torch.tensor([float("nan"), 1.0, -float("nan"), -1.0, 0.5, -0.5, 0.0, -0.0])
+        nan_block = nan.repeat(32)  # absmax NaN: the other values scale to ±1 or ±0
+        values = torch.cat([values, nan_block])
+        # NaN counts 255; with absmax NaN the scale is 1e38, so ±0.5 and ±1 clamp to ±1:
+        # 255 or no bound; ±0 count the negative midpoints (none on the unsigned book)
+        zero = int((bounds[:255] < 0).sum())
+        nan_codes = torch.tensor([255, 255, 255, 0, 255, 0, zero, zero] * 32, dtype=torch.uint8)
+        want = torch.cat([want, nan_codes])
+        for simd in (False, cpu8bit.SIMD_AVX2, cpu8bit.SIMD_AVX512):
+            codes, absmax = cpu8bit.quantize_blockwise(values, code, start_table=table, simd=simd)
+            assert torch.equal(codes, want), simd
+            assert bool((absmax[:-1] == 1).all()) and bool(absmax[-1].isnan())
+
+
+def test_a_book_the_vector_tables_cannot_serve_takes_the_start_table() -> None:
+    """A book with a midpoint under 2**-31 (the vector encode's exponent slots span 1.0
+    down to 2**-31): ``code_table``'s vector tables are all 0, and every SIMD level still
+    encodes by the rule (the start table's encode)."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    code, _ = torch.cat([torch.linspace(-1, 1, 254), torch.tensor([1e-12, 3e-12])]).sort()
+    bounds = cpu8bit.code_bounds(code)
+    table = cpu8bit.code_table(bounds)
+    assert not bool(table[4 + 2 * int(table[1]) :].any())
+    values = _absmax_one_blocks(_near_every_bound_and_a_stride(bounds))
+    want = torch.searchsorted(bounds[:255], values, side="left").to(torch.uint8)
+    for simd in (False, cpu8bit.SIMD_AVX2, cpu8bit.SIMD_AVX512):
+        codes, _ = cpu8bit.quantize_blockwise(values, code, start_table=table, simd=simd)
+        assert torch.equal(codes, want), simd
+
+
 def test_a_book_denser_than_the_start_table_takes_is_refused() -> None:
     """Two midpoints among floats sharing their top 16 bits: ``code_table`` raises
     (such a book is stepped by bitsandbytes' own path, see ``eightbit._kernel_miss``)."""

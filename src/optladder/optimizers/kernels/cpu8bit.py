@@ -19,7 +19,9 @@ least ``min_8bit_size`` elements has ``state1`` / ``state2`` uint8 codes of its 
 ``absmax1`` / ``absmax2`` one float32 per started 256-element block; a smaller one has
 float32 ``state1`` / ``state2``. Per element a step reads and writes 2 code bytes plus
 the param and grad (10 bytes with float32 params and grads, against 28 for torch's fused
-float32 AdamW), and at most 2 KiB of stack per thread; no float32 copy of any tensor.
+float32 AdamW), and at most ~8 KiB of stack per thread (the AVX-512 path: the block's
+moments, the code books' byte planes and the encoder's tables); no float32 copy of any
+tensor.
 
 Update rule: bitsandbytes' CPU fallback for ``"adam"`` (``backends/cpu/ops.py``:
 ``_optimizer_update_8bit_blockwise_cpu`` for 8-bit state, ``_optimizer_update_32bit_cpu``
@@ -323,6 +325,13 @@ def code_bounds(qmap: torch.Tensor) -> torch.Tensor:
 _ONE_PREFIX = 0x3F80
 """The top 15 magnitude bits (exponent and 7 mantissa bits) of 1.0."""
 
+VECTOR_TABLE_WORDS = 162
+"""int32 words of the AVX-512 encoder's tables at the end of a :func:`code_table`."""
+
+_LOWEST_SLOT = 96
+"""The smallest exponent the AVX-512 encoder's slots take (a slot is the exponent's low 5
+bits, so the exponents from the smallest slot to 1.0's, 127, must span at most 32)."""
+
 
 def code_table(bounds: torch.Tensor) -> torch.Tensor:
     """The encoder's start table: for a float32 ``x`` in [-1, 1], the number of ``bounds``
@@ -338,14 +347,16 @@ def code_table(bounds: torch.Tensor) -> torch.Tensor:
     any bound is negative else 0]``, then ``w`` entries for ``x >= +0`` and ``w`` for
     ``x <= -0`` (only the first is read when no bound is negative). Entry = count | low16
     << 8: the count, and the low 16 bits of the bound inside the bucket (of the bucket's
-    largest float where none is, so that the comparison never counts it). For
-    bitsandbytes' dynamic maps ``lo`` is near 2**-21 and a table is about 21 KiB.
+    largest float where none is, so that the comparison never counts it). Then the
+    :data:`VECTOR_TABLE_WORDS` words of the AVX-512 encoder's tables (see
+    :func:`_vector_tables`; all 0 for a book they cannot serve). For bitsandbytes'
+    dynamic maps ``lo`` is near 2**-21 and a table is about 22 KiB.
 
     Args:
         bounds: from :func:`code_bounds`.
 
     Returns:
-        int32 CPU tensor of ``4 + 2 * w`` elements.
+        int32 CPU tensor of ``4 + 2 * w + VECTOR_TABLE_WORDS`` elements.
 
     Raises:
         ValueError: if a bucket holds more than one bound (a code book denser than
@@ -368,11 +379,8 @@ def code_table(bounds: torch.Tensor) -> torch.Tensor:
     neg_lo = ((prefix | 0x8000) << 16) | 0xFFFF
     neg_hi = torch.cat([torch.tensor([0x8000 << 16]), (prefix[1:] | 0x8000) << 16])
 
-    def as_float(b: torch.Tensor) -> torch.Tensor:
-        return torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32)
-
-    smallest = as_float(torch.cat([pos_lo, neg_lo]))
-    largest = as_float(torch.cat([pos_hi, neg_hi]))
+    smallest = _as_float(torch.cat([pos_lo, neg_lo]))
+    largest = _as_float(torch.cat([pos_hi, neg_hi]))
     start = torch.searchsorted(edges, smallest, side="left")
     inside = torch.searchsorted(edges, largest, side="right") - start
     zeros = int((edges == 0).sum())
@@ -399,7 +407,99 @@ def code_table(bounds: torch.Tensor) -> torch.Tensor:
     zero_bits = 0 if has_zero else 0x7F800000  # 0.0 or +inf
     negative = -1 if bool((edges < 0).any()) else 0
     head = torch.tensor([lo, width, zero_bits, negative], dtype=torch.int64)
-    return torch.cat([head, start.clamp(max=255) | (low << 8)]).to(torch.int32)
+    entries = torch.cat([head, start.clamp(max=255) | (low << 8)]).to(torch.int32)
+    return torch.cat([entries, _vector_tables(bounds)])
+
+
+def _vector_tables(bounds: torch.Tensor) -> torch.Tensor:
+    """The AVX-512 encoder's tables (``ol8v_quantize64``): the same count of ``bounds``
+    below a float32 ``x`` in [-1, 1] (or NaN, counted 255) as :func:`code_table`'s, from
+    the top 16 bits of ``x`` by register permutes, without memory lookups.
+
+    Buckets: per sign and exponent ``e`` of ``x``, the floats sharing the top ``7 - s``
+    of their 7 top mantissa bits ``m7``, ``key = base + (m7 >> s)``, with ``s`` per sign
+    and exponent the largest (0 to 7) whose buckets each hold at most one bound. Every
+    exponent under ``E0 + 1`` is one bucket (``E0`` is one under the smallest exponent
+    of a non-zero bound: only a bound of 0 can lie there). ``e = 127`` holds ±1.0 (x is
+    clamped, or at most a step over) and, in the keys of ``m7 >= 64``, NaN: the encoder
+    reads ``e & 31``,
+    and a NaN, quiet after the scaling, has ``e = 255`` and ``m7 >= 64``; NaN's keys count
+    255. Per key, ``c0``: the bounds below the bucket's smallest float; the code is then
+    ``c0 + (bounds[c0] < x)`` (``bounds[c0]`` is the bound inside the bucket, or one
+    above it; ``bounds[255]`` is +inf).
+
+    Layout (int32, :data:`VECTOR_TABLE_WORDS` words): ``[1, E0]``, then 64 uint16
+    (``base | s << 9`` for ``x >= +0`` at ``e & 31``, then 32 for ``x <= -0``), then 512
+    uint8 (``c0`` per key), in little-endian order. All 0 (the kernel then encodes with
+    the start table) where a book needs more than 512 keys, has a bound of -0.0, a bound
+    outside (-1, 1) (the encoder leaves blocks with a finite absmax unclamped, whose
+    values may pass ±1 by a float32 step) or a non-zero bound under ``2**-31`` (``E0 <
+    96``), or has no room for 1.0 alone in its top exponent's buckets (``s <= 6``).
+    bitsandbytes' signed dynamic map takes 438 keys, the unsigned one 464.
+
+    Args:
+        bounds: from :func:`code_bounds` (255 ascending midpoints, then +inf).
+
+    Returns:
+        int32 CPU tensor of :data:`VECTOR_TABLE_WORDS` elements.
+    """
+    none = torch.zeros(VECTOR_TABLE_WORDS, dtype=torch.int32)
+    edges = bounds[:255]
+    bits = edges.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if not bool(bounds[255] == math.inf) or bool((bits == 0x80000000).any()):
+        return none
+    if not bool((edges.abs() < 1).all()):  # see above: unclamped values
+        return none
+    exps = bits[edges != 0] >> 23 & 0xFF
+    e0 = (min(int(exps.min()), 127) if exps.numel() else 127) - 1
+    if e0 < _LOWEST_SLOT:
+        return none
+    rows = torch.arange(e0, 128, dtype=torch.int64)[:, None]  # exponent e0 + row
+    shift = torch.full((2, len(rows)), -1, dtype=torch.int64)  # largest s that works
+    counts: dict[tuple[int, int], torch.Tensor] = {}
+    for s in range(8):
+        k = torch.arange(128 >> s, dtype=torch.int64)
+        lo = (rows << 23) | (k << (16 + s))  # magnitude bits of each bucket's ends
+        hi = (rows << 23) | (((k + 1) << (16 + s)) - 1)
+        lo[0], hi[0] = 0, ((e0 + 1) << 23) - 1  # every magnitude under 2**(e0 - 126)
+        hi[-1] = hi[-1].clamp(max=_ONE_PREFIX << 16)  # 1.0: the largest x
+        skip = torch.zeros_like(lo, dtype=torch.bool)
+        skip[-1] = (k >= 64 >> s) | (lo[-1] > hi[-1])  # NaN's keys, and no float at all
+        for sign in (0, 1):
+            if sign:  # x <= -0: the largest magnitude is the smallest float
+                smallest, largest = _as_float(hi | 1 << 31), _as_float(lo | 1 << 31)
+            else:
+                smallest, largest = _as_float(lo), _as_float(hi)
+            start = torch.searchsorted(edges, smallest.flatten(), side="left").view(lo.shape)
+            inside = torch.searchsorted(edges, largest.flatten(), side="right").view(lo.shape)
+            inside = torch.where(skip, 0, inside - start)
+            ok = (inside <= 1).all(dim=1)
+            ok[0] &= s == 7
+            ok[-1] &= s <= 6
+            shift[sign][ok] = s
+            counts[sign, s] = torch.where(skip, 255, start)
+    if bool((shift < 0).any()):
+        return none
+    slot = torch.zeros(64, dtype=torch.int64)
+    keys: list[torch.Tensor] = []
+    base = 0
+    for sign in (0, 1):
+        for row in range(len(rows)):
+            s = int(shift[sign, row])
+            keys.append(counts[sign, s][row, : 128 >> s])
+            slot[32 * sign + ((e0 + row) & 31)] = base | s << 9
+            base += 128 >> s
+    if base > 512:
+        return none
+    c0 = torch.zeros(512, dtype=torch.uint8)
+    c0[:base] = torch.cat(keys).to(torch.uint8)
+    head = torch.tensor([1, e0], dtype=torch.int32)
+    return torch.cat([head, slot.to(torch.int16).view(torch.int32), c0.view(torch.int32)])
+
+
+def _as_float(b: torch.Tensor) -> torch.Tensor:
+    """float32 values of 32-bit patterns held in int64 (0 to 2**32 - 1)."""
+    return torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32)
 
 
 def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
@@ -526,7 +626,8 @@ def _check_state(k: int, job: Job) -> bool:
             t = getattr(job, name)
             if name.startswith("table"):
                 ok = t is not None and t.dtype == torch.int32 and t.dim() == 1
-                ok = ok and t.numel() >= 6 and t.numel() == 4 + 2 * int(t[1])
+                ok = ok and t.numel() >= 6 + VECTOR_TABLE_WORDS
+                ok = ok and t.numel() == 4 + 2 * int(t[1]) + VECTOR_TABLE_WORDS
                 ok = ok and int(t[1]) == _ONE_PREFIX - int(t[0]) + 2
                 if not ok:
                     raise ValueError(f"jobs[{k}].{name} must be a code_table() of its bounds")
