@@ -512,6 +512,81 @@ def test_splitting_a_float32_moment_is_exact_and_rounds_to_nearest(n: int) -> No
     assert torch.equal(value[keep], original[keep].to(torch.bfloat16))
 
 
+HALFWAY = [1 + 2**-8, -(1 + 2**-8), 1 + 3 * 2**-8, 1 + 2**-8 - 2**-20, 3.0, 2 + 2**-7]
+"""float32 moments, four of them exactly halfway between two bfloat16 values."""
+AWAY = [1.0078125, -1.0078125, 1.015625, 1.0, 3.0, 2.015625]
+"""By hand: the nearest bfloat16, ties away from zero (1.0, 1.0078125, 1.015625 and
+2.0, 2.015625 are neighbours; 1 + 2**-8 - 2**-20 is below the halfway point)."""
+
+
+def test_a_move_to_bf16_and_a_load_into_bf16_round_halfway_moments_alike() -> None:
+    """fp32 -> bf16 narrows each moment to nearest, ties away from zero (the move must be
+    undoable: :func:`_split_moment`); a load of the same state into the bf16 rung rounded
+    ties to even (``.to(torch.bfloat16)``): 1 + 2**-8 became 1.0078125 in a move and 1.0
+    in a load, so a run resumed from its checkpoint drifted from the one that moved."""
+    p = torch.nn.Parameter(torch.zeros(len(HALFWAY)))
+    opt = choose_optimizer([p], lr=1e-2, free_memory="8GiB", environ={})
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.rung == "fp32"
+    opt.state[p]["exp_avg"].copy_(torch.tensor(HALFWAY))
+    opt.state[p]["exp_avg_sq"].copy_(torch.tensor(HALFWAY).abs())
+    saved = copy.deepcopy(opt.state_dict())
+    q = torch.nn.Parameter(torch.zeros(len(HALFWAY)))
+    loaded = choose_optimizer([q], lr=1e-2, free_memory="8GiB", environ={}, rung="bf16")
+    loaded.load_state_dict(saved)
+    opt.escalate("test")
+    assert opt.rung == "bf16"
+    for name, want in (("exp_avg", AWAY), ("exp_avg_sq", [abs(v) for v in AWAY])):
+        moved, got = opt.state[p][name], loaded.state[q][name]
+        assert moved.dtype == got.dtype == torch.bfloat16
+        assert moved.float().tolist() == want, name
+        assert torch.equal(moved.view(torch.int16), got.view(torch.int16)), name
+
+
+def test_an_escalated_run_continues_as_one_resumed_on_bf16_from_its_checkpoint() -> None:
+    """The user's flow: three steps on fp32 with bfloat16 params, then one run escalates to
+    bf16 and a twin is saved and loaded into an optimizer fixed on bf16; both continue bit
+    for bit. bfloat16 grads (8 significant bits) make halfway float32 moments common."""
+    dtype = torch.bfloat16
+
+    def steps(opt: object, ps: list[torch.nn.Parameter], seeds: range) -> None:
+        for s in seeds:
+            gen = torch.Generator().manual_seed(s)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            opt.step()  # type: ignore[attr-defined]
+
+    def params() -> list[torch.nn.Parameter]:
+        gen = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in (5000, 77)]
+
+    moved_ps, saved_ps = params(), params()
+    moved = choose_optimizer(moved_ps, lr=1e-2, free_memory="8GiB", environ={})
+    saved = choose_optimizer(saved_ps, lr=1e-2, free_memory="8GiB", environ={})
+    steps(moved, moved_ps, range(3))
+    steps(saved, saved_ps, range(3))
+    halfway = sum(
+        int(((moved.state[p][name].view(torch.int32) & 0xFFFF) == 0x8000).sum())
+        for p in moved_ps
+        for name in ("exp_avg", "exp_avg_sq")
+    )
+    assert halfway > 0  # the case under test is there
+    moved.escalate("test")
+    resumed_ps = [torch.nn.Parameter(p.detach().clone()) for p in saved_ps]
+    resumed = choose_optimizer(resumed_ps, lr=1.0, free_memory="8GiB", environ={}, rung="bf16")
+    resumed.load_state_dict(copy.deepcopy(saved.state_dict()))
+    for a, b in zip(moved_ps, resumed_ps):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(
+                moved.state[a][name].view(torch.int16), resumed.state[b][name].view(torch.int16)
+            ), name
+    steps(moved, moved_ps, range(3, 6))
+    steps(resumed, resumed_ps, range(3, 6))
+    for a, b in zip(moved_ps, resumed_ps):
+        assert torch.equal(a.detach().view(torch.int16), b.detach().view(torch.int16))
+
+
 def test_a_load_that_moves_past_the_local_policy_warns_and_says_why() -> None:
     """rel-22: a checkpoint that escalated to bf16, loaded where the policy chose 8bit."""
     m = torch.nn.Linear(256, 256)

@@ -13,8 +13,11 @@ Two state layouts exist:
 Each conversion goes straight from the source tensors to the target dtype (bitsandbytes
 quantizes from and dequantizes to bfloat16 or float32 directly), so converting one param
 allocates only that param's new state. Narrowing a moment (fp32 -> bf16) rounds to
-nearest: a one-time rounding of a value, where the bf16 rung's stochastic rounding is for
-the repeated ``v = beta2 * v`` updates.
+nearest, ties away from zero, in a move and in a load alike (:func:`_split_moment`: a
+move must be undoable, and round-to-nearest-even would need a 17th bit for that), so a
+run that escalated and one resumed on bf16 from its checkpoint hold the same moments: a
+one-time rounding of a value, where the bf16 rung's stochastic rounding is for the
+repeated ``v = beta2 * v`` updates.
 
 A DTensor param (FSDP2) is converted on this rank's local shard: torch's AdamW keeps
 DTensor moments laid out like the param, bitsandbytes' layout keeps plain tensors of the
@@ -265,10 +268,7 @@ def convert_param_state(
             ]
         else:
             out = list(moments)
-        exp_avg, exp_avg_sq = (
-            m.to(device=device, dtype=target.moment_dtype).reshape(p.shape).contiguous()
-            for m in out
-        )
+        exp_avg, exp_avg_sq = (_narrowed(m, p.shape, device, target.moment_dtype) for m in out)
         step_device = device if target.step_on_param_device else torch.device("cpu")
         if copy and exp_avg.untyped_storage().data_ptr() == moments[0].untyped_storage().data_ptr():
             exp_avg = exp_avg.clone()
@@ -296,6 +296,18 @@ def convert_param_state(
             ):
                 result[name] = value.clone()
     return result
+
+
+def _narrowed(
+    m: torch.Tensor, shape: torch.Size, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """``m`` as a contiguous ``dtype`` tensor of ``shape`` on ``device``; float32 to
+    bfloat16 rounds as a move does (:func:`_split_moment`: to nearest, ties away from
+    zero), not as ``.to()`` (ties to even), so a load and a move give the same bits."""
+    if m.dtype == torch.float32 and dtype == torch.bfloat16:
+        value, _ = _split_moment(m.to(device=device), shape)
+        return value
+    return m.to(device=device, dtype=dtype).reshape(shape).contiguous()
 
 
 def _bnb_state(
