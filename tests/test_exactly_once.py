@@ -4,6 +4,7 @@ never reruns a committed step (issue 11; the cases rel-01..22 and bug-10 as test
 from __future__ import annotations
 
 import copy
+import math
 import signal
 import warnings
 
@@ -15,7 +16,7 @@ from optladder import Ladder, OptimizerOutOfMemoryError, choose_optimizer
 from optladder.oom import requested_bytes
 from optladder.optimizers.capabilities import fused_adamw_runs
 from optladder.optimizers.kernels import cpu
-from optladder.optimizers.migrate import _join_moment, _split_moment
+from optladder.optimizers.migrate import _join_moment, _narrowed, _split_moment
 from optladder.selector.optimizer import PartialStepError
 from snapshots import assert_same, snapshot
 
@@ -585,6 +586,43 @@ def test_an_escalated_run_continues_as_one_resumed_on_bf16_from_its_checkpoint()
     steps(resumed, resumed_ps, range(3, 6))
     for a, b in zip(moved_ps, resumed_ps):
         assert torch.equal(a.detach().view(torch.int16), b.detach().view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    "layout", ["contiguous", "transposed", "channels_last", "0-dim", "chunked rows"]
+)
+def test_a_loads_narrowing_rounds_ties_away_from_zero_in_any_layout(layout: str) -> None:
+    """What a load makes of float32 moments (:func:`_narrowed`, any layout: moments laid
+    out like a transposed or channels_last param) is the nearest bfloat16, ties away from
+    zero, as a move's split: checked against integer arithmetic on the bits, every finite
+    value and every halfway one."""
+    shape = {
+        "contiguous": (1000,),
+        "transposed": (70, 90),
+        "channels_last": (3, 5, 7, 11),
+        "0-dim": (),
+        "chunked rows": (3000, 70),  # several chunks of rows, the last one short
+    }[layout]
+    n = math.prod(shape)
+    gen = torch.Generator().manual_seed(n)
+    bits = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64)
+    bits[::3] = (bits[::3] & ~0xFFFF) | 0x8000  # a third exactly halfway
+    m = bits.to(torch.int32).view(torch.float32).reshape(shape)
+    finite = torch.isfinite(m)
+    m = torch.where(finite, m, torch.ones_like(m))
+    bits = m.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    want = ((bits + 0x8000) >> 16) & 0xFFFF  # ties away from zero, in sign-magnitude bits
+    want = torch.where(want >= 0x8000, want - 0x10000, want).to(torch.int16).reshape(shape)
+    if layout == "transposed":
+        m = m.t().contiguous().t()
+    elif layout == "channels_last":
+        m = m.contiguous(memory_format=torch.channels_last)
+    got = _narrowed(m, torch.Size(shape), torch.device("cpu"), torch.bfloat16)
+    assert got.is_contiguous() and got.shape == torch.Size(shape)
+    assert torch.equal(got.view(torch.int16), want)
+    assert torch.equal(
+        got.view(torch.int16), _split_moment(m, torch.Size(shape))[0].view(torch.int16)
+    )
 
 
 def test_a_load_that_moves_past_the_local_policy_warns_and_says_why() -> None:

@@ -298,16 +298,43 @@ def convert_param_state(
     return result
 
 
+_TIE_CHUNK = 1 << 14
+"""Elements per chunk where :func:`_narrowed` looks for halfway values (bounds its
+scratch: a narrowing allocates the bfloat16 result and at most ~300 KiB besides, for
+rows of at most this many elements)."""
+
+
 def _narrowed(
     m: torch.Tensor, shape: torch.Size, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``m`` as a contiguous ``dtype`` tensor of ``shape`` on ``device``; float32 to
-    bfloat16 rounds as a move does (:func:`_split_moment`: to nearest, ties away from
-    zero), not as ``.to()`` (ties to even), so a load and a move give the same bits."""
-    if m.dtype == torch.float32 and dtype == torch.bfloat16:
-        value, _ = _split_moment(m.to(device=device), shape)
+    """``m`` as a contiguous ``dtype`` tensor of ``shape`` on ``device``.
+
+    float32 to bfloat16 rounds as a move does (:func:`_split_moment`: to nearest, ties
+    away from zero), not as ``.to()`` alone (ties to even), so a load and a move give the
+    same bits: ``.to()`` first, then, where the float32 value was exactly halfway (its low
+    half 0x8000) and rounded to the even bfloat16 nearer zero, one place away from zero.
+    NaN stays NaN.
+    """
+    if not (m.dtype == torch.float32 and dtype == torch.bfloat16):
+        return m.to(device=device, dtype=dtype).reshape(shape).contiguous()
+    value = torch.empty(shape, dtype=dtype, device=device)
+    src = m.to(device=device).reshape(shape)
+    value.copy_(src)  # one allocation, whatever src's layout
+    if value.numel() == 0:
         return value
-    return m.to(device=device, dtype=dtype).reshape(shape).contiguous()
+    if src.dim() == 0 or src.is_contiguous():  # chunks of elements, else of rows (views)
+        src, value_rows = src.reshape(-1), value.reshape(-1)
+    else:
+        value_rows = value
+    rows = max(1, _TIE_CHUNK // max(1, src[0].numel()))
+    for start in range(0, src.shape[0], rows):
+        bits = src[start : start + rows].reshape(-1).view(torch.int32)  # a chunk's copy at most
+        out = value_rows[start : start + rows].reshape(-1).view(torch.int16)
+        halfway = bits.bitwise_and(0xFFFF).eq_(0x8000)
+        # .to() kept the float32 value's own high half (even): ties away take the next
+        kept = bits.bitwise_right_shift(16).eq_(out.to(torch.int32))
+        out.add_(kept.logical_and_(halfway).to(torch.int16))
+    return value
 
 
 def _bnb_state(
