@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -99,6 +100,39 @@ def test_scheduler_recipe_skips_with_the_optimizer() -> None:
         if not opt.last_step_skipped:
             sched.step()
     assert opt.param_groups[0]["lr"] == 0.25  # two real steps: 1.0 * 0.5 * 0.5
+
+
+class _LoggingScaler(torch.amp.GradScaler):
+    """A GradScaler subclass whose own ``step`` wraps torch's (as trainers' scalers do)."""
+
+    def step(self, optimizer, *args, **kwargs):  # type: ignore[no-untyped-def,override]
+        return super().step(optimizer, *args, **kwargs)
+
+
+@pytest.mark.parametrize("scaler_class", [torch.amp.GradScaler, _LoggingScaler])
+@pytest.mark.parametrize("rung", RUNGS)
+def test_reading_the_amp_attribute_elsewhere_neither_skips_nor_requests_a_step(
+    rung: str, scaler_class: type[torch.amp.GradScaler]
+) -> None:
+    """Only GradScaler.step's read of ``_step_supports_amp_scaling`` marks a scaler step:
+    a stepped optimizer read by ``inspect.getmembers`` (or Lightning's clipping check)
+    said ``last_step_skipped`` True and counted one more step request."""
+    model = _model()
+    opt = choose_optimizer(model, free_memory="1GiB", rung=rung)
+    scaler = scaler_class("cpu", init_scale=2.0**10)
+    _backward(model, scaler)
+    scaler.step(opt)
+    scaler.update()
+    assert opt.last_step_skipped is False and opt.step_requests == 2  # the scaler's, step()'s
+    inspect.getmembers(opt)
+    assert getattr(opt, "_step_supports_amp_scaling", True) is False  # as Lightning reads it
+    assert opt.last_step_skipped is False and opt.step_requests == 2
+    opt.zero_grad()
+    _backward(model, scaler, poison=True)
+    scaler.step(opt)  # skipped: step() is not called
+    scaler.update()
+    assert opt.last_step_skipped is True and opt.step_requests == 3
+    assert scaler.get_scale() == 2.0**9
 
 
 # --- grads that params share, with grad_scale set on the optimizer --------------------

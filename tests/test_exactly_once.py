@@ -4,6 +4,7 @@ never reruns a committed step (issue 11; the cases rel-01..22 and bug-10 as test
 from __future__ import annotations
 
 import copy
+import math
 import signal
 import warnings
 
@@ -15,7 +16,7 @@ from optladder import Ladder, OptimizerOutOfMemoryError, choose_optimizer
 from optladder.oom import requested_bytes
 from optladder.optimizers.capabilities import fused_adamw_runs
 from optladder.optimizers.kernels import cpu
-from optladder.optimizers.migrate import _join_moment, _split_moment
+from optladder.optimizers.migrate import _join_moment, _narrowed, _split_moment
 from optladder.selector.optimizer import PartialStepError
 from snapshots import assert_same, snapshot
 
@@ -510,6 +511,118 @@ def test_splitting_a_float32_moment_is_exact_and_rounds_to_nearest(n: int) -> No
     ties = (original.view(torch.int32) & 0xFFFF) == 0x8000
     keep = finite & ~ties
     assert torch.equal(value[keep], original[keep].to(torch.bfloat16))
+
+
+HALFWAY = [1 + 2**-8, -(1 + 2**-8), 1 + 3 * 2**-8, 1 + 2**-8 - 2**-20, 3.0, 2 + 2**-7]
+"""float32 moments, four of them exactly halfway between two bfloat16 values."""
+AWAY = [1.0078125, -1.0078125, 1.015625, 1.0, 3.0, 2.015625]
+"""By hand: the nearest bfloat16, ties away from zero (1.0, 1.0078125, 1.015625 and
+2.0, 2.015625 are neighbours; 1 + 2**-8 - 2**-20 is below the halfway point)."""
+
+
+def test_a_move_to_bf16_and_a_load_into_bf16_round_halfway_moments_alike() -> None:
+    """fp32 -> bf16 narrows each moment to nearest, ties away from zero (the move must be
+    undoable: :func:`_split_moment`); a load of the same state into the bf16 rung rounded
+    ties to even (``.to(torch.bfloat16)``): 1 + 2**-8 became 1.0078125 in a move and 1.0
+    in a load, so a run resumed from its checkpoint drifted from the one that moved."""
+    p = torch.nn.Parameter(torch.zeros(len(HALFWAY)))
+    opt = choose_optimizer([p], lr=1e-2, free_memory="8GiB", environ={})
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.rung == "fp32"
+    opt.state[p]["exp_avg"].copy_(torch.tensor(HALFWAY))
+    opt.state[p]["exp_avg_sq"].copy_(torch.tensor(HALFWAY).abs())
+    saved = copy.deepcopy(opt.state_dict())
+    q = torch.nn.Parameter(torch.zeros(len(HALFWAY)))
+    loaded = choose_optimizer([q], lr=1e-2, free_memory="8GiB", environ={}, rung="bf16")
+    loaded.load_state_dict(saved)
+    opt.escalate("test")
+    assert opt.rung == "bf16"
+    for name, want in (("exp_avg", AWAY), ("exp_avg_sq", [abs(v) for v in AWAY])):
+        moved, got = opt.state[p][name], loaded.state[q][name]
+        assert moved.dtype == got.dtype == torch.bfloat16
+        assert moved.float().tolist() == want, name
+        assert torch.equal(moved.view(torch.int16), got.view(torch.int16)), name
+
+
+def test_an_escalated_run_continues_as_one_resumed_on_bf16_from_its_checkpoint() -> None:
+    """The user's flow: three steps on fp32 with bfloat16 params, then one run escalates to
+    bf16 and a twin is saved and loaded into an optimizer fixed on bf16; both continue bit
+    for bit. bfloat16 grads (8 significant bits) make halfway float32 moments common."""
+    dtype = torch.bfloat16
+
+    def steps(opt: object, ps: list[torch.nn.Parameter], seeds: range) -> None:
+        for s in seeds:
+            gen = torch.Generator().manual_seed(s)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            opt.step()  # type: ignore[attr-defined]
+
+    def params() -> list[torch.nn.Parameter]:
+        gen = torch.Generator().manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in (5000, 77)]
+
+    moved_ps, saved_ps = params(), params()
+    moved = choose_optimizer(moved_ps, lr=1e-2, free_memory="8GiB", environ={})
+    saved = choose_optimizer(saved_ps, lr=1e-2, free_memory="8GiB", environ={})
+    steps(moved, moved_ps, range(3))
+    steps(saved, saved_ps, range(3))
+    halfway = sum(
+        int(((moved.state[p][name].view(torch.int32) & 0xFFFF) == 0x8000).sum())
+        for p in moved_ps
+        for name in ("exp_avg", "exp_avg_sq")
+    )
+    assert halfway > 0  # the case under test is there
+    moved.escalate("test")
+    resumed_ps = [torch.nn.Parameter(p.detach().clone()) for p in saved_ps]
+    resumed = choose_optimizer(resumed_ps, lr=1.0, free_memory="8GiB", environ={}, rung="bf16")
+    resumed.load_state_dict(copy.deepcopy(saved.state_dict()))
+    for a, b in zip(moved_ps, resumed_ps):
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(
+                moved.state[a][name].view(torch.int16), resumed.state[b][name].view(torch.int16)
+            ), name
+    steps(moved, moved_ps, range(3, 6))
+    steps(resumed, resumed_ps, range(3, 6))
+    for a, b in zip(moved_ps, resumed_ps):
+        assert torch.equal(a.detach().view(torch.int16), b.detach().view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    "layout", ["contiguous", "transposed", "channels_last", "0-dim", "chunked rows"]
+)
+def test_a_loads_narrowing_rounds_ties_away_from_zero_in_any_layout(layout: str) -> None:
+    """What a load makes of float32 moments (:func:`_narrowed`, any layout: moments laid
+    out like a transposed or channels_last param) is the nearest bfloat16, ties away from
+    zero, as a move's split: checked against integer arithmetic on the bits, every finite
+    value and every halfway one."""
+    shape = {
+        "contiguous": (1000,),
+        "transposed": (70, 90),
+        "channels_last": (3, 5, 7, 11),
+        "0-dim": (),
+        "chunked rows": (3000, 70),  # several chunks of rows, the last one short
+    }[layout]
+    n = math.prod(shape)
+    gen = torch.Generator().manual_seed(n)
+    bits = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64)
+    bits[::3] = (bits[::3] & ~0xFFFF) | 0x8000  # a third exactly halfway
+    m = bits.to(torch.int32).view(torch.float32).reshape(shape)
+    finite = torch.isfinite(m)
+    m = torch.where(finite, m, torch.ones_like(m))
+    bits = m.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    want = ((bits + 0x8000) >> 16) & 0xFFFF  # ties away from zero, in sign-magnitude bits
+    want = torch.where(want >= 0x8000, want - 0x10000, want).to(torch.int16).reshape(shape)
+    if layout == "transposed":
+        m = m.t().contiguous().t()
+    elif layout == "channels_last":
+        m = m.contiguous(memory_format=torch.channels_last)
+    got = _narrowed(m, torch.Size(shape), torch.device("cpu"), torch.bfloat16)
+    assert got.is_contiguous() and got.shape == torch.Size(shape)
+    assert torch.equal(got.view(torch.int16), want)
+    assert torch.equal(
+        got.view(torch.int16), _split_moment(m, torch.Size(shape))[0].view(torch.int16)
+    )
 
 
 def test_a_load_that_moves_past_the_local_policy_warns_and_says_why() -> None:

@@ -252,6 +252,53 @@ def test_other_group_options_edited_by_hand_are_refused_before_the_step(
     assert_same(snapshot(opt), before)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"betas": (torch.tensor(0.9), 0.999)}, "betas[0]"),
+        ({"betas": (0.9, torch.tensor(0.999))}, "betas[1]"),
+        ({"eps": torch.tensor(1e-8)}, "eps"),
+        ({"weight_decay": torch.tensor(0.01)}, "weight_decay"),
+    ],
+)
+def test_a_tensor_hyperparameter_is_refused_saying_it_is_the_tensor(
+    kwargs: dict[str, object], named: str
+) -> None:
+    """torch's AdamW takes tensor betas; optladder only a tensor lr. tensor(0.9) was
+    refused with 'betas[0] must be in [0, 1)', which it is: the message must say what is
+    wrong (a tensor) and what to pass."""
+    value = next(iter(kwargs.values()))
+    shown = repr(value[0] if named == "betas[0]" else value[1] if named == "betas[1]" else value)
+    for rung in RUNGS:
+        p = torch.nn.Parameter(torch.randn(8))
+        with pytest.raises(ValueError) as info:
+            choose_optimizer([p], rung=rung, free_memory=GiB, **kwargs)  # type: ignore[arg-type]
+        message = str(info.value)
+        assert message.startswith(named) and shown in message, message
+        assert "a tensor" in message and "Python number" in message, message
+
+
+@pytest.mark.parametrize(
+    ("flag", "instead"), [("maximize", "negate the objective"), ("amsgrad", "amsgrad=True")]
+)
+@pytest.mark.parametrize("where", ["construction", "add_param_group"])
+def test_a_group_option_no_rung_keeps_says_what_is_allowed(
+    flag: str, instead: str, where: str
+) -> None:
+    """A group's maximize=True/amsgrad=True was refused as 'not supported by optladder's
+    rungs' alone: the message must say what to set instead (False, or no key)."""
+    a, b = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
+    with pytest.raises(ValueError) as info:
+        if where == "construction":
+            choose_optimizer([{"params": [a]}, {"params": [b], flag: True}], free_memory=GiB)
+        else:
+            opt = choose_optimizer([a], free_memory=GiB)
+            opt.add_param_group({"params": [b], flag: True})
+    message = str(info.value)
+    assert f"{flag}=True" in message, message
+    assert f"{flag}=False or leave it out" in message and instead in message, message
+
+
 # ---------------------------------------------------------------- 8bit and non-contiguous
 
 

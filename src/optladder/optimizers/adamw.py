@@ -109,17 +109,34 @@ def validate_hyperparams(
     for i, b in enumerate(betas):
         value = _real(b)
         if value is None or not 0.0 <= value < 1.0:
-            raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}")
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}{_tensor_hint(b)}")
     eps_value = _real(eps)
     if eps_value is None or eps_value < 0.0:
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}{_tensor_hint(eps)}")
     wd_value = _real(weight_decay)
     if wd_value is None or wd_value < 0.0:
-        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+        raise ValueError(
+            f"weight_decay must be a finite number >= 0, got {weight_decay!r}"
+            f"{_tensor_hint(weight_decay)}"
+        )
+
+
+def _tensor_hint(value: object) -> str:
+    """What to pass instead of a tensor where only ``lr`` may be one (torch's AdamW takes
+    tensor betas too; optladder's kernels take them as numbers)."""
+    if isinstance(value, torch.Tensor):
+        return " (a tensor: only lr may be one; pass a Python number, e.g. float(value))"
+    return ""
 
 
 UNSUPPORTED_GROUP_FLAGS = ("amsgrad", "maximize", "differentiable")
 """torch AdamW options no rung keeps: a group may hold them only as False."""
+
+_GROUP_FLAG_INSTEAD = {
+    "amsgrad": "no rung keeps max_exp_avg_sq; use torch.optim.AdamW(amsgrad=True) for it",
+    "maximize": "negate the objective instead: loss = -objective gives the same update",
+    "differentiable": "optladder's kernels step params in place without autograd",
+}
 
 
 def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
@@ -143,7 +160,10 @@ def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
     )
     for flag in UNSUPPORTED_GROUP_FLAGS:
         if group.get(flag):
-            raise ValueError(f"{flag}={group[flag]!r} is not supported by optladder's rungs")
+            raise ValueError(
+                f"{flag}={group[flag]!r} is not supported by optladder's rungs: set {flag}="
+                f"False or leave it out ({_GROUP_FLAG_INSTEAD[flag]})"
+            )
     if "seed" in group:
         check_seed(group["seed"])
     if "rounding" in group:

@@ -13,8 +13,11 @@ Two state layouts exist:
 Each conversion goes straight from the source tensors to the target dtype (bitsandbytes
 quantizes from and dequantizes to bfloat16 or float32 directly), so converting one param
 allocates only that param's new state. Narrowing a moment (fp32 -> bf16) rounds to
-nearest: a one-time rounding of a value, where the bf16 rung's stochastic rounding is for
-the repeated ``v = beta2 * v`` updates.
+nearest, ties away from zero, in a move and in a load alike (:func:`_split_moment`: a
+move must be undoable, and round-to-nearest-even would need a 17th bit for that), so a
+run that escalated and one resumed on bf16 from its checkpoint hold the same moments: a
+one-time rounding of a value, where the bf16 rung's stochastic rounding is for the
+repeated ``v = beta2 * v`` updates.
 
 A DTensor param (FSDP2) is converted on this rank's local shard: torch's AdamW keeps
 DTensor moments laid out like the param, bitsandbytes' layout keeps plain tensors of the
@@ -265,10 +268,7 @@ def convert_param_state(
             ]
         else:
             out = list(moments)
-        exp_avg, exp_avg_sq = (
-            m.to(device=device, dtype=target.moment_dtype).reshape(p.shape).contiguous()
-            for m in out
-        )
+        exp_avg, exp_avg_sq = (_narrowed(m, p.shape, device, target.moment_dtype) for m in out)
         step_device = device if target.step_on_param_device else torch.device("cpu")
         if copy and exp_avg.untyped_storage().data_ptr() == moments[0].untyped_storage().data_ptr():
             exp_avg = exp_avg.clone()
@@ -296,6 +296,45 @@ def convert_param_state(
             ):
                 result[name] = value.clone()
     return result
+
+
+_TIE_CHUNK = 1 << 14
+"""Elements per chunk where :func:`_narrowed` looks for halfway values (bounds its
+scratch: a narrowing allocates the bfloat16 result and at most ~300 KiB besides, for
+rows of at most this many elements)."""
+
+
+def _narrowed(
+    m: torch.Tensor, shape: torch.Size, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """``m`` as a contiguous ``dtype`` tensor of ``shape`` on ``device``.
+
+    float32 to bfloat16 rounds as a move does (:func:`_split_moment`: to nearest, ties
+    away from zero), not as ``.to()`` alone (ties to even), so a load and a move give the
+    same bits: ``.to()`` first, then, where the float32 value was exactly halfway (its low
+    half 0x8000) and rounded to the even bfloat16 nearer zero, one place away from zero.
+    NaN stays NaN.
+    """
+    if not (m.dtype == torch.float32 and dtype == torch.bfloat16):
+        return m.to(device=device, dtype=dtype).reshape(shape).contiguous()
+    value = torch.empty(shape, dtype=dtype, device=device)
+    src = m.to(device=device).reshape(shape)
+    value.copy_(src)  # one allocation, whatever src's layout
+    if value.numel() == 0:
+        return value
+    if src.dim() == 0 or src.is_contiguous():  # chunks of elements, else of rows (views)
+        src, value_rows = src.reshape(-1), value.reshape(-1)
+    else:
+        value_rows = value
+    rows = max(1, _TIE_CHUNK // max(1, src[0].numel()))
+    for start in range(0, src.shape[0], rows):
+        bits = src[start : start + rows].reshape(-1).view(torch.int32)  # a chunk's copy at most
+        out = value_rows[start : start + rows].reshape(-1).view(torch.int16)
+        halfway = bits.bitwise_and(0xFFFF).eq_(0x8000)
+        # .to() kept the float32 value's own high half (even): ties away take the next
+        kept = bits.bitwise_right_shift(16).eq_(out.to(torch.int32))
+        out.add_(kept.logical_and_(halfway).to(torch.int16))
+    return value
 
 
 def _bnb_state(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -219,11 +220,18 @@ class LadderOptimizer(torch.optim.Optimizer):
         too, which those wrappers count as a step (huggingface/accelerate#4242).
 
         ``GradScaler.step`` reads this attribute once, before it decides whether to
-        step; the read records that a scaler step began, and :attr:`last_step_skipped`
-        is True until :meth:`step` runs.
+        step; that read records that a scaler step began, and :attr:`last_step_skipped`
+        is True until :meth:`step` runs. Only a read from a ``GradScaler``'s own ``step``
+        (its frame's ``self`` is a ``torch.amp.GradScaler``, subclasses included) counts:
+        other readers (Lightning's clipping check, ``inspect.getmembers``, a debugger) had
+        turned a stepped optimizer's ``last_step_skipped`` True and counted a step request.
         """
-        self._scaler_step_began = True
-        self._step_requests += 1
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "step" and isinstance(
+            caller.f_locals.get("self"), torch.amp.GradScaler
+        ):
+            self._scaler_step_began = True
+            self._step_requests += 1
         return False
 
     @property
