@@ -454,45 +454,43 @@ def _vector_tables(bounds: torch.Tensor) -> torch.Tensor:
     e0 = (min(int(exps.min()), 127) if exps.numel() else 127) - 1
     if e0 < _LOWEST_SLOT:
         return none
-    rows = torch.arange(e0, 128, dtype=torch.int64)[:, None]  # exponent e0 + row
-    shift = torch.full((2, len(rows)), -1, dtype=torch.int64)  # largest s that works
-    counts: dict[tuple[int, int], torch.Tensor] = {}
-    for s in range(8):
-        k = torch.arange(128 >> s, dtype=torch.int64)
-        lo = (rows << 23) | (k << (16 + s))  # magnitude bits of each bucket's ends
-        hi = (rows << 23) | (((k + 1) << (16 + s)) - 1)
-        lo[0], hi[0] = 0, ((e0 + 1) << 23) - 1  # every magnitude under 2**(e0 - 126)
-        hi[-1] = hi[-1].clamp(max=_ONE_PREFIX << 16)  # 1.0: the largest x
-        skip = torch.zeros_like(lo, dtype=torch.bool)
-        skip[-1] = (k >= 64 >> s) | (lo[-1] > hi[-1])  # NaN's keys, and no float at all
-        for sign in (0, 1):
-            if sign:  # x <= -0: the largest magnitude is the smallest float
-                smallest, largest = _as_float(hi | 1 << 31), _as_float(lo | 1 << 31)
-            else:
-                smallest, largest = _as_float(lo), _as_float(hi)
-            start = torch.searchsorted(edges, smallest.flatten(), side="left").view(lo.shape)
-            inside = torch.searchsorted(edges, largest.flatten(), side="right").view(lo.shape)
-            inside = torch.where(skip, 0, inside - start)
-            ok = (inside <= 1).all(dim=1)
-            ok[0] &= s == 7
-            ok[-1] &= s <= 6
-            shift[sign][ok] = s
-            counts[sign, s] = torch.where(skip, 255, start)
+    # every (shift s, exponent e0 + row, bucket k) at once, k < 128 >> s used: a few dozen
+    # tensor ops, not one set per shift and sign (a first step builds these tables, and
+    # tests fault every op of a step)
+    n_rows = 128 - e0
+    sh = torch.arange(8, dtype=torch.int64)[:, None, None]
+    e = torch.arange(e0, 128, dtype=torch.int64)[None, :, None]
+    k = torch.arange(128, dtype=torch.int64)[None, None, :]
+    lo = ((e << 23) | (k << (16 + sh))).expand(8, n_rows, 128).clone()  # magnitude bits
+    hi = ((e << 23) | (((k + 1) << (16 + sh)) - 1)).expand(8, n_rows, 128).clone()
+    lo[:, 0], hi[:, 0] = 0, ((e0 + 1) << 23) - 1  # every magnitude under 2**(e0 - 126)
+    hi[:, -1] = hi[:, -1].clamp(max=_ONE_PREFIX << 16)  # 1.0: the largest x
+    skip = torch.zeros(8, n_rows, 128, dtype=torch.bool)
+    skip[:, -1] = (k[0] >= (64 >> sh[:, 0])) | (lo[:, -1] > hi[:, -1])  # NaN's keys, no float
+    unused = (k >= (128 >> sh)).expand(8, n_rows, 128)
+    # per sign: x >= +0, then x <= -0 (whose largest magnitude is its smallest float)
+    smallest = torch.stack([_as_float(lo), _as_float(hi | 1 << 31)])
+    largest = torch.stack([_as_float(hi), _as_float(lo | 1 << 31)])
+    start = torch.searchsorted(edges, smallest.flatten(), side="left").view(smallest.shape)
+    end = torch.searchsorted(edges, largest.flatten(), side="right").view(smallest.shape)
+    ok = (torch.where(skip | unused, 0, end - start) <= 1).all(dim=-1)  # [sign, s, row]
+    ok[:, :7, 0] = False  # under E0 + 1: one bucket
+    ok[:, 7, -1] = False  # 1.0's exponent: room for 1.0 alone
+    shift = (ok * (sh[:, :, 0] + 1)).amax(dim=1) - 1  # [sign, row]: the largest s that works
     if bool((shift < 0).any()):
         return none
-    slot = torch.zeros(64, dtype=torch.int64)
-    keys: list[torch.Tensor] = []
-    base = 0
-    for sign in (0, 1):
-        for row in range(len(rows)):
-            s = int(shift[sign, row])
-            keys.append(counts[sign, s][row, : 128 >> s])
-            slot[32 * sign + ((e0 + row) & 31)] = base | s << 9
-            base += 128 >> s
-    if base > 512:
+    width = 128 >> shift
+    if int(width.sum()) > 512:
         return none
+    base = torch.cumsum(width.flatten(), 0) - width.flatten()
+    counts = torch.where(skip, 255, start)  # [sign, s, row, k]
+    chosen = counts.gather(1, shift[:, None, :, None].expand(2, 1, n_rows, 128))[:, 0]
+    keys = chosen[k[0].expand(2, n_rows, 128) < width[:, :, None]]  # sign, row, k order
+    slot = torch.zeros(64, dtype=torch.int64)
+    places = torch.arange(2)[:, None] * 32 + (torch.arange(e0, 128) & 31)[None, :]
+    slot[places.flatten()] = base | shift.flatten() << 9
     c0 = torch.zeros(512, dtype=torch.uint8)
-    c0[:base] = torch.cat(keys).to(torch.uint8)
+    c0[: keys.numel()] = keys.to(torch.uint8)
     head = torch.tensor([1, e0], dtype=torch.int32)
     return torch.cat([head, slot.to(torch.int16).view(torch.int32), c0.view(torch.int32)])
 
