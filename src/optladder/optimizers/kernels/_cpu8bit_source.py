@@ -453,14 +453,10 @@ OL8_AVX512_INLINE __m512i ol8v_order(void) {
         51, 50, 49, 48, 35, 34, 33, 32, 19, 18, 17, 16, 3, 2, 1, 0);
 }
 
-/* q[c[0 .. 64)] as 4 x 16 floats (out[r] = codes 16r .. 16r + 16), without gathers or
-   scalar loads: each byte plane of the book is looked up for 64 codes at once by two
-   VBMI byte permutes (128 entries each) and a blend on the code's top bit, and the four
-   planes' bytes are interleaved into floats by unpacks. The unpacks interleave within
-   128-bit lanes, so the codes are first permuted to come out in order: output float
-   16r + 4L + d comes from byte 16L + 4r + d. */
-OL8_AVX512_INLINE void ol8v_decode64(const ol8v_planes_t *pl, const uint8_t *c, __m512 out[4]) {
-    const __m512i k = _mm512_permutexvar_epi8(ol8v_order(), _mm512_loadu_si512(c));
+/* The float32 values of a 256-entry book's byte planes at the 64 byte indices of k, as
+   4 x 16 floats in the unpacks' order (byte 16L + 4r + d of k gives float 16r + 4L + d):
+   per plane two two-source byte permutes and a blend on the index's top bit. */
+OL8_AVX512_INLINE void ol8v_planes64(const ol8v_planes_t *pl, __m512i k, __m512 out[4]) {
     const __mmask64 top = _mm512_movepi8_mask(k);
     __m512i B[4];
     for (int j = 0; j < 4; j++) {
@@ -479,6 +475,16 @@ OL8_AVX512_INLINE void ol8v_decode64(const ol8v_planes_t *pl, const uint8_t *c, 
     out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01lo, w23lo));
     out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w01hi, w23hi));
     out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01hi, w23hi));
+}
+
+/* q[c[0 .. 64)] as 4 x 16 floats (out[r] = codes 16r .. 16r + 16), without gathers or
+   scalar loads: each byte plane of the book is looked up for 64 codes at once by two
+   VBMI byte permutes (128 entries each) and a blend on the code's top bit, and the four
+   planes' bytes are interleaved into floats by unpacks. The unpacks interleave within
+   128-bit lanes, so the codes are first permuted to come out in order: output float
+   16r + 4L + d comes from byte 16L + 4r + d. */
+OL8_AVX512_INLINE void ol8v_decode64(const ol8v_planes_t *pl, const uint8_t *c, __m512 out[4]) {
+    ol8v_planes64(pl, _mm512_permutexvar_epi8(ol8v_order(), _mm512_loadu_si512(c)), out);
 }
 
 /* t[k[0 .. 16)] by scalar loads into lanes: on AMD Zen 4 a gather instead made the
@@ -636,28 +642,12 @@ OL8_AVX512_INLINE void ol8v_counts64(float *restrict x, __m512 r, const ol8v_enc
 OL8_AVX512_INLINE void ol8v_codes64(const float *restrict x, const ol8v_encoder_t *enc,
                                     const uint8_t *restrict cb, uint8_t *restrict out) {
     const __m512i c0 = _mm512_load_si512(cb);
-    const __mmask64 top = _mm512_movepi8_mask(c0);
-    __m512i B[4];
-    for (int j = 0; j < 4; j++) {
-        const __m512i *row = (const __m512i *)enc->bounds.b[j];
-        const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(row), c0,
-                                                    _mm512_load_si512(row + 1));
-        const __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(row + 2), c0,
-                                                    _mm512_load_si512(row + 3));
-        B[j] = _mm512_mask_blend_epi8(top, lo, hi);
-    }
-    const __m512i w01lo = _mm512_unpacklo_epi8(B[0], B[1]);
-    const __m512i w01hi = _mm512_unpackhi_epi8(B[0], B[1]);
-    const __m512i w23lo = _mm512_unpacklo_epi8(B[2], B[3]);
-    const __m512i w23hi = _mm512_unpackhi_epi8(B[2], B[3]);
-    const __m512 b0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w01lo, w23lo));
-    const __m512 b1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01lo, w23lo));
-    const __m512 b2 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w01hi, w23hi));
-    const __m512 b3 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01hi, w23hi));
-    const __mmask16 k0 = _mm512_cmp_ps_mask(b0, _mm512_load_ps(x), _CMP_LT_OQ);
-    const __mmask16 k1 = _mm512_cmp_ps_mask(b1, _mm512_load_ps(x + 16), _CMP_LT_OQ);
-    const __mmask16 k2 = _mm512_cmp_ps_mask(b2, _mm512_load_ps(x + 32), _CMP_LT_OQ);
-    const __mmask16 k3 = _mm512_cmp_ps_mask(b3, _mm512_load_ps(x + 48), _CMP_LT_OQ);
+    __m512 b[4];
+    ol8v_planes64(&enc->bounds, c0, b);
+    const __mmask16 k0 = _mm512_cmp_ps_mask(b[0], _mm512_load_ps(x), _CMP_LT_OQ);
+    const __mmask16 k1 = _mm512_cmp_ps_mask(b[1], _mm512_load_ps(x + 16), _CMP_LT_OQ);
+    const __mmask16 k2 = _mm512_cmp_ps_mask(b[2], _mm512_load_ps(x + 32), _CMP_LT_OQ);
+    const __mmask16 k3 = _mm512_cmp_ps_mask(b[3], _mm512_load_ps(x + 48), _CMP_LT_OQ);
     const __mmask64 below = _mm512_kunpackd(_mm512_kunpackw(k3, k2), _mm512_kunpackw(k1, k0));
     const __m512i k = _mm512_permutexvar_epi8(ol8v_order(), c0);  /* into value order */
     _mm512_storeu_si512(out, _mm512_mask_add_epi8(k, below, k, _mm512_set1_epi8(1)));
