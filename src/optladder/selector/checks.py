@@ -20,12 +20,27 @@ from optladder.rungs import (
     FLOAT32_MATH_DTYPES,
     FP32_WIDE_DTYPES,
     PARAM_DTYPES,
+    RUNG_ACCEPTS,
     Rung,
     group_pin,
     param_refusal,
 )
 from optladder.selector.overlap import first_shared_memory, self_overlaps
 from optladder.sharding import is_dtensor, local_tensor
+
+
+def _rungs_of(dtype: str) -> str:
+    rungs = [rung for rung, accepts in RUNG_ACCEPTS.items() if dtype in accepts.dtypes]
+    return " and ".join(rungs)
+
+
+_PARTIAL_DTYPES = ", ".join(
+    f"{dtype} on {_rungs_of(dtype)} only"
+    for dtype in PARAM_DTYPES
+    if not all(dtype in accepts.dtypes for accepts in RUNG_ACCEPTS.values())
+)
+"""The dtypes some rungs refuse, and the rungs that take them, for the message of a
+param no rung steps (from :data:`optladder.rungs.RUNG_ACCEPTS`)."""
 
 
 def check_group_options(group: Mapping[str, Any]) -> None:
@@ -182,7 +197,7 @@ def check_groups(
             if dtype_name(p.dtype) not in PARAM_DTYPES:
                 raise ValueError(
                     f"{where} has dtype {p.dtype}; the rungs step {', '.join(PARAM_DTYPES)} "
-                    "params (float64 and complex ones on fp32 only)"
+                    f"params ({_PARTIAL_DTYPES})"
                 )
             if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
                 raise ValueError(
