@@ -40,6 +40,16 @@ def assert_same(
                 assert va == vb, name
 
 
+def assert_load_refused(opt: torch.optim.Optimizer, state_dict: dict[str, Any], match: str) -> None:
+    """Assert ``opt.load_state_dict(state_dict)`` raises a ``ValueError`` matching
+    ``match`` (a regex) and leaves ``opt`` and its params exactly as before (bitwise,
+    :func:`assert_same` of :func:`snapshot` before and after)."""
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(state_dict)
+    assert_same(snapshot(opt), before)
+
+
 def flat_state(state: dict[str, Any]) -> dict[str, Any]:
     """One param's state with nested dicts (bitsandbytes' wrapped state) merged in."""
     out: dict[str, Any] = {}
