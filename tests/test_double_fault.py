@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from memtools import FailNthAllocation, _fresh_results
-from optladder import OptimizerOutOfMemoryError, choose_optimizer
+from optladder import OptimizerOutOfMemoryError
+from runs import trained
 from snapshots import flat_state
 
 
@@ -34,14 +35,7 @@ class FailFromNth(FailNthAllocation):
 
 
 def _trained(env: dict[str, str]) -> tuple[list[torch.nn.Parameter], Any]:
-    torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(k)) for k in (6000, 5000)]
-    opt = choose_optimizer(ps, lr=1e-2, free_memory="8GiB", environ=env)
-    for _ in range(2):
-        for p in ps:
-            p.grad = torch.randn_like(p)
-        opt.step()
-    return ps, opt
+    return trained((6000, 5000), env, steps=2)
 
 
 def _copy(state: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from optladder.optimizers.capabilities import fused_adamw_runs
 from optladder.optimizers.kernels import cpu
 from optladder.optimizers.migrate import _join_moment, _narrowed, _split_moment
 from optladder.selector.optimizer import PartialStepError
+from runs import trained
 from snapshots import assert_same, snapshot
 
 RUNGS = ("fp32", "bf16", "8bit")
@@ -130,22 +131,22 @@ def test_a_load_that_fails_at_any_allocation_changes_nothing(src: str, dst: str)
     """Fail the k-th allocation of load_state_dict (sampled k; a pinned group beside): the
     optimizer is as before, and loading again then stepping equals a clean load."""
 
-    def trained(rung: str):  # type: ignore[no-untyped-def]
+    def trained_on(rung: str):  # type: ignore[no-untyped-def]
         net, opt = _build(rung, "fp32")
         for i in range(2):
             _step_fn(net, opt)(_batch(i))
         return net, opt
 
-    _, source = trained(src)
+    _, source = trained_on(src)
     saved = copy.deepcopy(source.state_dict())
-    net, opt = trained(dst)
+    net, opt = trained_on(dst)
     sd = copy.deepcopy(saved)
     with FailNthAllocation() as counter:
         opt.load_state_dict(sd)
     _step_fn(net, opt)(_batch(5))
     expected = _no_reasons(snapshot(opt))
     for k in sorted({1, counter.count // 2, counter.count}):
-        net, opt = trained(dst)
+        net, opt = trained_on(dst)
         before = snapshot(opt)
         sd = copy.deepcopy(saved)
         with pytest.raises(torch.OutOfMemoryError), FailNthAllocation(k):
@@ -450,26 +451,15 @@ def test_an_escalation_that_runs_out_of_memory_says_so() -> None:
     assert_same(snapshot(opt), before)
 
 
-def _trained_params(sizes: tuple[int, ...], env: dict[str, str]):  # type: ignore[no-untyped-def]
-    torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(k)) for k in sizes]
-    opt = choose_optimizer(ps, lr=1e-2, free_memory="8GiB", environ=env)
-    for _ in range(3):
-        for p in ps:
-            p.grad = torch.randn_like(p)
-        opt.step()
-    return ps, opt
-
-
 def test_a_failed_fp32_to_bf16_escalation_changes_nothing_at_any_allocation() -> None:
     """rel-07: fp32 -> bf16 keeps each moment's dropped 16 bits until the move is done, so
     a failure at any allocation gives every param its float32 moments back bit for bit."""
     sizes = (3000, 2000, 1000)
-    _, opt = _trained_params(sizes, {})
+    _, opt = trained(sizes, {}, steps=3)
     with FailNthAllocation() as counter:
         opt.escalate("count")
     for k in range(1, counter.count + 1):
-        _, opt = _trained_params(sizes, {})
+        _, opt = trained(sizes, {}, steps=3)
         before = snapshot(opt)
         with (
             pytest.raises(OptimizerOutOfMemoryError, match="exactly as before"),
@@ -484,10 +474,10 @@ def test_a_failed_move_to_8bit_names_the_rounded_params() -> None:
     """8-bit codes cannot hold bf16 moments exactly within the one-param bound: the error
     names the params converted back with that rounding."""
     for _ in range(2):  # the first move in a process also makes the code books: not counted
-        _, opt = _trained_params((300_000, 200_000, 100_000), {"OPTLADDER_BF16_ADAM": "1"})
+        _, opt = trained((300_000, 200_000, 100_000), {"OPTLADDER_BF16_ADAM": "1"}, steps=3)
         with FailNthAllocation() as counter:
             opt.escalate("count")
-    _, opt = _trained_params((300_000, 200_000, 100_000), {"OPTLADDER_BF16_ADAM": "1"})
+    _, opt = trained((300_000, 200_000, 100_000), {"OPTLADDER_BF16_ADAM": "1"}, steps=3)
     with (
         pytest.raises(OptimizerOutOfMemoryError, match=r"params \[0, 1\]"),
         FailNthAllocation(counter.count),
