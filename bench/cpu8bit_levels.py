@@ -119,22 +119,34 @@ def report(label: str, n: int, times: dict[int, list[float]], names: dict[int, s
         )
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_timing_args(ap: argparse.ArgumentParser) -> None:
+    """The options both kernel-level benchmarks take: size, layouts, threads, levels, reps,
+    inner calls and clock."""
     ap.add_argument("--size", type=parse_size, default=16 * 2**20, help="params, e.g. 16M")
     ap.add_argument("--layouts", default="one", help="one, list (bench/step_time.py's)")
     ap.add_argument("--threads", default="1", help="thread counts, e.g. 1,2")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--levels", default="", help="e.g. 1,2 (default: every level here)")
+    ap.add_argument("--levels", default="", help="e.g. 0,2 (default: every level here)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--inner", type=int, default=3, help="calls per rep; the best counts")
     ap.add_argument("--clock", default="wall", choices=["wall", "cpu"])
-    args = ap.parse_args(argv)
-    best = cpu8bit.simd_level()
-    levels = [int(x) for x in args.levels.split(",")] if args.levels else list(range(best + 1))
+
+
+def chosen_levels(spec: str, best: int, names: dict[int, str]) -> list[int]:
+    """The levels of ``spec`` (e.g. ``"0,2"``; empty: every level) this CPU runs (up to
+    ``best``), printed with their names."""
+    levels = [int(x) for x in spec.split(",")] if spec else list(range(best + 1))
     levels = [level for level in levels if level <= best]
+    print(f"best SIMD level here: {names[best]}; timing {[names[x] for x in levels]}")
+    return levels
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_timing_args(ap)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = ap.parse_args(argv)
+    levels = chosen_levels(args.levels, cpu8bit.simd_level(), LEVEL_NAMES)
     dtype = getattr(torch, args.dtype)
-    print(f"best SIMD level here: {LEVEL_NAMES[best]}; timing {[LEVEL_NAMES[x] for x in levels]}")
     for layout in args.layouts.split(","):
         numels = layout_numels(args.size, layout)
         jobs = make_jobs(numels, dtype)

@@ -32,9 +32,9 @@ import functools
 
 import torch
 
-from cpu8bit_levels import report, time_levels
+from cpu8bit_levels import add_timing_args, chosen_levels, report, time_levels
 from optladder.optimizers.kernels import cpu
-from step_time import layout_numels, parse_size
+from step_time import layout_numels
 
 LEVEL_NAMES = {cpu.SIMD_C_LOOP: "c-loop", cpu.SIMD_AVX2: "avx2", cpu.SIMD_AVX512: "avx512"}
 
@@ -68,24 +68,15 @@ def make_table(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", type=parse_size, default=16 * 2**20, help="params, e.g. 16M")
-    ap.add_argument("--layouts", default="one", help="one, list (bench/step_time.py's)")
-    ap.add_argument("--threads", default="1", help="thread counts, e.g. 1,2")
+    add_timing_args(ap)
     dtypes = ["float32", "bfloat16", "float16"]
     ap.add_argument("--param-dtype", default="float32", choices=dtypes)
     ap.add_argument("--grad-dtype", default="float32", choices=dtypes)
     ap.add_argument("--moments", default="bfloat16", choices=dtypes[:2])
     ap.add_argument("--rounding", default="stochastic", choices=["stochastic", "nearest"])
-    ap.add_argument("--levels", default="", help="e.g. 0,2 (default: every level here)")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--inner", type=int, default=3, help="calls per rep; the best counts")
-    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"])
     args = ap.parse_args(argv)
     lib = cpu.load_library()
-    best = cpu.simd_level(lib)
-    levels = [int(x) for x in args.levels.split(",")] if args.levels else list(range(best + 1))
-    levels = [level for level in levels if level <= best]
-    print(f"best SIMD level here: {LEVEL_NAMES[best]}; timing {[LEVEL_NAMES[x] for x in levels]}")
+    levels = chosen_levels(args.levels, cpu.simd_level(lib), LEVEL_NAMES)
     label = f"{args.param_dtype} params, {args.grad_dtype} grads, {args.moments} moments"
     for layout in args.layouts.split(","):
         numels = layout_numels(args.size, layout)
