@@ -305,37 +305,67 @@ def measure_size(
     return results
 
 
-def plot(results: list[Result], path: Path, param_dtype: torch.dtype = torch.float32) -> None:
-    """Bar chart of step time per size and implementation (log scale)."""
+def plot(
+    results: list[Result], path: Path, baseline: str, param_dtype: torch.dtype = torch.float32
+) -> None:
+    """Bar charts of each implementation's speed against ``baseline`` (an implementation's
+    name, torch's fused AdamW in :func:`main`), one panel per (threads, layout).
+
+    A bar is the ratio of medians ``t_baseline / t_impl`` (above 1 is faster); its
+    whiskers are the baseline's median over the implementation's max and min step time
+    (the implementation's own spread); the panel title gives the baseline's spread.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = sorted({r.params for r in results})
-    names = list(dict.fromkeys(r.impl for r in results))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    panels = list(dict.fromkeys((r.threads, r.layout) for r in results))
+    names = [n for n in dict.fromkeys(r.impl for r in results) if n != baseline]
+    cols = len({layout for _, layout in panels})
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
     width = 0.8 / max(1, len(names))
-    for k, name in enumerate(names):
-        xs: list[float] = []
-        ys: list[float] = []
-        lo: list[float] = []
-        hi: list[float] = []
-        for i, n in enumerate(sizes):
-            hit = [r for r in results if r.impl == name and r.params == n]
-            if hit:
-                xs.append(i + k * width)
-                ys.append(hit[0].median_s * 1e3)
-                lo.append((hit[0].median_s - hit[0].min_s) * 1e3)
-                hi.append((hit[0].max_s - hit[0].median_s) * 1e3)
-        ax.bar(xs, ys, width, label=name, yerr=[lo, hi], capsize=2)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))])
-    ax.set_xticklabels([f"{n / 2**20:g}M params" for n in sizes])
-    ax.set_yscale("log")
-    ax.set_ylabel("optimizer step (ms): median, min-max")
-    ax.legend(fontsize=8)
+    for ax, (threads, layout) in zip(axes.flat, panels):
+        here = [r for r in results if (r.threads, r.layout) == (threads, layout)]
+        base = {r.params: r for r in here if r.impl == baseline}
+        sizes = sorted(base)
+        for k, name in enumerate(names):
+            xs: list[float] = []
+            ys: list[float] = []
+            lo: list[float] = []
+            hi: list[float] = []
+            for i, n in enumerate(sizes):
+                hit = [r for r in here if r.impl == name and r.params == n]
+                if hit:
+                    b, r = base[n].median_s, hit[0]
+                    xs.append(i + k * width)
+                    ys.append(b / r.median_s)
+                    lo.append(b / r.median_s - b / r.max_s)
+                    hi.append(b / r.min_s - b / r.median_s)
+            bars = ax.bar(xs, ys, width, label=name, yerr=[lo, hi], capsize=2)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))])
+        ax.set_xticklabels([f"{n / 2**20:.3g}M params" for n in sizes])
+        spread = ", ".join(
+            f"{b.min_s / b.median_s:.2f}-{b.max_s / b.median_s:.2f}"
+            for b in (base[n] for n in sizes)
+        )
+        who = "one tensor" if layout == "one" else "transformer-like list"
+        ax.set_title(
+            f"{threads or '-'} thread(s), {who}\n{baseline} min-max / median: {spread}",
+            fontsize=8,
+        )
+        ax.set_ylabel(f"{baseline} time / time")
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=7)
     dtype_name = str(param_dtype).removeprefix("torch.")
-    ax.set_title(f"AdamW step time, {dtype_name} params and grads")
+    fig.suptitle(
+        f"AdamW step, {dtype_name} params: ratio of medians (whiskers: each one's min-max)",
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -431,10 +461,9 @@ def main(argv: list[str] | None = None) -> list[Result]:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
-    one = [r for r in results if r.layout == "one" and r.threads in (None, thread_counts[-1])]
-    if one and args.png:
+    if any(r.impl == baseline for r in results) and args.png:
         try:
-            plot(one, args.png, param_dtype)
+            plot(results, args.png, baseline, param_dtype)
             print(f"plot: {args.png}")
         except ImportError as exc:
             print(f"no plot: matplotlib is not importable ({exc}); pip install 'matplotlib>=3.7'")
