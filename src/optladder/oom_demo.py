@@ -46,7 +46,7 @@ def _vms() -> int:
     return int(psutil.Process().memory_info().vms)
 
 
-def child(steps: int, log: Callable[[str], None] = print) -> int:
+def child(steps: int) -> int:
     """The child's job: train under an address-space cap that only bf16 state fits in.
 
     Returns:
@@ -64,8 +64,8 @@ def child(steps: int, log: Callable[[str], None] = print) -> int:
     model = wide_mlp()
     footprint = measure_footprint(model)
     opt = choose_optimizer(model, lr=1e-4, weight_decay=0.01)
-    log(f"child: {footprint.trainable_params:,} params; decision before the cap:")
-    log(opt.decision.summary())
+    print(f"child: {footprint.trainable_params:,} params; decision before the cap:")
+    print(opt.decision.summary())
     ladder = Ladder(opt)
     loss_fn = nn.CrossEntropyLoss()
 
@@ -86,7 +86,7 @@ def child(steps: int, log: Callable[[str], None] = print) -> int:
     headroom = (fp32 + bf16) // 2
     limit = _vms() + headroom
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    log(
+    print(
         f"child: RLIMIT_AS set to {limit:,} bytes: {headroom:,} bytes of headroom, under the "
         f"fp32 state ({fp32:,} bytes), over the bf16 state ({bf16:,} bytes)"
     )
@@ -95,10 +95,10 @@ def child(steps: int, log: Callable[[str], None] = print) -> int:
     for step in range(1, steps + 1):
         idx = torch.randint(len(y_train), (64,), generator=gen)
         loss = ladder.run(train_step, idx)
-        log(f"child: step {step:3d}  rung {opt.rung}  loss {loss:.4f}")
+        print(f"child: step {step:3d}  rung {opt.rung}  loss {loss:.4f}")
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
-    log(
+    print(
         f"child: finished {steps} steps in {time.perf_counter() - start:.1f} s on {opt.rung}; "
         f"test accuracy {accuracy:.2%}; escalations: "
         + "; ".join(f"{e.from_rung} -> {e.to_rung} ({e.reason})" for e in opt.escalations)
