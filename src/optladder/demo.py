@@ -158,25 +158,24 @@ def run_demo(
     free_memory: int | str | None = None,
     epochs: int = 12,
     seed: int = 0,
-    log: Callable[[str], None] = print,
 ) -> list[DemoResult]:
     """Run the demo: one run as asked, or, given neither ``rung`` nor ``free_memory``, one
     run per rung: first with the probed free memory (fp32), then with free-memory values
     that make the policy choose bf16 and 8bit."""
     if rung is not None or free_memory is not None:
-        return [train_digits(rung=rung, free_memory=free_memory, epochs=epochs, seed=seed, log=log)]
-    log("== free memory probed on this machine: the policy should choose fp32 ==")
-    results = [train_digits(epochs=epochs, seed=seed, log=log)]
+        return [train_digits(rung=rung, free_memory=free_memory, epochs=epochs, seed=seed)]
+    print("== free memory probed on this machine: the policy should choose fp32 ==")
+    results = [train_digits(epochs=epochs, seed=seed)]
     for r, budget in list(ladder_budgets(seed).items())[1:]:
-        log(f"\n== free_memory={format_bytes(budget)}: the policy should choose {r} ==")
-        results.append(train_digits(free_memory=budget, epochs=epochs, seed=seed, log=log))
-    log("\n== bf16 rung, forward under bf16 autocast ==")
-    results.append(train_digits(rung="bf16", epochs=epochs, seed=seed, autocast=True, log=log))
-    log("\n(the last row: forward under bf16 autocast)")
-    log("rung   test accuracy   final loss   state bytes   bytes/param   seconds")
+        print(f"\n== free_memory={format_bytes(budget)}: the policy should choose {r} ==")
+        results.append(train_digits(free_memory=budget, epochs=epochs, seed=seed))
+    print("\n== bf16 rung, forward under bf16 autocast ==")
+    results.append(train_digits(rung="bf16", epochs=epochs, seed=seed, autocast=True))
+    print("\n(the last row: forward under bf16 autocast)")
+    print("rung   test accuracy   final loss   state bytes   bytes/param   seconds")
     n = sum(p.numel() for p in make_model(seed).parameters())
     for res in results:
-        log(
+        print(
             f"{res.rung:5}  {res.test_accuracy:13.2%}   {res.final_loss:10.4f}   "
             f"{res.state_bytes:11,}   {res.state_bytes / n:11.2f}   {res.seconds:7.1f}"
         )
