@@ -80,20 +80,17 @@ def train_digits(
     free_memory: int | str | None = None,
     epochs: int = 12,
     seed: int = 0,
-    lr: float = 2e-3,
-    batch_size: int = 32,
     autocast: bool = False,
     log: Callable[[str], None] = print,
 ) -> DemoResult:
-    """Train the demo MLP through ``choose_optimizer`` and report what it reached.
+    """Train the demo MLP through ``choose_optimizer`` (lr 2e-3, weight decay 0.01, 32
+    examples a step) and report what it reached.
 
     Args:
         rung: fix the rung, or None to let the policy choose.
         free_memory: bytes (or ``"2MiB"``) the optimizer may assume free; None probes.
         epochs: passes over the training set, ``>= 1``.
         seed: seeds the split, the init, the batch order and the bf16 rounding.
-        lr: AdamW learning rate.
-        batch_size: examples per step.
         autocast: run forward and loss under ``torch.autocast("cpu", dtype=torch.bfloat16)``
             (params, grads and the optimizer stay as the rung keeps them).
         log: where the progress lines go.
@@ -106,7 +103,7 @@ def train_digits(
     x_train, y_train, x_test, y_test = load_digits_split(seed)
     model = make_model(seed)
     opt = choose_optimizer(
-        model, lr=lr, weight_decay=0.01, rung=rung, free_memory=free_memory, seed=seed, strict=False
+        model, 2e-3, weight_decay=0.01, rung=rung, free_memory=free_memory, seed=seed, strict=False
     )
     log(opt.decision.summary() + ("\n(forward under bf16 autocast)" if autocast else ""))
     gen = torch.Generator().manual_seed(seed)
@@ -116,7 +113,7 @@ def train_digits(
     for epoch in range(1, epochs + 1):
         model.train()
         total, batches = 0.0, 0
-        for idx in torch.randperm(len(y_train), generator=gen).split(batch_size):
+        for idx in torch.randperm(len(y_train), generator=gen).split(32):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = loss_fn(model(x_train[idx]).float(), y_train[idx])
             opt.zero_grad()
