@@ -145,22 +145,21 @@ class Plan(BaseModel):
     decision: Decision
 
 
-def parse_count(value: object, name: str = "--params", minimum: int = 1) -> int:
+def parse_count(value: object, name: str = "--params") -> int:
     """:func:`optladder.units.parse_count`, raising :class:`PlanError`.
 
     Args:
         value: an ``int`` or a string such as ``"7e9"``, ``"1.5B"``, ``"350M"``.
         name: the option it came from, for the error message.
-        minimum: the least value allowed.
 
     Returns:
-        The count, an ``int`` from ``minimum`` to :data:`optladder.units.MAX_COUNT`.
+        The count, an ``int`` from 1 to :data:`optladder.units.MAX_COUNT`.
 
     Raises:
         PlanError: if the value is not a whole number in that range.
     """
     try:
-        return units.parse_count(value, name, minimum)
+        return units.parse_count(value, name)
     except ValueError as exc:
         raise PlanError(str(exc)) from None
 
