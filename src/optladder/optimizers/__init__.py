@@ -1,6 +1,7 @@
 """The three rungs' engines, the fused-spec mapping, and the capability probe.
 
-Nothing here probes memory or reads the environment.
+Nothing here probes memory or reads the ``OPTLADDER_*`` overrides (the kernels read
+only ``CC``, ``XDG_CACHE_HOME``/``HOME`` and ``TRITON_INTERPRET``).
 """
 
 from optladder.optimizers.adamw import LadderAdamW, validate_hyperparams
