@@ -80,20 +80,17 @@ def train_digits(
     free_memory: int | str | None = None,
     epochs: int = 12,
     seed: int = 0,
-    lr: float = 2e-3,
-    batch_size: int = 32,
     autocast: bool = False,
     log: Callable[[str], None] = print,
 ) -> DemoResult:
-    """Train the demo MLP through ``choose_optimizer`` and report what it reached.
+    """Train the demo MLP through ``choose_optimizer`` (lr 2e-3, weight decay 0.01, 32
+    examples a step) and report what it reached.
 
     Args:
         rung: fix the rung, or None to let the policy choose.
         free_memory: bytes (or ``"2MiB"``) the optimizer may assume free; None probes.
         epochs: passes over the training set, ``>= 1``.
         seed: seeds the split, the init, the batch order and the bf16 rounding.
-        lr: AdamW learning rate.
-        batch_size: examples per step.
         autocast: run forward and loss under ``torch.autocast("cpu", dtype=torch.bfloat16)``
             (params, grads and the optimizer stay as the rung keeps them).
         log: where the progress lines go.
@@ -106,7 +103,7 @@ def train_digits(
     x_train, y_train, x_test, y_test = load_digits_split(seed)
     model = make_model(seed)
     opt = choose_optimizer(
-        model, lr=lr, weight_decay=0.01, rung=rung, free_memory=free_memory, seed=seed, strict=False
+        model, 2e-3, weight_decay=0.01, rung=rung, free_memory=free_memory, seed=seed, strict=False
     )
     log(opt.decision.summary() + ("\n(forward under bf16 autocast)" if autocast else ""))
     gen = torch.Generator().manual_seed(seed)
@@ -116,7 +113,7 @@ def train_digits(
     for epoch in range(1, epochs + 1):
         model.train()
         total, batches = 0.0, 0
-        for idx in torch.randperm(len(y_train), generator=gen).split(batch_size):
+        for idx in torch.randperm(len(y_train), generator=gen).split(32):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 loss = loss_fn(model(x_train[idx]).float(), y_train[idx])
             opt.zero_grad()
@@ -158,25 +155,24 @@ def run_demo(
     free_memory: int | str | None = None,
     epochs: int = 12,
     seed: int = 0,
-    log: Callable[[str], None] = print,
 ) -> list[DemoResult]:
     """Run the demo: one run as asked, or, given neither ``rung`` nor ``free_memory``, one
     run per rung: first with the probed free memory (fp32), then with free-memory values
     that make the policy choose bf16 and 8bit."""
     if rung is not None or free_memory is not None:
-        return [train_digits(rung=rung, free_memory=free_memory, epochs=epochs, seed=seed, log=log)]
-    log("== free memory probed on this machine: the policy should choose fp32 ==")
-    results = [train_digits(epochs=epochs, seed=seed, log=log)]
+        return [train_digits(rung=rung, free_memory=free_memory, epochs=epochs, seed=seed)]
+    print("== free memory probed on this machine: the policy should choose fp32 ==")
+    results = [train_digits(epochs=epochs, seed=seed)]
     for r, budget in list(ladder_budgets(seed).items())[1:]:
-        log(f"\n== free_memory={format_bytes(budget)}: the policy should choose {r} ==")
-        results.append(train_digits(free_memory=budget, epochs=epochs, seed=seed, log=log))
-    log("\n== bf16 rung, forward under bf16 autocast ==")
-    results.append(train_digits(rung="bf16", epochs=epochs, seed=seed, autocast=True, log=log))
-    log("\n(the last row: forward under bf16 autocast)")
-    log("rung   test accuracy   final loss   state bytes   bytes/param   seconds")
+        print(f"\n== free_memory={format_bytes(budget)}: the policy should choose {r} ==")
+        results.append(train_digits(free_memory=budget, epochs=epochs, seed=seed))
+    print("\n== bf16 rung, forward under bf16 autocast ==")
+    results.append(train_digits(rung="bf16", epochs=epochs, seed=seed, autocast=True))
+    print("\n(the last row: forward under bf16 autocast)")
+    print("rung   test accuracy   final loss   state bytes   bytes/param   seconds")
     n = sum(p.numel() for p in make_model(seed).parameters())
     for res in results:
-        log(
+        print(
             f"{res.rung:5}  {res.test_accuracy:13.2%}   {res.final_loss:10.4f}   "
             f"{res.state_bytes:11,}   {res.state_bytes / n:11.2f}   {res.seconds:7.1f}"
         )

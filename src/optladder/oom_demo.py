@@ -25,18 +25,18 @@ HIDDEN = 4096
 """Width of the MLP's three hidden layers: 64*4096 + 2*4096**2 + 4096*10 weights."""
 
 
-def wide_mlp(hidden: int = HIDDEN) -> nn.Module:
-    """64 -> hidden -> hidden -> hidden -> 10 with ReLU (33,845,258 params at 4096),
-    initialized from seed 0."""
+def wide_mlp() -> nn.Module:
+    """64 -> HIDDEN -> HIDDEN -> HIDDEN -> 10 with ReLU (33,845,258 params), initialized
+    from seed 0."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(64, hidden),
+        nn.Linear(64, HIDDEN),
         nn.ReLU(),
-        nn.Linear(hidden, hidden),
+        nn.Linear(HIDDEN, HIDDEN),
         nn.ReLU(),
-        nn.Linear(hidden, hidden),
+        nn.Linear(HIDDEN, HIDDEN),
         nn.ReLU(),
-        nn.Linear(hidden, 10),
+        nn.Linear(HIDDEN, 10),
     )
 
 
@@ -46,7 +46,7 @@ def _vms() -> int:
     return int(psutil.Process().memory_info().vms)
 
 
-def child(steps: int, hidden: int, log: Callable[[str], None] = print) -> int:
+def child(steps: int) -> int:
     """The child's job: train under an address-space cap that only bf16 state fits in.
 
     Returns:
@@ -61,11 +61,11 @@ def child(steps: int, hidden: int, log: Callable[[str], None] = print) -> int:
     from optladder.selector.ladder import Ladder
 
     x_train, y_train, x_test, y_test = load_digits_split(0)
-    model = wide_mlp(hidden)
+    model = wide_mlp()
     footprint = measure_footprint(model)
     opt = choose_optimizer(model, lr=1e-4, weight_decay=0.01)
-    log(f"child: {footprint.trainable_params:,} params; decision before the cap:")
-    log(opt.decision.summary())
+    print(f"child: {footprint.trainable_params:,} params; decision before the cap:")
+    print(opt.decision.summary())
     ladder = Ladder(opt)
     loss_fn = nn.CrossEntropyLoss()
 
@@ -86,7 +86,7 @@ def child(steps: int, hidden: int, log: Callable[[str], None] = print) -> int:
     headroom = (fp32 + bf16) // 2
     limit = _vms() + headroom
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    log(
+    print(
         f"child: RLIMIT_AS set to {limit:,} bytes: {headroom:,} bytes of headroom, under the "
         f"fp32 state ({fp32:,} bytes), over the bf16 state ({bf16:,} bytes)"
     )
@@ -95,10 +95,10 @@ def child(steps: int, hidden: int, log: Callable[[str], None] = print) -> int:
     for step in range(1, steps + 1):
         idx = torch.randint(len(y_train), (64,), generator=gen)
         loss = ladder.run(train_step, idx)
-        log(f"child: step {step:3d}  rung {opt.rung}  loss {loss:.4f}")
+        print(f"child: step {step:3d}  rung {opt.rung}  loss {loss:.4f}")
     with torch.no_grad():
         accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
-    log(
+    print(
         f"child: finished {steps} steps in {time.perf_counter() - start:.1f} s on {opt.rung}; "
         f"test accuracy {accuracy:.2%}; escalations: "
         + "; ".join(f"{e.from_rung} -> {e.to_rung} ({e.reason})" for e in opt.escalations)
@@ -106,16 +106,13 @@ def child(steps: int, hidden: int, log: Callable[[str], None] = print) -> int:
     return 0 if [(e.from_rung, e.to_rung) for e in opt.escalations] == [("fp32", "bf16")] else 1
 
 
-def run_oom_demo(steps: int = 20, hidden: int = HIDDEN, log: Callable[[str], None] = print) -> int:
+def run_oom_demo(steps: int = 20, log: Callable[[str], None] = print) -> int:
     """Run :func:`child` in a fresh process and relay its output.
 
     Returns:
         The child's exit status (0: it escalated once and finished).
     """
-    code = (
-        "import sys; from optladder.oom_demo import child; "
-        f"sys.exit(child(steps={int(steps)}, hidden={int(hidden)}))"
-    )
+    code = f"import sys; from optladder.oom_demo import child; sys.exit(child(steps={int(steps)}))"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for name in ("OPTLADDER_RUNG", "OPTLADDER_BF16_ADAM", "OPTLADDER_8BIT_ADAM"):
         env.pop(name, None)  # the demo shows the policy's choice and the ladder

@@ -29,7 +29,7 @@ import sys
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -145,22 +145,21 @@ class Plan(BaseModel):
     decision: Decision
 
 
-def parse_count(value: object, name: str = "--params", minimum: int = 1) -> int:
+def parse_count(value: object, name: str = "--params") -> int:
     """:func:`optladder.units.parse_count`, raising :class:`PlanError`.
 
     Args:
         value: an ``int`` or a string such as ``"7e9"``, ``"1.5B"``, ``"350M"``.
         name: the option it came from, for the error message.
-        minimum: the least value allowed.
 
     Returns:
-        The count, an ``int`` from ``minimum`` to :data:`optladder.units.MAX_COUNT`.
+        The count, an ``int`` from 1 to :data:`optladder.units.MAX_COUNT`.
 
     Raises:
         PlanError: if the value is not a whole number in that range.
     """
     try:
-        return units.parse_count(value, name, minimum)
+        return units.parse_count(value, name)
     except ValueError as exc:
         raise PlanError(str(exc)) from None
 
@@ -624,12 +623,11 @@ def _bytes_cell(n: int) -> str:
     return f"{n:,} ({format_bytes(n)})"
 
 
-def print_plan(plan: Plan, file: TextIO | None = None, *, decided: bool = True) -> None:
+def print_plan(plan: Plan, *, decided: bool = True) -> None:
     """Print a plan: the model and target, a table with one row per rung, the decision.
 
     Args:
         plan: from :func:`make_plan`.
-        file: where to print; default ``sys.stdout`` (looked up now).
         decided: False when the free memory is unknown (the plan was made with
             ``free_memory=0`` only for its estimates): the free memory, the gate's
             verdicts and the decision are left out; each rung's state bytes and the free
@@ -638,10 +636,9 @@ def print_plan(plan: Plan, file: TextIO | None = None, *, decided: bool = True) 
     from rich.console import Console
     from rich.table import Table
 
-    out = file if file is not None else sys.stdout
-    console = Console(file=out, highlight=False)
+    console = Console(file=sys.stdout, highlight=False)
     if not console.is_terminal:  # a pipe or a file: no 80-column wrap of the numbers
-        console = Console(file=out, highlight=False, width=140)
+        console = Console(file=sys.stdout, highlight=False, width=140)
     d = plan.decision
     tensors = "1 tensor" if plan.param_tensors == 1 else f"{plan.param_tensors:,} tensors"
     lines = [

@@ -16,12 +16,12 @@ import operator
 
 import torch
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+from optladder.columns import PLAIN_TYPES, plain_types
 
 
 def is_dtensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 param is one)."""
-    if type(t) in _PLAIN or not torch.distributed.is_available():
+    if type(t) in PLAIN_TYPES or not torch.distributed.is_available():
         return False
     from torch.distributed.tensor import DTensor
 
@@ -40,9 +40,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def all_plain(tensors: list[torch.Tensor]) -> bool:
     """Whether every tensor is a plain ``torch.Tensor`` or ``nn.Parameter`` (no DTensor
     or other subclass) off the meta device: then per-tensor rules can be read in bulk."""
-    return set(map(type, tensors)) <= set(_PLAIN) and not any(
-        map(operator.attrgetter("is_meta"), tensors)
-    )
+    return plain_types(tensors) and not any(map(operator.attrgetter("is_meta"), tensors))
 
 
 def local_numel(t: torch.Tensor) -> int:

@@ -497,21 +497,16 @@ def plan_steps(calls: list[FusedCall]) -> list[torch.Tensor]:
     return list(chain.from_iterable(call[1][5] for call in calls))
 
 
-def run_fused_plan(calls: list[FusedCall], counts: StepCounts | None = None) -> None:
+def run_fused_plan(calls: list[FusedCall], counts: StepCounts) -> None:
     """Make the calls of :func:`fused_plan`: ``step += 1`` for every group's params (all
-    groups at once, with ``counts``' writes when given: torch's ``_fused_adam`` makes one
+    groups at once, with ``counts``' writes: torch's ``_fused_adam`` makes one
     ``_foreach_add_`` per group, and groups share no param), then per group the kernel,
     as torch's ``_fused_adam`` does (no grad recorded), with the params that are not
     dense (and their grads) copied into their buffers before and back after (in place,
-    allocating nothing). ``counts``, when given, must have been prepared
-    (:meth:`StepCounts.prepare`) with :func:`plan_steps` of these calls."""
+    allocating nothing). ``counts`` must have been prepared (:meth:`StepCounts.prepare`)
+    with :func:`plan_steps` of these calls."""
     with torch.no_grad():
-        if counts is None:
-            steps = plan_steps(calls)
-            if steps:
-                torch._foreach_add_(steps, 1)
-        else:
-            counts.bump()
+        counts.bump()
         for kernel, lists, options, (fills, writeback) in calls:
             for buffer, source in fills:
                 buffer.copy_(source)

@@ -57,20 +57,18 @@ from optladder.optimizers.steps import STEP_DTYPE, refuse_shared_steps
 
 
 def _torch_adam_init(group: dict[str, Any], p: torch.Tensor) -> dict[str, Any]:
-    """State exactly as ``torch.optim.Adam(W)._init_group`` creates it."""
+    """State exactly as ``torch.optim.Adam(W)._init_group`` creates it (``amsgrad``'s
+    ``max_exp_avg_sq`` never: :func:`check_step_inputs` refuses ``amsgrad=True``)."""
     # float64 (not torch's float32) so the count stays exact past 2**24; see steps.py
     if group["capturable"] or group["fused"]:
         step = torch.zeros((), dtype=STEP_DTYPE, device=p.device)
     else:
         step = torch.tensor(0.0, dtype=STEP_DTYPE, device="cpu")
-    state = {
+    return {
         "step": step,
         "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
         "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
     }
-    if group["amsgrad"]:
-        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return state
 
 
 def check_step_inputs(

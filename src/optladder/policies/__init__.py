@@ -4,7 +4,7 @@ Nothing here builds an optimizer; what a device's kernels can do arrives as
 :class:`optladder.rungs.Capabilities`.
 """
 
-from optladder.policies.decision import Decision, allowed_rungs, decide
+from optladder.policies.decision import Decision, decide
 from optladder.policies.footprint import (
     Footprint,
     measure_footprint,
@@ -12,18 +12,16 @@ from optladder.policies.footprint import (
     rung_state_bytes,
     trainable_params,
 )
-from optladder.policies.memory import MemoryProbe, probe_free_memory
+from optladder.policies.memory import probe_free_memory
 from optladder.policies.overrides import OverrideError, Overrides, read_overrides
 from optladder.policies.policy import Policy
 
 __all__ = [
     "Decision",
     "Footprint",
-    "MemoryProbe",
     "OverrideError",
     "Overrides",
     "Policy",
-    "allowed_rungs",
     "decide",
     "measure_footprint",
     "normalize_param_groups",

@@ -140,31 +140,19 @@ def decide_and_build(
     decoupled_weight_decay: bool,
 ) -> Built:
     """Choose a rung for the model's optimizer state and build its engine (the work of
-    :class:`optladder.AdamW`'s constructor; see there for the user's view).
+    :class:`optladder.AdamW`'s constructor; see there for the user's view, param groups
+    that pin their rung and ranks under ``torch.distributed`` included).
 
     Reads the trainable params' footprint and the device's free memory (probed once
     unless given), reads the overrides (``rung=`` beats ``OPTLADDER_RUNG``,
     ``OPTLADDER_BF16_ADAM``, ``OPTLADDER_8BIT_ADAM``, read now), decides with
     :func:`optladder.decide`, and builds the rung's engine.
 
-    A param group may pin its own rung with a ``"rung"`` entry (``{"params":
-    model.embed.parameters(), "rung": "fp32"}``, as bitsandbytes users keep embeddings
-    in 32-bit state): it runs on that rung whatever the decision, an out-of-memory step
-    never moves it, and its state bytes count in every rung's estimate. The other
-    groups follow the decision (``rung=`` and the variables apply to them).
-
     Args:
         model_or_params, lr, betas, eps, weight_decay, rung, free_memory, device, policy,
             seed, rounding, param_rounding, strict, environ, max_retries, on_escalate,
             decoupled_weight_decay: as documented on :class:`optladder.AdamW`, which
             passes them here unchanged.
-
-    Under ``torch.distributed`` every rank reaches the same decision: free memory is the
-    minimum over ranks, each rung's state bytes the maximum over ranks, and rank 0's
-    decision is broadcast. A DTensor (FSDP2) param counts its global elements (for the
-    policy's thresholds and bitsandbytes' 4,096-element rule) and the state bytes of
-    this rank's shard; rungs whose engine cannot step DTensors (bf16, see
-    :data:`optladder.optimizers.build.DTENSOR_UNSUPPORTED`) are skipped for such models.
 
     Returns:
         The :class:`Built` engine, decision, rebuild function and param groups.

@@ -81,9 +81,6 @@ _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _TORCH_ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
 __all__ = [
-    "ORIGIN_KEY",
-    "REASON_KEY",
-    "RUNG_KEY",
     "EngineBuilder",
     "LadderOptimizer",
     "OptimizerOutOfMemoryError",

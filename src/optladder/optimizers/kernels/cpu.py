@@ -375,7 +375,6 @@ def _load_bytes(data: bytes, path: Path, name: str = _BF16_NAME) -> ctypes.CDLL:
         else:
             # The fd stays open while the process lives: the dynamic loader knows the
             # library by this /proc path, which must not name another library later.
-            lib._optladder_memfd = fd  # type: ignore[attr-defined]
             return lib
     try:
         return ctypes.CDLL(str(path))
