@@ -172,7 +172,7 @@ def test_demo_free_memory_names_the_option(capsys: pytest.CaptureFixture[str]) -
     assert "24GiB" in err and "24GB" in err
 
 
-@pytest.mark.parametrize("params", ["1e308", "1e400", "1152921504606846976"])
+@pytest.mark.parametrize("params", ["1e308", "1e400", "1e999999999", "1152921504606846976"])
 def test_huge_params_is_a_clean_error(capsys: pytest.CaptureFixture[str], params: str) -> None:
     code, out, err = run(capsys, "plan", "--params", params, "--free-memory", "80GiB")
     assert code == EXIT_BAD_INPUT and out == ""

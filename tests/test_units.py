@@ -126,6 +126,8 @@ def test_parse_bytes_takes_integers_of_any_type() -> None:
         ("24XB", "unit 'XB' is not known"),
         ("lots", "not a number with an optional unit"),
         ("1e400", "more than 2**63 - 1 bytes"),
+        ("1e999999999", "more than 2**63 - 1 bytes"),  # past Decimal's exponent range
+        ("1e999999999GiB", "more than 2**63 - 1 bytes"),
         (2**63, "more than 2**63 - 1 bytes"),
         (float("inf"), "not a finite number"),
         ([1], "a list is neither a number nor a string"),
@@ -153,7 +155,9 @@ def test_parse_count_accepts_up_to_max_count(value: str, expected: int) -> None:
     assert MAX_COUNT == 2**60 - 1 == MAX_BYTES // 8  # fp32 state, 8 bytes a param, fits
 
 
-@pytest.mark.parametrize("value", ["1e308", "1e400", "1152921504606846976", 2**60, "0"])
+@pytest.mark.parametrize(
+    "value", ["1e308", "1e400", "1e999999999", "1e999999999T", "1152921504606846976", 2**60, "0"]
+)
 def test_parse_count_refuses_over_max_count(value: object) -> None:
     with pytest.raises(ValueError, match=r"^--params=.* is not a count; expected a whole number"):
         parse_count(value, "--params")

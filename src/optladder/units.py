@@ -8,7 +8,7 @@ import numbers
 import operator
 import re
 from collections.abc import Callable
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, DecimalException
 from typing import SupportsIndex
 
 _UNITS = {
@@ -127,10 +127,13 @@ def _parse_bytes_text(value: str, error: Callable[[str], ValueError]) -> int:
     if unit.lower() not in _UNITS:
         raise error(_unit_hint(digits, unit))
     # Decimal, not float: "2.01kB" is 2010 bytes, while 2.01 * 1000 is 2009.999... in floats.
-    number = Decimal(digits)
-    if number * _UNITS[unit.lower()] > MAX_BYTES:
+    try:  # an exponent past Decimal's range overflows (decimal.Overflow)
+        number = Decimal(digits) * _UNITS[unit.lower()]
+    except DecimalException:
+        raise error("more than 2**63 - 1 bytes") from None
+    if number > MAX_BYTES:
         raise error("more than 2**63 - 1 bytes")
-    return int(number * _UNITS[unit.lower()])
+    return int(number)
 
 
 def parse_count(value: object, name: str, minimum: int = 1) -> int:
@@ -167,7 +170,7 @@ def parse_count(value: object, name: str, minimum: int = 1) -> int:
             raise error
         try:
             number = Decimal(match.group(1)) * _COUNT_SUFFIXES[match.group(2)]
-        except InvalidOperation:
+        except DecimalException:  # InvalidOperation, or an exponent past Decimal's range
             raise error from None
     else:
         raise error
