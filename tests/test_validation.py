@@ -1369,3 +1369,25 @@ def test_another_optimizers_checkpoint_is_refused_naming_that_optimizer(
     with pytest.raises(ValueError, match=message):
         opt.load_state_dict(saved)
     assert_same(snapshot(opt), before)
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8bit_codes_cast_to_a_float_are_refused_not_read_as_moments(
+    rung: str, dtype: torch.dtype
+) -> None:
+    """An 8-bit entry whose ``state1``/``state2`` codes were cast to a float (its absmax
+    and qmap kept) was read as float moments: code 62 loaded as ``exp_avg == 62.0``
+    (bitsandbytes keeps float moments only without block scales)."""
+    pytest.importorskip("bitsandbytes")
+    opt, _ = _stepped(rung)
+    _, saved = _stepped("8bit")
+    inner = saved["state"][0]["__bnb_optimizer_quant_state__"]
+    assert inner["state1"].dtype == torch.uint8 and "absmax1" in inner
+    for name in ("state1", "state2"):
+        cast = copy.deepcopy(saved)
+        codes = cast["state"][0]["__bnb_optimizer_quant_state__"]
+        codes[name] = codes[name].to(dtype)
+        assert_load_refused(
+            opt, cast, rf"param 0: {name} has dtype {dtype} beside absmax{name[-1]}, the block"
+        )
