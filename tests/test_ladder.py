@@ -389,6 +389,16 @@ def test_guard_keeps_the_signature() -> None:
     assert list(inspect.signature(train_step).parameters) == ["x", "scale"]
 
 
+@pytest.mark.parametrize("wrong", [5, None, "train_step"])
+def test_guard_refuses_what_is_not_callable_naming_its_type(wrong: object) -> None:
+    """``ladder.guard(5)`` returned a function that failed only when first called."""
+    _, opt, *_ = _guarded_setup(oom_calls=0)
+    with pytest.raises(
+        TypeError, match=rf"Ladder.guard takes the train step function, got {type(wrong).__name__}"
+    ):
+        Ladder(opt).guard(wrong)  # type: ignore[arg-type]
+
+
 def test_retries_are_bounded_and_the_last_rung_reraises_with_bytes() -> None:
     model, opt, train_step, calls, *_ = _guarded_setup(oom_calls=99)
     with pytest.raises(OptimizerOutOfMemoryError) as info:

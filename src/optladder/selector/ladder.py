@@ -267,7 +267,17 @@ class Ladder:
 
     def guard(self, train_step: Callable[P, T]) -> Callable[P, T | None]:
         """Decorator form of :meth:`run`; keeps the function's name, docstring and
-        signature (``functools.wraps``)."""
+        signature (``functools.wraps``).
+
+        Raises:
+            TypeError: ``train_step`` is not callable (refused here, not at the first
+                call of what it returns).
+        """
+        if not callable(train_step):
+            raise TypeError(
+                f"Ladder.guard takes the train step function, got {type(train_step).__name__}"
+                " (use @ladder.guard over a def, or ladder.guard(train_step))"
+            )
 
         @functools.wraps(train_step)
         def guarded(*args: P.args, **kwargs: P.kwargs) -> T | None:
