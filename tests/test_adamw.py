@@ -167,6 +167,36 @@ def test_defaults_fixed_across_escalations() -> None:
         assert opt.defaults == expected
 
 
+@pytest.mark.parametrize("pin", [None, "fp32", "8bit"])
+@pytest.mark.parametrize("escalated", [False, True])
+def test_add_param_group_fills_defaults_edited_by_hand_as_torch_does(
+    pin: str | None, escalated: bool
+) -> None:
+    """torch's ``add_param_group`` fills a group's missing values from ``opt.defaults``
+    as they are now: ``opt.defaults["weight_decay"] = 0.5`` gave groups added later 0.5
+    in torch, and the construction's 0.01 here (the engines filled their own)."""
+    model = _model()
+    opt = AdamW(model.parameters(), 2e-3, free_memory=FREE)
+    ref = torch.optim.AdamW(_model().parameters(), 2e-3)
+    for o in (opt, ref):
+        o.defaults["weight_decay"] = 0.5
+        o.defaults["betas"] = (0.8, 0.9)
+    if escalated:
+        opt.escalate("test")
+    extra = {"params": [torch.nn.Parameter(torch.ones(3))], "lr": 1e-3}
+    if pin is not None:
+        extra["rung"] = pin
+    opt.add_param_group(dict(extra))
+    ref.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))], "lr": 1e-3})
+    ours, theirs = opt.param_groups[-1], ref.param_groups[-1]
+    assert (ours["weight_decay"], ours["betas"], ours["lr"]) == (0.5, (0.8, 0.9), 1e-3)
+    assert (theirs["weight_decay"], theirs["betas"], theirs["lr"]) == (0.5, (0.8, 0.9), 1e-3)
+    assert opt.param_groups[0]["weight_decay"] == 0.01  # groups already there keep theirs
+    opt.defaults["amsgrad"] = True  # refused by the group checks, as if passed
+    with pytest.raises(ValueError, match=r"amsgrad=True is not supported"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+
+
 def test_adam_mode_add_param_group_after_escalation_steps_like_torch_adam() -> None:
     """Adam mode (coupled decay) on the 8bit rung: a group added with
     ``decoupled_weight_decay=False`` is accepted and steps as ``torch.optim.Adam`` does

@@ -353,6 +353,69 @@ def _guarded_setup(oom_calls: int, **kwargs):  # type: ignore[no-untyped-def]
     return model, opt, train_step, calls, masks, made, events
 
 
+@pytest.mark.parametrize("other", ["torch SGD", "optladder"])
+def test_an_oom_after_another_optimizers_step_is_not_rerun(other: str) -> None:
+    """A GAN's train step: the discriminator's optimizer steps, then the generator's
+    backward runs out of memory. The Ladder over the generator's optimizer reran the
+    whole step, so the discriminator stepped twice (SGD moved its weight by 2 lr x grad).
+    Now it stands once: not rerun, the generator's optimizer moves down for the next
+    step, its params untouched, and ``run`` returns None."""
+    torch.manual_seed(0)
+    gen, disc = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+    opt_g = choose_optimizer(gen, free_memory="1GiB")
+    if other == "torch SGD":
+        opt_d: torch.optim.Optimizer = torch.optim.SGD(disc.parameters(), 0.1)
+    else:
+        opt_d = choose_optimizer(disc, 0.1, weight_decay=0.0, free_memory="1GiB")
+    ladder = Ladder(opt_g)
+    calls = {"n": 0}
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+    def train_step() -> None:
+        calls["n"] += 1
+        opt_d.zero_grad()
+        disc(x).mean().backward()  # d/dW of mean(x @ W.T + b): x's mean over the batch
+        opt_d.step()
+        opt_g.zero_grad()
+        loss = disc(gen(x)).mean()
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (in the generator's backward)")
+        loss.backward()
+        opt_g.step()
+
+    w0, b0, g0 = (
+        disc.weight.detach().clone(),
+        disc.bias.detach().clone(),
+        gen.weight.detach().clone(),
+    )
+    assert ladder.run(train_step) is None
+    assert calls["n"] == 1 and opt_g.rung == "bf16" and opt_g.committed_steps == 0
+    assert torch.equal(gen.weight.detach(), g0)
+    if other == "torch SGD":  # one SGD step: w0 - 0.1 * mean(x), b0 - 0.1 * 1
+        torch.testing.assert_close(disc.weight.detach(), w0 - 0.1 * x.mean(0, keepdim=True))
+        torch.testing.assert_close(disc.bias.detach(), b0 - 0.1)
+    else:  # one AdamW step moves each element by lr (|m_hat / sqrt(v_hat)| = 1)
+        torch.testing.assert_close(disc.bias.detach(), b0 - 0.1)
+        assert {int(float(st["step"])) for st in opt_d.state.values()} == {1}
+    ladder.run(train_step)  # the next call steps both, once each
+    assert calls["n"] == 2 and opt_g.committed_steps == 1
+
+
+def test_a_ladder_removes_its_step_hook_with_itself() -> None:
+    """The Ladder watches other optimizers' steps through one global step post-hook,
+    registered when it is made and removed when it is collected."""
+    import gc
+
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    before = len(_global_optimizer_post_hooks)
+    ladder = Ladder(choose_optimizer(torch.nn.Linear(4, 4), free_memory="1GiB"))
+    assert len(_global_optimizer_post_hooks) == before + 1
+    del ladder
+    gc.collect()
+    assert len(_global_optimizer_post_hooks) == before
+
+
 def test_forward_oom_reruns_one_rung_down_with_rng_restored() -> None:
     model, opt, train_step, calls, masks, made, events = _guarded_setup(oom_calls=1)
     assert opt.rung == "fp32"
@@ -387,6 +450,16 @@ def test_guard_keeps_the_signature() -> None:
     assert train_step.__name__ == "train_step"
     assert train_step.__doc__ == "One step."
     assert list(inspect.signature(train_step).parameters) == ["x", "scale"]
+
+
+@pytest.mark.parametrize("wrong", [5, None, "train_step"])
+def test_guard_refuses_what_is_not_callable_naming_its_type(wrong: object) -> None:
+    """``ladder.guard(5)`` returned a function that failed only when first called."""
+    _, opt, *_ = _guarded_setup(oom_calls=0)
+    with pytest.raises(
+        TypeError, match=rf"Ladder.guard takes the train step function, got {type(wrong).__name__}"
+    ):
+        Ladder(opt).guard(wrong)  # type: ignore[arg-type]
 
 
 def test_retries_are_bounded_and_the_last_rung_reraises_with_bytes() -> None:

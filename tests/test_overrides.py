@@ -151,6 +151,16 @@ def test_unknown_values_raise_naming_variable_value_and_accepted(
     assert isinstance(info.value, ValueError)
 
 
+@pytest.mark.parametrize("key", [5, b"OPTLADDER_RUNG", None])
+def test_an_environ_key_that_is_no_str_is_refused_naming_it(key: object) -> None:
+    """A key that is no str (an int, bytes) was an AttributeError from ``name.upper()``."""
+    with pytest.raises(
+        TypeError,
+        match=rf"mapping of str to str; it holds the key {key!r} \({type(key).__name__}\)",
+    ):
+        read_overrides(environ={RUNG: "bf16", key: "x"})  # type: ignore[dict-item]
+
+
 @pytest.mark.parametrize(
     "env",
     [

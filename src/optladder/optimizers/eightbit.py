@@ -428,7 +428,9 @@ class _PreparedStep:
             the commit: each job's grad is a placeholder until then.
         staged: ``(param, copy, grad copy or None)`` of non-contiguous params, stepped
             in the contiguous copies ``prepare_contiguous`` made (copied in before the
-            kernel runs, the param copied back after).
+            kernel runs, the param copied back after); and ``(param, param, grad copy)``
+            of contiguous params whose grad is not (a hand-set transposed or expanded
+            view), the grad copied in before the kernel runs.
         params: every param of every group when prepared, in order.
         grads: their grads then (None where a param had none).
         state_seen: the engine's state dicts then (``state.values()``, in order).
@@ -841,6 +843,20 @@ def _build_step(
                 work, work_grad = copies
                 pair = (work, work_grad if work_grad is not None else pair[1])
                 staged.append((p, work, work_grad))
+            elif (
+                pair[1] is not None
+                and not pair[1].is_contiguous()
+                and pair[0].is_contiguous()
+                and pair[1].layout == torch.strided
+                and pair[1].shape == pair[0].shape
+                and pair[1].device == pair[0].device
+            ):  # a hand-set grad laid out unlike its param (a transposed or expanded view):
+                # the kernel reads a contiguous copy, allocated here and filled in the
+                # commit (bitsandbytes' per-tensor path stepped it: 8-9x slower at 1M
+                # elements, and other bits)
+                work_grad = torch.empty(pair[1].shape, dtype=pair[1].dtype, device=p.device)
+                staged.append((p, p, work_grad))  # p.copy_(p) returns at once
+                pair = (pair[0], work_grad)
             why = _kernel_miss(engine, pair, config, state)
             quantized = why is None and state["state1"].dtype == torch.uint8
             enc1: tuple[torch.Tensor | None, ...] = (None, None)

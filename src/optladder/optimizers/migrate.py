@@ -867,6 +867,16 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
         elif not t.is_floating_point():
             allowed = "uint8 codes or float32" if bnb else "a floating dtype"
             raise ValueError(f"{where}: {name} has dtype {t.dtype}; allowed: {allowed}")
+        elif bnb and f"absmax{name[-1]}" in state:
+            # bitsandbytes keeps float moments without block scales (under min_8bit_size,
+            # optim_bits=32); codes cast to a float (a checkpoint's tensors converted by
+            # hand) were read as moments: exp_avg 62.0 for code 62
+            raise ValueError(
+                f"{where}: {name} has dtype {t.dtype} beside absmax{name[-1]}, the block "
+                f"scales of 8-bit codes; allowed: uint8 codes with absmax{name[-1]} and "
+                f"qmap{name[-1]}, or float moments without them (the codes were cast to a "
+                "float: cast them back with .to(torch.uint8))"
+            )
         else:
             _check_values(t, name, where, nonnegative=name in ("exp_avg_sq", "state2"))
 

@@ -195,10 +195,17 @@ def read_overrides(rung: str | None = None, environ: Mapping[str, str] | None = 
             :data:`KNOWN_VARIABLES`, naming the closest known one; it is ignored.
 
     Raises:
+        TypeError: ``environ`` has a key that is not a str, naming it.
         OverrideError: for an unknown value (naming the variable, its value and the
             accepted values) or a contradiction (both ``=1``; ``OPTLADDER_RUNG`` naming
             a rung that a ``=1`` or ``=0`` variable contradicts).
     """
+    for name in environ or ():
+        if not isinstance(name, str):  # name.upper() had raised an AttributeError
+            raise TypeError(
+                f"environ must be a mapping of str to str; it holds the key {name!r} "
+                f"({type(name).__name__})"
+            )
     _warn_unknown(os.environ if environ is None else environ)
     if environ is None:
         raw = _EnvVars()

@@ -9,9 +9,12 @@ allocator's cache, escalates the optimizer one rung (its state shrinks, leaving 
 activations) and reruns the step. The rules:
 
 - A train step is rerun only if no optimizer step was committed in it
-  (``LadderOptimizer.committed_steps`` is compared before and after). An OOM after the
-  commit (an EMA update, a metric) is not rerun: the optimizer escalates for the next
-  step, the committed update stands once, and :meth:`Ladder.run` returns None.
+  (``LadderOptimizer.committed_steps`` is compared before and after), nor any other
+  optimizer's (a GAN's discriminator, a second optimizer over other params: torch's global
+  step post-hook sees each one's ``step()`` during the call). An OOM after a commit (an
+  EMA update, a metric, the generator's backward) is not rerun: the optimizer escalates
+  for the next step, the committed updates stand once, and :meth:`Ladder.run` returns
+  None.
 - It escalates only where that can help: when torch's message says how much the failed
   allocation asked for, and moving the optimizer as far down as it may go would free
   less, it raises :class:`OptimizerOutOfMemoryError` naming both and leaves the rung.
@@ -43,7 +46,9 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from optladder.compilation import run_eagerly
 from optladder.oom import describe_error, is_oom, requested_bytes
 from optladder.policies.decision import Decision, escalation_target
 from optladder.rungs import Rung
@@ -148,6 +153,12 @@ class Ladder:
         # committed_steps when the last call returned having committed no step (its grads
         # may be a micro-batch's, to be added to); None after a call that committed one
         self._accumulating_at: int | None = None
+        # other optimizers' steps during a call (None between calls), seen by a global
+        # step post-hook registered once (per call, it made torch.compile recompile
+        # compiled train steps holding a torch optimizer's step) and removed with self
+        self._others: list[str] | None = None
+        watch = register_optimizer_step_post_hook(_other_steps(weakref.ref(self)))
+        weakref.finalize(self, watch.remove)
 
     def run(self, train_step: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T | None:
         """Call ``train_step(*args, **kwargs)``; on an OOM in it, escalate and rerun.
@@ -178,6 +189,8 @@ class Ladder:
                 if p.grad is not None
             ]
             message = None
+            others: list[str] = []  # other optimizers' steps taken in this call
+            self._others = others
             try:
                 result = train_step(*args, **kwargs)
                 # a call that asked for no step (none committed, none skipped by a
@@ -190,9 +203,19 @@ class Ladder:
                 if not is_oom(exc):
                     raise
                 message = describe_error(exc)
-                if opt.committed_steps != committed:
+                if opt.committed_steps != committed or others:
+                    # a rerun would step them twice (a GAN's discriminator, a second
+                    # optimizer's params): the updates stand once, as after a commit
                     self._accumulating_at = None
-                    self._escalate_after_commit(exc, message)
+                    note = None
+                    if opt.committed_steps == committed:
+                        note = (
+                            f"after {len(others)} step(s) of another optimizer "
+                            f"({', '.join(sorted(set(others)))}) in this train step (they "
+                            "stand once; the train step is not rerun, so this optimizer "
+                            "takes no step for it)"
+                        )
+                    self._escalate_after_commit(exc, message, note)
                     return None
                 if opt.zero_grad_calls == zeroed and self._accumulating_at == committed:
                     # grads this call found and still holds, with values (grads zeroed in
@@ -209,6 +232,8 @@ class Ladder:
                         ) from exc
                 self._check_can_help(exc, message, retries)
                 exc.__traceback__ = None
+            finally:
+                self._others = None
             # Outside the except block: the failed attempt's frames and tensors are gone.
             del entry
             retries += 1
@@ -240,11 +265,15 @@ class Ladder:
                 "checkpointing, shorter sequences, or autocast"
             ) from exc
 
-    def _escalate_after_commit(self, exc: BaseException, message: str) -> None:
-        """An OOM after the train step's optimizer step committed: no rerun (it would step
-        twice); escalate for the next step where that can help, else raise."""
+    def _escalate_after_commit(
+        self, exc: BaseException, message: str, note: str | None = None
+    ) -> None:
+        """An OOM after the train step's optimizer step committed, or another optimizer's
+        step (``note`` says so): no rerun (it would step twice); escalate for the next
+        step where that can help, else raise."""
         opt = self.optimizer
-        note = "after the optimizer step committed (the step stands once and is not rerun)"
+        if note is None:
+            note = "after the optimizer step committed (the step stands once and is not rerun)"
         try:
             self._check_can_help(exc, f"{message}, {note}", 0)
         except OptimizerOutOfMemoryError as err:
@@ -253,8 +282,9 @@ class Ladder:
         self._reset_scaler()
         event = opt.escalate(f"out of memory {note} ({message})")
         logger.warning(
-            "optladder: the train step ran out of memory after its optimizer step; not "
-            "rerun; %s -> %s for the next step; Ladder.run returns None",
+            "optladder: the train step ran out of memory %s; not rerun; %s -> %s for the "
+            "next step; Ladder.run returns None",
+            note,
             event.from_rung,
             event.to_rung,
         )
@@ -267,7 +297,17 @@ class Ladder:
 
     def guard(self, train_step: Callable[P, T]) -> Callable[P, T | None]:
         """Decorator form of :meth:`run`; keeps the function's name, docstring and
-        signature (``functools.wraps``)."""
+        signature (``functools.wraps``).
+
+        Raises:
+            TypeError: ``train_step`` is not callable (refused here, not at the first
+                call of what it returns).
+        """
+        if not callable(train_step):
+            raise TypeError(
+                f"Ladder.guard takes the train step function, got {type(train_step).__name__}"
+                " (use @ladder.guard over a def, or ladder.guard(train_step))"
+            )
 
         @functools.wraps(train_step)
         def guarded(*args: P.args, **kwargs: P.kwargs) -> T | None:
@@ -277,6 +317,29 @@ class Ladder:
 
     def __repr__(self) -> str:
         return f"Ladder(rung={self.optimizer.rung!r}, max_retries={self.max_retries})"
+
+
+def _other_steps(
+    ladder: weakref.ref[Ladder],
+) -> Callable[[torch.optim.Optimizer, tuple[object, ...], dict[str, object]], None]:
+    """A global optimizer step post-hook (torch calls it after every optimizer's
+    successful ``step()``) that, while ``ladder`` runs a train step, appends to its
+    ``_others`` the class name of each optimizer that stepped other than its optimizer
+    and that optimizer's engines."""
+
+    @run_eagerly  # in a compiled train step, torch's optimizers call it from traced code
+    def hook(
+        optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> None:
+        owner = ladder()
+        if owner is None or owner._others is None:
+            return
+        opt = owner.optimizer
+        if optimizer is opt or any(optimizer is e for e in opt._engines()):
+            return
+        owner._others.append(type(optimizer).__name__)
+
+    return hook
 
 
 def unwrap_optimizer(optimizer: object) -> LadderOptimizer:

@@ -88,6 +88,34 @@ __all__ = [
 ]
 
 _PIN_REASON = "pinned by its param group"
+_FILLED_KEYS = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "maximize",
+    "seed",
+    "rounding",
+    "param_rounding",
+)
+"""The ``defaults`` that :meth:`LadderOptimizer.add_param_group` fills into a new group
+that leaves them out, when they were changed by hand since construction (the engines
+fill construction's values; torch's kernel flags stay the engine's)."""
+_MISSING = object()
+
+
+def _same_value(a: object, b: object) -> bool:
+    """Whether two ``defaults`` values are the same (a tensor lr: the same object)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # an object whose == raises: changed
+        return False
+
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
@@ -296,6 +324,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._mark_groups(engine.param_groups, decision)
         super().__init__(engine.param_groups, engine.defaults)
         self.defaults = dict(defaults)
+        # what the engines fill into a group added without a value: add_param_group
+        # fills what the user changed in self.defaults since (torch's semantics)
+        self._built_defaults = dict(defaults)
         self.param_groups = order
         self.state = engine.state
         self._attach(engine)
@@ -410,6 +441,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         (``param_group["rung"]``), that rung's pinned engine (built when it is the first
         group to pin that rung).
 
+        Values the group leaves out are ``defaults``' (torch's semantics), including
+        values set in ``opt.defaults`` by hand after construction.
+
         Raises:
             ValueError: naming the param or option, what was found and what is allowed;
                 a pinned rung that is disabled or unavailable.
@@ -418,6 +452,12 @@ class LadderOptimizer(torch.optim.Optimizer):
             self.param_groups.append(param_group)  # engine's groups, which it checked
             return
         group = check_new_group(param_group)
+        for key in _FILLED_KEYS:  # torch fills a new group's missing values from defaults
+            value = self.defaults.get(key, _MISSING)
+            built = self._built_defaults.get(key, _MISSING)
+            if key not in group and value is not _MISSING and not _same_value(value, built):
+                group[key] = value  # changed by hand since construction: the engines
+                # would fill the construction's value
         params = group["params"]
         if ("param_names" in group) != ("param_names" in self.param_groups[0]):
             have = "named" if "param_names" in self.param_groups[0] else "unnamed"
