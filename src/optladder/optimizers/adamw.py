@@ -45,7 +45,6 @@ from optladder.optimizers.stepmemo import (
 )
 from optladder.optimizers.steps import (
     BF16_MAX_STEP,
-    MAX_STEP,
     STEP_DTYPE,
     refuse_shared_steps,
 )
@@ -508,9 +507,12 @@ class LadderAdamW(torch.optim.Optimizer):
     and the second moment stops decaying. The random bits are documented in
     :mod:`optladder.optimizers.rounding`.
 
-    State per param (as torch names it): ``step`` (0-d float64 tensor on the CPU, exact to
-    2**53, the number of steps this param took), ``exp_avg`` and ``exp_avg_sq`` (``moment_dtype``,
-    the param's shape, contiguous). A param whose grad is None is not stepped.
+    State per param (as torch names it): ``step`` (0-d float64 tensor on the CPU, the
+    number of steps this param took; stepped from counts up to
+    :data:`~optladder.optimizers.steps.BF16_MAX_STEP` with either moment dtype, since the
+    random bits' key and the bias corrections take 32-bit steps), ``exp_avg`` and
+    ``exp_avg_sq`` (``moment_dtype``, the param's shape, contiguous). A param whose grad
+    is None is not stepped.
 
     Args:
         params: params or param groups, as for any ``torch.optim.Optimizer``.
@@ -982,7 +984,7 @@ class LadderAdamW(torch.optim.Optimizer):
         table = self._cpu_table
         if table is None:
             return
-        limit = BF16_MAX_STEP if self.moment_dtype == torch.bfloat16 else MAX_STEP
+        limit = BF16_MAX_STEP  # both moment dtypes: the random bits' key and power()
         steps = table.read_steps()
         if steps and not (min(steps) >= 0 and max(steps) <= limit):
             rows = [i for plan in self._table_plans for _, i in plan.routes["cpu"]]
@@ -1040,10 +1042,11 @@ class LadderAdamW(torch.optim.Optimizer):
 
         Raises:
             ValueError: naming the param, its step and the limit
-                (:data:`optladder.optimizers.steps.BF16_MAX_STEP` on the bf16 rung, whose
-                random bits' key takes 32-bit steps; :data:`~.steps.MAX_STEP` else).
+                (:data:`optladder.optimizers.steps.BF16_MAX_STEP` with either moment
+                dtype: the random bits' key and the bias corrections' powering
+                (:func:`~optladder.optimizers.eager.power`) take 32-bit steps).
         """
-        limit = BF16_MAX_STEP if self.moment_dtype == torch.bfloat16 else MAX_STEP
+        limit = BF16_MAX_STEP  # both moment dtypes: the random bits' key and power()
         for plan in plans:
             for p, i in plan.routes["eager"]:
                 step = float(self.state[p]["step"].item())
