@@ -375,7 +375,9 @@ class _GroupPlan:
         group: the group dict.
         params: its params then (identity).
         start: the index of its first param over all groups.
-        routes: backend -> ``(param, index)`` of the params it steps.
+        routes: backend -> ``(param, index)`` of the params it steps (``"cpu"``: rows of
+            the C kernel's table; ``"staged"``: the C kernel on contiguous copies of a
+            param and its grad that are not contiguous; ``"eager"``; ``"triton"``).
         reasons: index -> why that param is not on a fused kernel.
         states: the state dicts of the C kernel's params, in table order.
         table: the C kernel's table these params are rows of (one table for all groups,
@@ -411,7 +413,9 @@ class _GroupPlan:
         self._grad_ptrs: list[int] = []
         # whether some params step off the C kernel's table (their step tensors are read
         # afresh at every step, so checked at every step)
-        self.untracked_steps = bool(routes["eager"] or routes["triton"])
+        self.untracked_steps = bool(routes["eager"] or routes["staged"] or routes["triton"])
+        # this step's staged params: (param, index, one-row table, param and grad copies)
+        self.staged: list[tuple[torch.Tensor, int, Any, torch.Tensor, torch.Tensor]] = []
 
     def grads_written(self, grads: list[torch.Tensor | None]) -> tuple[bool, list[int] | None]:
         """Whether the table already points at these grads (same tensors, same memory),
@@ -464,6 +468,12 @@ class _GroupPlan:
         its grads are written at the next :meth:`write_grads`)."""
         self.table, self.first, self.table_group = table, first, table_group
         self._grads, self._grad_ptrs = KeptGrads(addresses=False), []
+
+
+def _stage_offset(p: torch.Tensor) -> int:
+    """Where a staged param's grad copy starts in the stage buffer: after the param's
+    copy, rounded up to 64 bytes."""
+    return (p.numel() * p.element_size() + 63) // 64 * 64
 
 
 def refuse_ladder_dtypes(params: list[torch.Tensor], moment_dtype: torch.dtype) -> None:
@@ -589,6 +599,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self._cpu_kernel_error: str | None = None
         self._plan: Any = None
         self._scratch: dict[torch.device, Any] = {}
+        self._stage: dict[torch.device, torch.Tensor] = {}  # staged params' copies (bytes)
         self._cpu_table: Any = None  # cpu.KernelTable of every group's C kernel params
         self._table_plans: list[_GroupPlan] = []  # the plans it was made for, in order
         self._table_held: list[torch.Tensor] = []  # the tensors it points into
@@ -788,6 +799,7 @@ class LadderAdamW(torch.optim.Optimizer):
                     self._prepare_triton(plan.group, plan.routes["triton"])
             self._write_cpu_steps()
             self._check_steps(plans)
+            self._prepare_staged(plans)
             need: dict[torch.device, int] = {}
             for plan in plans:
                 for p, _ in plan.routes["eager"]:
@@ -855,7 +867,12 @@ class LadderAdamW(torch.optim.Optimizer):
             ValueError: if a grad is sparse, or ``backend`` names a kernel that cannot
                 step a param.
         """
-        routes: dict[str, list[tuple[torch.Tensor, int]]] = {"eager": [], "cpu": [], "triton": []}
+        routes: dict[str, list[tuple[torch.Tensor, int]]] = {
+            "eager": [],
+            "cpu": [],
+            "staged": [],
+            "triton": [],
+        }
         reasons: dict[int, str] = {}
         for k, (p, grad) in enumerate(zip(params, grads)):
             if grad is None:
@@ -879,9 +896,25 @@ class LadderAdamW(torch.optim.Optimizer):
             st = self.state[p]
             if st["step"].device != p.device:
                 st["step"] = st["step"].to(p.device)
-        if routes["cpu"] and not self._load_cpu_kernel(routes["cpu"], reasons):
-            routes["eager"] += routes["cpu"]
-            routes["cpu"] = []
+        if routes["staged"]:
+            kept = []
+            for p, i in routes["staged"]:  # moments the kernel can point at, else eager
+                st = self.state[p]
+                if all(
+                    st[k].dtype == self.moment_dtype
+                    and st[k].is_contiguous()
+                    and st[k].shape == p.shape
+                    for k in ("exp_avg", "exp_avg_sq")
+                ):
+                    kept.append((p, i))
+                else:
+                    routes["eager"].append((p, i))
+                    reasons[i] = "its moments are not contiguous tensors of its shape"
+            routes["staged"] = kept
+        for name in ("cpu", "staged"):
+            if routes[name] and not self._load_cpu_kernel(routes[name], reasons):
+                routes["eager"] += routes[name]
+                routes[name] = []
         states = [self.state[p] for p, _ in routes["cpu"]]
         return _GroupPlan(group, params, grads, start, routes, reasons, states)
 
@@ -960,6 +993,7 @@ class LadderAdamW(torch.optim.Optimizer):
         """Drop the prepared plan, the eager path's scratch buffers and the kernel tables."""
         self._plan = None
         self._scratch.clear()
+        self._stage.clear()
         self._cpu_table, self._table_plans = None, []
         self._table_held, self._table_ptrs = [], []
         self._group_plans.clear()
@@ -979,8 +1013,6 @@ class LadderAdamW(torch.optim.Optimizer):
         range (see :meth:`_check_steps`), and write this step's scalars and each
         group's options into the table: the bias corrections and the random bits' key
         prefix, computed once per distinct (step count, betas) and (seed, step count)."""
-        from optladder.optimizers import eager
-
         table = self._cpu_table
         if table is None:
             return
@@ -1000,39 +1032,117 @@ class LadderAdamW(torch.optim.Optimizer):
         # bias corrections (numpy float32 arithmetic, as the eager path computes them)
         corrections: dict[tuple[float, float, int, type, type], tuple[float, float]] = {}
         for plan in self._table_plans:
-            group = plan.group
-            lr = float(group["lr"])
-            beta1, beta2 = group["betas"]
-            seed = group["seed"]
             n_rows = len(plan.routes["cpu"])
             if together:
                 new_steps = [steps[0] + 1.0] * n_rows
             else:
                 new_steps = [s + 1.0 for s in steps[plan.first : plan.first + n_rows]]
-            scalars = {}
-            for s in set(new_steps):
-                n = int(s)
-                key = keys.get((seed, n))
-                if key is None:
-                    key = keys[seed, n] = step_key(seed, n)
-                ckey = (beta1, beta2, n, type(beta1), type(beta2))
-                found = corrections.get(ckey)
-                if found is None:
-                    found = corrections[ckey] = eager.bias_corrections(beta1, beta2, n)
-                scalars[s] = (key, -lr / found[0], found[1])  # as eager.step_scalars
-            table.set_scalars(new_steps, scalars, plan.first)
-            table.set_options(
-                plan.table_group,
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                lr=lr,
-                weight_decay=group["weight_decay"],
-                decoupled_weight_decay=group["decoupled_weight_decay"],
-                maximize=group["maximize"],
-                stochastic=group["rounding"] == "stochastic",
-                param_stochastic=group.get("param_rounding", "stochastic") == "stochastic",
+            self._write_group_scalars(
+                table, plan.group, new_steps, plan.first, plan.table_group, keys, corrections
             )
+
+    @staticmethod
+    def _write_group_scalars(
+        table: Any,
+        group: dict[str, Any],
+        new_steps: list[float],
+        first: int,
+        table_group: int,
+        keys: dict[tuple[int, int], int],
+        corrections: dict[tuple[float, float, int, type, type], tuple[float, float]],
+    ) -> None:
+        """Write the scalars of rows ``first, ...`` of ``table`` (one param group's, at
+        the new step counts ``new_steps``) and the group's options (its group number
+        ``table_group`` in the table); ``keys`` and ``corrections`` memoize the random
+        bits' keys and the bias corrections across calls of one step."""
+        from optladder.optimizers import eager
+
+        lr = float(group["lr"])
+        beta1, beta2 = group["betas"]
+        seed = group["seed"]
+        scalars = {}
+        for s in set(new_steps):
+            n = int(s)
+            key = keys.get((seed, n))
+            if key is None:
+                key = keys[seed, n] = step_key(seed, n)
+            ckey = (beta1, beta2, n, type(beta1), type(beta2))
+            found = corrections.get(ckey)
+            if found is None:
+                found = corrections[ckey] = eager.bias_corrections(beta1, beta2, n)
+            scalars[s] = (key, -lr / found[0], found[1])  # as eager.step_scalars
+        table.set_scalars(new_steps, scalars, first)
+        table.set_options(
+            table_group,
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            lr=lr,
+            weight_decay=group["weight_decay"],
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+            maximize=group["maximize"],
+            stochastic=group["rounding"] == "stochastic",
+            param_stochastic=group.get("param_rounding", "stochastic") == "stochastic",
+        )
+
+    def _prepare_staged(self, plans: list[_GroupPlan]) -> None:
+        """Ready the staged params' step (the C kernel on contiguous copies of a param
+        and its grad that are not contiguous: transposed, ``channels_last``, a slice):
+        one buffer per device for the largest param's and grad's copies (the params
+        step one after another through it; the eager path would take 82 bytes an
+        element of scratch for them), and per param a one-row kernel table pointing at
+        the copies and at its moments and step count, with this step's scalars. The
+        kernel indexes the random bits by the copies' (row-major) element order, as the
+        eager path does for such a param, so the bits are the eager path's."""
+        from optladder.optimizers.kernels import cpu
+
+        need: dict[torch.device, int] = {}
+        for plan in plans:
+            plan.staged = []
+            for p, _ in plan.routes["staged"]:
+                grad = cast(torch.Tensor, p.grad)
+                size = _stage_offset(p) + grad.numel() * grad.element_size()
+                need[p.device] = max(need.get(p.device, 0), size)
+        for device, size in need.items():
+            have = self._stage.get(device)
+            if have is None or have.numel() < size:
+                self._stage.pop(device, None)
+                self._stage[device] = torch.empty(size, dtype=torch.uint8, device=device)
+        keys: dict[tuple[int, int], int] = {}
+        corrections: dict[tuple[float, float, int, type, type], tuple[float, float]] = {}
+        for plan in plans:
+            for p, i in plan.routes["staged"]:
+                grad = cast(torch.Tensor, p.grad)
+                buffer = self._stage[p.device]
+                offset = _stage_offset(p)
+                work = buffer[: p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                work_grad = (
+                    buffer[offset : offset + grad.numel() * grad.element_size()]
+                    .view(grad.dtype)
+                    .view(p.shape)
+                )
+                st = self.state[p]
+                table = cpu.KernelTable(
+                    [work], [st["exp_avg"]], [st["exp_avg_sq"]], [st["step"]], [i]
+                )
+                table.set_grads([work_grad])
+                (step,) = table.read_steps()
+                self._write_group_scalars(table, plan.group, [step + 1.0], 0, 0, keys, corrections)
+                plan.staged.append((p, i, table, work, work_grad))
+
+    @staticmethod
+    def _step_staged(plan: _GroupPlan) -> None:
+        """Step ``plan``'s staged params (:meth:`_prepare_staged`), one after another:
+        copy the param and its grad into the copies, run the kernel, copy the param
+        back in place (so tensors that view it stay tied) and count the step."""
+        from optladder.optimizers.kernels import cpu
+
+        for p, _, table, work, work_grad in plan.staged:
+            work.copy_(p.detach())  # the same dtype: the bits as they are
+            work_grad.copy_(cast(torch.Tensor, p.grad).detach())
+            cpu.run_table(table)
+            table.bump_steps()
+            p.detach().copy_(work)
 
     def _check_steps(self, plans: list[_GroupPlan]) -> None:
         """Refuse a step count this rung cannot step from, before anything is written
@@ -1048,7 +1158,7 @@ class LadderAdamW(torch.optim.Optimizer):
         """
         limit = BF16_MAX_STEP  # both moment dtypes: the random bits' key and power()
         for plan in plans:
-            for p, i in plan.routes["eager"]:
+            for p, i in chain(plan.routes["eager"], plan.routes["staged"]):
                 step = float(self.state[p]["step"].item())
                 if not 0 <= step <= limit:
                     raise ValueError(
@@ -1083,7 +1193,7 @@ class LadderAdamW(torch.optim.Optimizer):
         skip_host: bool | None = None
         host_plans: list[_GroupPlan] = []
         for plan in plans:
-            if not (plan.routes["cpu"] or plan.routes["eager"]):
+            if not (plan.routes["cpu"] or plan.routes["staged"] or plan.routes["eager"]):
                 continue
             if found_inf is not None and skip_host is None:
                 skip_host = bool(found_inf.item() != 0)  # host backends must sync
@@ -1095,7 +1205,7 @@ class LadderAdamW(torch.optim.Optimizer):
             host_grads = [  # found before the first write
                 cast(torch.Tensor, p.grad)
                 for plan in host_plans
-                for p, _ in chain(plan.routes["cpu"], plan.routes["eager"])
+                for p, _ in chain(plan.routes["cpu"], plan.routes["staged"], plan.routes["eager"])
             ]
             unscale = distinct_grads(host_grads)
         for plan in plans:
@@ -1109,6 +1219,7 @@ class LadderAdamW(torch.optim.Optimizer):
         if table is not None:
             self._step_cpu(table)
         for plan in host_plans:
+            self._step_staged(plan)
             for p, i in plan.routes["eager"]:
                 eager.eager_step(
                     p, self.state[p], plan.group, i, self.moment_dtype, self._scratch[p.device]
@@ -1148,6 +1259,14 @@ class LadderAdamW(torch.optim.Optimizer):
             if "cpu" not in env:
                 env["cpu"] = self._cpu_kernel_error or kernels.cpu_unavailable_reason()
             reason = env["cpu"] or kernels.cpu.param_unsupported_reason(p, grad)
+            # not contiguous (a transposed or channels_last param): the kernel steps
+            # contiguous copies of param and grad (:meth:`_step_staged`)
+            if (
+                reason is not None
+                and env["cpu"] is None
+                and kernels.cpu.param_unsupported_reason(p, grad, contiguous=False) is None
+            ):
+                return "staged", None
         else:
             name, reason = "eager", f"no fused bf16 kernel for {p.device.type} tensors"
         if reason is None:

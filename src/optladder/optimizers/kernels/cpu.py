@@ -383,13 +383,18 @@ def _load_bytes(data: bytes, path: Path, name: str = _BF16_NAME) -> ctypes.CDLL:
         raise KernelBuildError(f"loading {name} {path} failed: {exc}") from exc
 
 
-def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
+def param_unsupported_reason(
+    p: torch.Tensor, grad: torch.Tensor, *, contiguous: bool = True
+) -> str | None:
     """Why the CPU kernel cannot step this param, or None if it can.
 
     Args:
         p: the param (needs float32, bfloat16 or float16, CPU, contiguous).
         grad: its grad (needs float32, bfloat16 or float16, CPU, contiguous, dense, same
             shape).
+        contiguous: whether ``p`` and ``grad`` must be contiguous (False: the caller steps
+            contiguous copies of them, as :class:`LadderAdamW` stages a transposed or
+            ``channels_last`` param).
     """
     if p.device.type != "cpu":
         return f"param is on {p.device}, the CPU kernel needs CPU tensors"
@@ -399,7 +404,7 @@ def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
         return f"grad dtype {grad.dtype}: the CPU kernel reads float32, bfloat16, float16"
     if grad.is_sparse or grad.device != p.device or grad.shape != p.shape:
         return "grad is sparse, on another device or of another shape"
-    if not (p.is_contiguous() and grad.is_contiguous()):
+    if contiguous and not (p.is_contiguous() and grad.is_contiguous()):
         return "param or grad is not contiguous"
     return None
 
