@@ -17,7 +17,7 @@ import math
 import numbers
 import operator
 from collections.abc import Callable, Mapping
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any, Literal, cast
 
 import torch
@@ -395,6 +395,7 @@ class _GroupPlan:
         routes: dict[str, list[tuple[torch.Tensor, int]]],
         reasons: dict[int, str],
         states: list[dict[str, Any]],
+        carried: dict[int, tuple[Any, ...]] | None = None,
     ) -> None:
         self.group = group
         self.params = list(params)
@@ -407,6 +408,17 @@ class _GroupPlan:
         self.table_group = 0
         self._kinds = grad_kinds(grads)
         self._positions = [i - start for _, i in routes["cpu"]]
+        # what a step may change without a new plan: which of the C kernel's params have
+        # a grad (a row without one is skipped), not the kinds of those that have one
+        carried = carried or {}
+        self._row_kinds = [
+            carried[k] if k in carried else _kind(cast(torch.Tensor, grads[k]))
+            for k in self._positions
+        ]
+        self._others = [
+            i - start for name in ("eager", "staged", "triton") for _, i in routes[name]
+        ]
+        self._planned = set(self._positions).union(self._others)
         self.cpu_params = [p for p, _ in routes["cpu"]]
         # the grads whose pointers the table holds (it compares their addresses itself)
         self._grads = KeptGrads(addresses=False)
@@ -422,9 +434,8 @@ class _GroupPlan:
         and, when they are the same tensors, their pointers (else None)."""
         if not self._grads.same(grads):
             return False, None
-        present = cast(list[torch.Tensor], list(map(grads.__getitem__, self._positions)))
-        ptrs = list(map(_DATA_PTR, present))  # the same grads: none is None there
-        return ptrs == self._grad_ptrs, ptrs
+        present = list(map(grads.__getitem__, self._positions))
+        return (ptrs := _ptrs(present)) == self._grad_ptrs, ptrs
 
     def check(
         self, group: dict[str, Any], start: int, grads: list[torch.Tensor | None]
@@ -445,9 +456,57 @@ class _GroupPlan:
         if not same_objects(group["params"], self.params):
             return None
         written = self.grads_written(grads)
-        if not written[0] and grad_kinds(grads) != self._kinds:
+        if not written[0] and grad_kinds(grads) != self._kinds and not self._fits(grads):
             return None
         return written
+
+    def rows_to_keep(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        state: Mapping[torch.Tensor, Any],
+        moment_dtype: torch.dtype,
+    ) -> dict[int, tuple[Any, ...]]:
+        """The C kernel rows of this plan that a new plan of ``group`` keeps when their
+        param has no grad: place in the group -> the kind of its grad then; only for the
+        same group dict and params, CPU params the kernel steps (contiguous, a kernel
+        dtype) whose state holds moments it can point at."""
+        from optladder.optimizers.kernels import cpu
+
+        if group is not self.group or not same_objects(params, self.params):
+            return {}
+        kept = {}
+        for k, kind in zip(self._positions, self._row_kinds):
+            p = params[k]
+            st = state.get(p)
+            if not st or "step" not in st or cpu.param_unsupported_reason(p, p) is not None:
+                continue
+            moments = [st.get("exp_avg"), st.get("exp_avg_sq")]
+            if all(
+                isinstance(m, torch.Tensor)
+                and m.dtype == moment_dtype
+                and m.is_contiguous()
+                and m.shape == p.shape
+                for m in moments
+            ):
+                kept[k] = kind
+        return kept
+
+    def _fits(self, grads: list[torch.Tensor | None]) -> bool:
+        """Whether ``grads`` differ from the plan's only in C kernel params that have no
+        grad now (their rows are skipped, :meth:`~.kernels.cpu.KernelTable.set_grads`):
+        every param of the other routes has its grad, and every grad is a planned
+        param's, of the kind it had (a step where some experts or heads got no grad,
+        which made the whole table again)."""
+        if any(grads[k] is None for k in self._others):
+            return False
+        present = [k for k, g in enumerate(grads) if g is not None]
+        if not self._planned.issuperset(present):
+            return False
+        return all(
+            grads[k] is None or _kind(cast(torch.Tensor, grads[k])) == kind
+            for k, kind in zip(self._positions, self._row_kinds)
+        )
 
     def write_grads(
         self, grads: list[torch.Tensor | None], written: tuple[bool, list[int] | None]
@@ -457,8 +516,8 @@ class _GroupPlan:
         must not be None: the grads' kinds are this plan's)."""
         if self.table is None or written[0]:
             return
-        present = cast(list[torch.Tensor], list(map(grads.__getitem__, self._positions)))
-        ptrs = written[1] if written[1] is not None else list(map(_DATA_PTR, present))
+        present = list(map(grads.__getitem__, self._positions))  # None: a skipped row
+        ptrs = written[1] if written[1] is not None else _ptrs(present)
         self.table.set_grads(present, ptrs, self.first)
         self._grads.record(grads)
         self._grad_ptrs = ptrs
@@ -468,6 +527,18 @@ class _GroupPlan:
         its grads are written at the next :meth:`write_grads`)."""
         self.table, self.first, self.table_group = table, first, table_group
         self._grads, self._grad_ptrs = KeptGrads(addresses=False), []
+
+
+def _kind(g: torch.Tensor) -> tuple[Any, ...]:
+    """What routing reads of one grad (as :func:`~.stepmemo.grad_kinds` of a group)."""
+    return (g.dtype, g.is_contiguous(), g.numel(), g.get_device(), g.layout)
+
+
+def _ptrs(grads: list[torch.Tensor | None]) -> list[int]:
+    """The grads' addresses, 0 for None."""
+    if any(map(operator.is_, grads, repeat(None))):
+        return [0 if g is None else g.data_ptr() for g in grads]
+    return list(map(_DATA_PTR, cast(list[torch.Tensor], grads)))
 
 
 def _stage_offset(p: torch.Tensor) -> int:
@@ -775,7 +846,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 if plan is not None and state_same:
                     written = plan.check(group, start, grads)
                 if plan is None or written is None:
-                    plan = self._plan_group(group, params, grads, start, env, created)
+                    plan = self._plan_group(group, params, grads, start, env, created, plan)
                     self._group_plans[gi] = plan
                     written = (False, None)
                     replanned = True
@@ -858,6 +929,7 @@ class LadderAdamW(torch.optim.Optimizer):
         start: int,
         env: dict[str, str | None],
         created: list[torch.Tensor],
+        previous: _GroupPlan | None = None,
     ) -> _GroupPlan:
         """Route each param of a group with a grad, create the state of those stepping
         for the first time (appended to ``created``), and build the group's C kernel
@@ -874,8 +946,20 @@ class LadderAdamW(torch.optim.Optimizer):
             "triton": [],
         }
         reasons: dict[int, str] = {}
+        # rows of the group's last plan whose param has no grad now stay rows, skipped
+        # (a param with a grad at some steps only: an expert, a task's head): a plan
+        # then covers every param that had a grad, and steps that change which have
+        # one keep it (:meth:`_GroupPlan.check`)
+        kept = {}
+        if previous is not None:
+            kept = previous.rows_to_keep(group, params, self.state, self.moment_dtype)
+        carried: dict[int, tuple[Any, ...]] = {}
         for k, (p, grad) in enumerate(zip(params, grads)):
             if grad is None:
+                kind = kept.get(k)
+                if kind is not None:
+                    routes["cpu"].append((p, start + k))
+                    carried[k] = kind
                 continue
             if grad.is_sparse:
                 raise ValueError(
@@ -897,7 +981,7 @@ class LadderAdamW(torch.optim.Optimizer):
             if st["step"].device != p.device:
                 st["step"] = st["step"].to(p.device)
         if routes["staged"]:
-            kept = []
+            staged = []
             for p, i in routes["staged"]:  # moments the kernel can point at, else eager
                 st = self.state[p]
                 if all(
@@ -906,17 +990,18 @@ class LadderAdamW(torch.optim.Optimizer):
                     and st[k].shape == p.shape
                     for k in ("exp_avg", "exp_avg_sq")
                 ):
-                    kept.append((p, i))
+                    staged.append((p, i))
                 else:
                     routes["eager"].append((p, i))
                     reasons[i] = "its moments are not contiguous tensors of its shape"
-            routes["staged"] = kept
+            routes["staged"] = staged
         for name in ("cpu", "staged"):
             if routes[name] and not self._load_cpu_kernel(routes[name], reasons):
-                routes["eager"] += routes[name]
+                routes["eager"] += [(p, i) for p, i in routes[name] if i - start not in carried]
                 routes[name] = []
+                carried = {}
         states = [self.state[p] for p, _ in routes["cpu"]]
-        return _GroupPlan(group, params, grads, start, routes, reasons, states)
+        return _GroupPlan(group, params, grads, start, routes, reasons, states, carried)
 
     def _place_cpu_params(self, plans: list[_GroupPlan]) -> bool:
         """Make the C kernel's one table of every group's C kernel params (rows in group
@@ -1202,10 +1287,11 @@ class LadderAdamW(torch.optim.Optimizer):
             host_plans.append(plan)
         unscale: list[torch.Tensor] = []
         if grad_scale is not None and host_plans:  # each grad once, also one held twice,
-            host_grads = [  # found before the first write
-                cast(torch.Tensor, p.grad)
+            host_grads = [  # found before the first write (a skipped row's is None)
+                p.grad
                 for plan in host_plans
                 for p, _ in chain(plan.routes["cpu"], plan.routes["staged"], plan.routes["eager"])
+                if p.grad is not None
             ]
             unscale = distinct_grads(host_grads)
         for plan in plans:
