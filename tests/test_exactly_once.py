@@ -401,6 +401,73 @@ def test_checkpoint_steps_outside_a_rungs_range_are_refused_at_load(
     assert float(opt.state[a.weight]["step"]) == 2
 
 
+@pytest.mark.parametrize(("step", "ok"), [(2**32 - 2, True), (2**32 - 1, False), (5e9, False)])
+def test_low_precision_params_on_the_fp32_rung_take_the_bf16_rungs_step_range(
+    step: float, ok: bool
+) -> None:
+    """bfloat16 params on the fp32 rung are stepped by optladder's kernel, whose random
+    bits and bias corrections take 32-bit steps: a checkpoint past 2**32 - 2 is refused
+    at load with nothing changed (it loaded, then every step failed with 'step must be
+    in [0, 2**32)'); one at the limit continues."""
+    torch.manual_seed(0)
+    a = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    opt = choose_optimizer(a.parameters(), rung="fp32")
+    for p in a.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    for i in (0, 1):
+        sd["state"][i]["step"] = torch.tensor(step, dtype=torch.float64)
+    if not ok:
+        before = snapshot(opt)
+        with pytest.raises(ValueError, match=r"param 0 of the state_dict has step .*below 2\*\*32"):
+            opt.load_state_dict(sd)
+        assert_same(snapshot(opt), before)
+        return
+    opt.load_state_dict(sd)
+    opt.step()
+    assert float(opt.state[a.weight]["step"]) == step + 1
+
+
+@pytest.mark.parametrize("backend", ["cpu", "eager"])
+def test_optladder_adamw_with_float32_moments_refuses_a_count_past_its_range_before_writing(
+    backend: str,
+) -> None:
+    """LadderAdamW with float32 moments (the fp32 rung's engine of bfloat16/float16 params)
+    steps from counts up to 2**32 - 2, as with bfloat16 moments; past it the step is
+    refused before anything is written (the C route raised the key's bare range error,
+    the eager one divided by zero in its commit: 1 - beta1**(2**32) came out 0 with the
+    32-bit powering). At the limit the bias corrections are 1 (beta**(2**32 - 1)
+    underflows): p = 1 - lr * m / (sqrt(v) + eps), m = 0.1, v = 0.001."""
+    if backend == "cpu" and cpu.unavailable_reason() is not None:
+        pytest.skip(str(cpu.unavailable_reason()))
+    from optladder.optimizers.adamw import LadderAdamW
+
+    def build(step: float) -> tuple[torch.nn.Parameter, LadderAdamW]:
+        p = torch.nn.Parameter(torch.ones(40))
+        opt = LadderAdamW(
+            [p], lr=0.1, weight_decay=0.0, moment_dtype=torch.float32, backend=backend
+        )
+        opt.state[p] = {
+            "step": torch.tensor(step, dtype=torch.float64),
+            "exp_avg": torch.zeros(40),
+            "exp_avg_sq": torch.zeros(40),
+        }
+        p.grad = torch.ones(40)
+        return p, opt
+
+    p, opt = build(2.0**32 - 1)
+    with pytest.raises(ValueError, match=r"param 0 has step 4294967295; .*4,294,967,294\]"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(40)) and float(opt.state[p]["step"]) == 2**32 - 1
+    assert not opt.state[p]["exp_avg"].any() and not opt.state[p]["exp_avg_sq"].any()
+    p, opt = build(2.0**32 - 2)
+    opt.step()
+    expected = 1.0 - 0.1 * 0.1 / (math.sqrt(0.001) + 1e-8)
+    torch.testing.assert_close(p.detach(), torch.full((40,), expected), rtol=4e-7, atol=0)
+    assert float(opt.state[p]["step"]) == 2**32 - 1
+
+
 # ------------------------------------------------------------ probe, migration, load
 def test_a_probe_that_runs_out_of_memory_is_retried_then_raises() -> None:
     """rel-12: an OOM says nothing about the kernel: retried once, never read as 'no

@@ -316,9 +316,10 @@ def test_kernel_table_is_built_once_and_rebuilt_when_the_params_change() -> None
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new moment tensors
     opt.step()
     assert opt._cpu_table is not table
-    params[1].grad = None  # a different param set
+    table = opt._cpu_table
+    params[1].grad = None  # a param without a grad: its row is skipped, the table kept
     opt.step()
-    assert opt._cpu_table.n_params == 1
+    assert opt._cpu_table is table and table.n_params == 2
     assert [opt.state[p]["step"].item() for p in params] == [4.0, 3.0]
 
 

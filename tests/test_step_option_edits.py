@@ -216,6 +216,41 @@ def test_options_snapshot_never_takes_tensors_as_unchanged() -> None:
         assert options_snapshot({"params": [], **options}) is None
 
 
+def test_a_snapshot_made_from_the_last_one_compares_as_a_full_one() -> None:
+    """A scheduler's new lr reuses the group's last snapshot (same keys, types and betas
+    tuple): it equals the group as it is then, not as it was, and every other change
+    (another value, another type, a betas tuple holding a tensor, a list, a new key) is
+    still seen, exactly as by a snapshot made from scratch."""
+    from optladder.optimizers.stepmemo import options_snapshot, same_options
+
+    group: dict[str, Any] = {"params": [torch.zeros(2)], "lr": 1e-3, "betas": (0.9, 0.999)}
+    snap = options_snapshot(group)
+    for lr in (5e-4, 2.5e-4):
+        group["lr"] = lr
+        assert snap is not None and not same_options(group, snap)
+        snap = options_snapshot(group, snap)
+        full = options_snapshot(group)
+        assert snap is not None and full is not None
+        assert snap.values[1:] == full.values[1:] and snap.fixed and same_options(group, snap)
+    edits: list[dict[str, Any]] = [
+        {"lr": 1e-4},
+        {"lr": 1},  # an int: another type
+        {"betas": (0.9, torch.tensor(0.999))},
+        {"betas": [0.9, 0.999]},
+        {"betas": (0.5, 0.999)},
+        {"eps": 1e-8},
+    ]
+    for edit in edits:
+        edited = {**group, **edit}
+        assert not same_options(edited, snap), edit
+        again = options_snapshot(edited, snap)
+        if any(isinstance(x, torch.Tensor) for x in edited["betas"]):
+            assert again is None
+            continue
+        assert again is not None and same_options(edited, again), edit
+        assert not same_options(group, again), edit
+
+
 # --- torch's kernel flags: optladder picks each rung's kernel (README: foreach,
 # fused=False and capturable=True raise at construction); a group holding other values
 # reached torch's own step, which failed in the commit (a PartialStepError, params

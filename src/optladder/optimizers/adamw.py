@@ -17,7 +17,7 @@ import math
 import numbers
 import operator
 from collections.abc import Callable, Mapping
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any, Literal, cast
 
 import torch
@@ -45,7 +45,6 @@ from optladder.optimizers.stepmemo import (
 )
 from optladder.optimizers.steps import (
     BF16_MAX_STEP,
-    MAX_STEP,
     STEP_DTYPE,
     refuse_shared_steps,
 )
@@ -376,7 +375,9 @@ class _GroupPlan:
         group: the group dict.
         params: its params then (identity).
         start: the index of its first param over all groups.
-        routes: backend -> ``(param, index)`` of the params it steps.
+        routes: backend -> ``(param, index)`` of the params it steps (``"cpu"``: rows of
+            the C kernel's table; ``"staged"``: the C kernel on contiguous copies of a
+            param and its grad that are not contiguous; ``"eager"``; ``"triton"``).
         reasons: index -> why that param is not on a fused kernel.
         states: the state dicts of the C kernel's params, in table order.
         table: the C kernel's table these params are rows of (one table for all groups,
@@ -394,6 +395,7 @@ class _GroupPlan:
         routes: dict[str, list[tuple[torch.Tensor, int]]],
         reasons: dict[int, str],
         states: list[dict[str, Any]],
+        carried: dict[int, tuple[Any, ...]] | None = None,
     ) -> None:
         self.group = group
         self.params = list(params)
@@ -406,22 +408,34 @@ class _GroupPlan:
         self.table_group = 0
         self._kinds = grad_kinds(grads)
         self._positions = [i - start for _, i in routes["cpu"]]
+        # what a step may change without a new plan: which of the C kernel's params have
+        # a grad (a row without one is skipped), not the kinds of those that have one
+        carried = carried or {}
+        self._row_kinds = [
+            carried[k] if k in carried else _kind(cast(torch.Tensor, grads[k]))
+            for k in self._positions
+        ]
+        self._others = [
+            i - start for name in ("eager", "staged", "triton") for _, i in routes[name]
+        ]
+        self._planned = set(self._positions).union(self._others)
         self.cpu_params = [p for p, _ in routes["cpu"]]
         # the grads whose pointers the table holds (it compares their addresses itself)
         self._grads = KeptGrads(addresses=False)
         self._grad_ptrs: list[int] = []
         # whether some params step off the C kernel's table (their step tensors are read
         # afresh at every step, so checked at every step)
-        self.untracked_steps = bool(routes["eager"] or routes["triton"])
+        self.untracked_steps = bool(routes["eager"] or routes["staged"] or routes["triton"])
+        # this step's staged params: (param, index, one-row table, param and grad copies)
+        self.staged: list[tuple[torch.Tensor, int, Any, torch.Tensor, torch.Tensor]] = []
 
     def grads_written(self, grads: list[torch.Tensor | None]) -> tuple[bool, list[int] | None]:
         """Whether the table already points at these grads (same tensors, same memory),
         and, when they are the same tensors, their pointers (else None)."""
         if not self._grads.same(grads):
             return False, None
-        present = cast(list[torch.Tensor], list(map(grads.__getitem__, self._positions)))
-        ptrs = list(map(_DATA_PTR, present))  # the same grads: none is None there
-        return ptrs == self._grad_ptrs, ptrs
+        present = list(map(grads.__getitem__, self._positions))
+        return (ptrs := _ptrs(present)) == self._grad_ptrs, ptrs
 
     def check(
         self, group: dict[str, Any], start: int, grads: list[torch.Tensor | None]
@@ -442,9 +456,57 @@ class _GroupPlan:
         if not same_objects(group["params"], self.params):
             return None
         written = self.grads_written(grads)
-        if not written[0] and grad_kinds(grads) != self._kinds:
+        if not written[0] and grad_kinds(grads) != self._kinds and not self._fits(grads):
             return None
         return written
+
+    def rows_to_keep(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        state: Mapping[torch.Tensor, Any],
+        moment_dtype: torch.dtype,
+    ) -> dict[int, tuple[Any, ...]]:
+        """The C kernel rows of this plan that a new plan of ``group`` keeps when their
+        param has no grad: place in the group -> the kind of its grad then; only for the
+        same group dict and params, CPU params the kernel steps (contiguous, a kernel
+        dtype) whose state holds moments it can point at."""
+        from optladder.optimizers.kernels import cpu
+
+        if group is not self.group or not same_objects(params, self.params):
+            return {}
+        kept = {}
+        for k, kind in zip(self._positions, self._row_kinds):
+            p = params[k]
+            st = state.get(p)
+            if not st or "step" not in st or cpu.param_unsupported_reason(p, p) is not None:
+                continue
+            moments = [st.get("exp_avg"), st.get("exp_avg_sq")]
+            if all(
+                isinstance(m, torch.Tensor)
+                and m.dtype == moment_dtype
+                and m.is_contiguous()
+                and m.shape == p.shape
+                for m in moments
+            ):
+                kept[k] = kind
+        return kept
+
+    def _fits(self, grads: list[torch.Tensor | None]) -> bool:
+        """Whether ``grads`` differ from the plan's only in C kernel params that have no
+        grad now (their rows are skipped, :meth:`~.kernels.cpu.KernelTable.set_grads`):
+        every param of the other routes has its grad, and every grad is a planned
+        param's, of the kind it had (a step where some experts or heads got no grad,
+        which made the whole table again)."""
+        if any(grads[k] is None for k in self._others):
+            return False
+        present = [k for k, g in enumerate(grads) if g is not None]
+        if not self._planned.issuperset(present):
+            return False
+        return all(
+            grads[k] is None or _kind(cast(torch.Tensor, grads[k])) == kind
+            for k, kind in zip(self._positions, self._row_kinds)
+        )
 
     def write_grads(
         self, grads: list[torch.Tensor | None], written: tuple[bool, list[int] | None]
@@ -454,8 +516,8 @@ class _GroupPlan:
         must not be None: the grads' kinds are this plan's)."""
         if self.table is None or written[0]:
             return
-        present = cast(list[torch.Tensor], list(map(grads.__getitem__, self._positions)))
-        ptrs = written[1] if written[1] is not None else list(map(_DATA_PTR, present))
+        present = list(map(grads.__getitem__, self._positions))  # None: a skipped row
+        ptrs = written[1] if written[1] is not None else _ptrs(present)
         self.table.set_grads(present, ptrs, self.first)
         self._grads.record(grads)
         self._grad_ptrs = ptrs
@@ -465,6 +527,24 @@ class _GroupPlan:
         its grads are written at the next :meth:`write_grads`)."""
         self.table, self.first, self.table_group = table, first, table_group
         self._grads, self._grad_ptrs = KeptGrads(addresses=False), []
+
+
+def _kind(g: torch.Tensor) -> tuple[Any, ...]:
+    """What routing reads of one grad (as :func:`~.stepmemo.grad_kinds` of a group)."""
+    return (g.dtype, g.is_contiguous(), g.numel(), g.get_device(), g.layout)
+
+
+def _ptrs(grads: list[torch.Tensor | None]) -> list[int]:
+    """The grads' addresses, 0 for None."""
+    if any(map(operator.is_, grads, repeat(None))):
+        return [0 if g is None else g.data_ptr() for g in grads]
+    return list(map(_DATA_PTR, cast(list[torch.Tensor], grads)))
+
+
+def _stage_offset(p: torch.Tensor) -> int:
+    """Where a staged param's grad copy starts in the stage buffer: after the param's
+    copy, rounded up to 64 bytes."""
+    return (p.numel() * p.element_size() + 63) // 64 * 64
 
 
 def refuse_ladder_dtypes(params: list[torch.Tensor], moment_dtype: torch.dtype) -> None:
@@ -508,9 +588,12 @@ class LadderAdamW(torch.optim.Optimizer):
     and the second moment stops decaying. The random bits are documented in
     :mod:`optladder.optimizers.rounding`.
 
-    State per param (as torch names it): ``step`` (0-d float64 tensor on the CPU, exact to
-    2**53, the number of steps this param took), ``exp_avg`` and ``exp_avg_sq`` (``moment_dtype``,
-    the param's shape, contiguous). A param whose grad is None is not stepped.
+    State per param (as torch names it): ``step`` (0-d float64 tensor on the CPU, the
+    number of steps this param took; stepped from counts up to
+    :data:`~optladder.optimizers.steps.BF16_MAX_STEP` with either moment dtype, since the
+    random bits' key and the bias corrections take 32-bit steps), ``exp_avg`` and
+    ``exp_avg_sq`` (``moment_dtype``, the param's shape, contiguous). A param whose grad
+    is None is not stepped.
 
     Args:
         params: params or param groups, as for any ``torch.optim.Optimizer``.
@@ -587,6 +670,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self._cpu_kernel_error: str | None = None
         self._plan: Any = None
         self._scratch: dict[torch.device, Any] = {}
+        self._stage: dict[torch.device, torch.Tensor] = {}  # staged params' copies (bytes)
         self._cpu_table: Any = None  # cpu.KernelTable of every group's C kernel params
         self._table_plans: list[_GroupPlan] = []  # the plans it was made for, in order
         self._table_held: list[torch.Tensor] = []  # the tensors it points into
@@ -762,7 +846,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 if plan is not None and state_same:
                     written = plan.check(group, start, grads)
                 if plan is None or written is None:
-                    plan = self._plan_group(group, params, grads, start, env, created)
+                    plan = self._plan_group(group, params, grads, start, env, created, plan)
                     self._group_plans[gi] = plan
                     written = (False, None)
                     replanned = True
@@ -786,6 +870,7 @@ class LadderAdamW(torch.optim.Optimizer):
                     self._prepare_triton(plan.group, plan.routes["triton"])
             self._write_cpu_steps()
             self._check_steps(plans)
+            self._prepare_staged(plans)
             need: dict[torch.device, int] = {}
             for plan in plans:
                 for p, _ in plan.routes["eager"]:
@@ -844,6 +929,7 @@ class LadderAdamW(torch.optim.Optimizer):
         start: int,
         env: dict[str, str | None],
         created: list[torch.Tensor],
+        previous: _GroupPlan | None = None,
     ) -> _GroupPlan:
         """Route each param of a group with a grad, create the state of those stepping
         for the first time (appended to ``created``), and build the group's C kernel
@@ -853,10 +939,27 @@ class LadderAdamW(torch.optim.Optimizer):
             ValueError: if a grad is sparse, or ``backend`` names a kernel that cannot
                 step a param.
         """
-        routes: dict[str, list[tuple[torch.Tensor, int]]] = {"eager": [], "cpu": [], "triton": []}
+        routes: dict[str, list[tuple[torch.Tensor, int]]] = {
+            "eager": [],
+            "cpu": [],
+            "staged": [],
+            "triton": [],
+        }
         reasons: dict[int, str] = {}
+        # rows of the group's last plan whose param has no grad now stay rows, skipped
+        # (a param with a grad at some steps only: an expert, a task's head): a plan
+        # then covers every param that had a grad, and steps that change which have
+        # one keep it (:meth:`_GroupPlan.check`)
+        kept = {}
+        if previous is not None:
+            kept = previous.rows_to_keep(group, params, self.state, self.moment_dtype)
+        carried: dict[int, tuple[Any, ...]] = {}
         for k, (p, grad) in enumerate(zip(params, grads)):
             if grad is None:
+                kind = kept.get(k)
+                if kind is not None:
+                    routes["cpu"].append((p, start + k))
+                    carried[k] = kind
                 continue
             if grad.is_sparse:
                 raise ValueError(
@@ -877,11 +980,28 @@ class LadderAdamW(torch.optim.Optimizer):
             st = self.state[p]
             if st["step"].device != p.device:
                 st["step"] = st["step"].to(p.device)
-        if routes["cpu"] and not self._load_cpu_kernel(routes["cpu"], reasons):
-            routes["eager"] += routes["cpu"]
-            routes["cpu"] = []
+        if routes["staged"]:
+            staged = []
+            for p, i in routes["staged"]:  # moments the kernel can point at, else eager
+                st = self.state[p]
+                if all(
+                    st[k].dtype == self.moment_dtype
+                    and st[k].is_contiguous()
+                    and st[k].shape == p.shape
+                    for k in ("exp_avg", "exp_avg_sq")
+                ):
+                    staged.append((p, i))
+                else:
+                    routes["eager"].append((p, i))
+                    reasons[i] = "its moments are not contiguous tensors of its shape"
+            routes["staged"] = staged
+        for name in ("cpu", "staged"):
+            if routes[name] and not self._load_cpu_kernel(routes[name], reasons):
+                routes["eager"] += [(p, i) for p, i in routes[name] if i - start not in carried]
+                routes[name] = []
+                carried = {}
         states = [self.state[p] for p, _ in routes["cpu"]]
-        return _GroupPlan(group, params, grads, start, routes, reasons, states)
+        return _GroupPlan(group, params, grads, start, routes, reasons, states, carried)
 
     def _place_cpu_params(self, plans: list[_GroupPlan]) -> bool:
         """Make the C kernel's one table of every group's C kernel params (rows in group
@@ -958,6 +1078,7 @@ class LadderAdamW(torch.optim.Optimizer):
         """Drop the prepared plan, the eager path's scratch buffers and the kernel tables."""
         self._plan = None
         self._scratch.clear()
+        self._stage.clear()
         self._cpu_table, self._table_plans = None, []
         self._table_held, self._table_ptrs = [], []
         self._group_plans.clear()
@@ -977,12 +1098,10 @@ class LadderAdamW(torch.optim.Optimizer):
         range (see :meth:`_check_steps`), and write this step's scalars and each
         group's options into the table: the bias corrections and the random bits' key
         prefix, computed once per distinct (step count, betas) and (seed, step count)."""
-        from optladder.optimizers import eager
-
         table = self._cpu_table
         if table is None:
             return
-        limit = BF16_MAX_STEP if self.moment_dtype == torch.bfloat16 else MAX_STEP
+        limit = BF16_MAX_STEP  # both moment dtypes: the random bits' key and power()
         steps = table.read_steps()
         if steps and not (min(steps) >= 0 and max(steps) <= limit):
             rows = [i for plan in self._table_plans for _, i in plan.routes["cpu"]]
@@ -998,39 +1117,117 @@ class LadderAdamW(torch.optim.Optimizer):
         # bias corrections (numpy float32 arithmetic, as the eager path computes them)
         corrections: dict[tuple[float, float, int, type, type], tuple[float, float]] = {}
         for plan in self._table_plans:
-            group = plan.group
-            lr = float(group["lr"])
-            beta1, beta2 = group["betas"]
-            seed = group["seed"]
             n_rows = len(plan.routes["cpu"])
             if together:
                 new_steps = [steps[0] + 1.0] * n_rows
             else:
                 new_steps = [s + 1.0 for s in steps[plan.first : plan.first + n_rows]]
-            scalars = {}
-            for s in set(new_steps):
-                n = int(s)
-                key = keys.get((seed, n))
-                if key is None:
-                    key = keys[seed, n] = step_key(seed, n)
-                ckey = (beta1, beta2, n, type(beta1), type(beta2))
-                found = corrections.get(ckey)
-                if found is None:
-                    found = corrections[ckey] = eager.bias_corrections(beta1, beta2, n)
-                scalars[s] = (key, -lr / found[0], found[1])  # as eager.step_scalars
-            table.set_scalars(new_steps, scalars, plan.first)
-            table.set_options(
-                plan.table_group,
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                lr=lr,
-                weight_decay=group["weight_decay"],
-                decoupled_weight_decay=group["decoupled_weight_decay"],
-                maximize=group["maximize"],
-                stochastic=group["rounding"] == "stochastic",
-                param_stochastic=group.get("param_rounding", "stochastic") == "stochastic",
+            self._write_group_scalars(
+                table, plan.group, new_steps, plan.first, plan.table_group, keys, corrections
             )
+
+    @staticmethod
+    def _write_group_scalars(
+        table: Any,
+        group: dict[str, Any],
+        new_steps: list[float],
+        first: int,
+        table_group: int,
+        keys: dict[tuple[int, int], int],
+        corrections: dict[tuple[float, float, int, type, type], tuple[float, float]],
+    ) -> None:
+        """Write the scalars of rows ``first, ...`` of ``table`` (one param group's, at
+        the new step counts ``new_steps``) and the group's options (its group number
+        ``table_group`` in the table); ``keys`` and ``corrections`` memoize the random
+        bits' keys and the bias corrections across calls of one step."""
+        from optladder.optimizers import eager
+
+        lr = float(group["lr"])
+        beta1, beta2 = group["betas"]
+        seed = group["seed"]
+        scalars = {}
+        for s in set(new_steps):
+            n = int(s)
+            key = keys.get((seed, n))
+            if key is None:
+                key = keys[seed, n] = step_key(seed, n)
+            ckey = (beta1, beta2, n, type(beta1), type(beta2))
+            found = corrections.get(ckey)
+            if found is None:
+                found = corrections[ckey] = eager.bias_corrections(beta1, beta2, n)
+            scalars[s] = (key, -lr / found[0], found[1])  # as eager.step_scalars
+        table.set_scalars(new_steps, scalars, first)
+        table.set_options(
+            table_group,
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            lr=lr,
+            weight_decay=group["weight_decay"],
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+            maximize=group["maximize"],
+            stochastic=group["rounding"] == "stochastic",
+            param_stochastic=group.get("param_rounding", "stochastic") == "stochastic",
+        )
+
+    def _prepare_staged(self, plans: list[_GroupPlan]) -> None:
+        """Ready the staged params' step (the C kernel on contiguous copies of a param
+        and its grad that are not contiguous: transposed, ``channels_last``, a slice):
+        one buffer per device for the largest param's and grad's copies (the params
+        step one after another through it; the eager path would take 82 bytes an
+        element of scratch for them), and per param a one-row kernel table pointing at
+        the copies and at its moments and step count, with this step's scalars. The
+        kernel indexes the random bits by the copies' (row-major) element order, as the
+        eager path does for such a param, so the bits are the eager path's."""
+        from optladder.optimizers.kernels import cpu
+
+        need: dict[torch.device, int] = {}
+        for plan in plans:
+            plan.staged = []
+            for p, _ in plan.routes["staged"]:
+                grad = cast(torch.Tensor, p.grad)
+                size = _stage_offset(p) + grad.numel() * grad.element_size()
+                need[p.device] = max(need.get(p.device, 0), size)
+        for device, size in need.items():
+            have = self._stage.get(device)
+            if have is None or have.numel() < size:
+                self._stage.pop(device, None)
+                self._stage[device] = torch.empty(size, dtype=torch.uint8, device=device)
+        keys: dict[tuple[int, int], int] = {}
+        corrections: dict[tuple[float, float, int, type, type], tuple[float, float]] = {}
+        for plan in plans:
+            for p, i in plan.routes["staged"]:
+                grad = cast(torch.Tensor, p.grad)
+                buffer = self._stage[p.device]
+                offset = _stage_offset(p)
+                work = buffer[: p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+                work_grad = (
+                    buffer[offset : offset + grad.numel() * grad.element_size()]
+                    .view(grad.dtype)
+                    .view(p.shape)
+                )
+                st = self.state[p]
+                table = cpu.KernelTable(
+                    [work], [st["exp_avg"]], [st["exp_avg_sq"]], [st["step"]], [i]
+                )
+                table.set_grads([work_grad])
+                (step,) = table.read_steps()
+                self._write_group_scalars(table, plan.group, [step + 1.0], 0, 0, keys, corrections)
+                plan.staged.append((p, i, table, work, work_grad))
+
+    @staticmethod
+    def _step_staged(plan: _GroupPlan) -> None:
+        """Step ``plan``'s staged params (:meth:`_prepare_staged`), one after another:
+        copy the param and its grad into the copies, run the kernel, copy the param
+        back in place (so tensors that view it stay tied) and count the step."""
+        from optladder.optimizers.kernels import cpu
+
+        for p, _, table, work, work_grad in plan.staged:
+            work.copy_(p.detach())  # the same dtype: the bits as they are
+            work_grad.copy_(cast(torch.Tensor, p.grad).detach())
+            cpu.run_table(table)
+            table.bump_steps()
+            p.detach().copy_(work)
 
     def _check_steps(self, plans: list[_GroupPlan]) -> None:
         """Refuse a step count this rung cannot step from, before anything is written
@@ -1040,12 +1237,13 @@ class LadderAdamW(torch.optim.Optimizer):
 
         Raises:
             ValueError: naming the param, its step and the limit
-                (:data:`optladder.optimizers.steps.BF16_MAX_STEP` on the bf16 rung, whose
-                random bits' key takes 32-bit steps; :data:`~.steps.MAX_STEP` else).
+                (:data:`optladder.optimizers.steps.BF16_MAX_STEP` with either moment
+                dtype: the random bits' key and the bias corrections' powering
+                (:func:`~optladder.optimizers.eager.power`) take 32-bit steps).
         """
-        limit = BF16_MAX_STEP if self.moment_dtype == torch.bfloat16 else MAX_STEP
+        limit = BF16_MAX_STEP  # both moment dtypes: the random bits' key and power()
         for plan in plans:
-            for p, i in plan.routes["eager"]:
+            for p, i in chain(plan.routes["eager"], plan.routes["staged"]):
                 step = float(self.state[p]["step"].item())
                 if not 0 <= step <= limit:
                     raise ValueError(
@@ -1080,7 +1278,7 @@ class LadderAdamW(torch.optim.Optimizer):
         skip_host: bool | None = None
         host_plans: list[_GroupPlan] = []
         for plan in plans:
-            if not (plan.routes["cpu"] or plan.routes["eager"]):
+            if not (plan.routes["cpu"] or plan.routes["staged"] or plan.routes["eager"]):
                 continue
             if found_inf is not None and skip_host is None:
                 skip_host = bool(found_inf.item() != 0)  # host backends must sync
@@ -1089,10 +1287,11 @@ class LadderAdamW(torch.optim.Optimizer):
             host_plans.append(plan)
         unscale: list[torch.Tensor] = []
         if grad_scale is not None and host_plans:  # each grad once, also one held twice,
-            host_grads = [  # found before the first write
-                cast(torch.Tensor, p.grad)
+            host_grads = [  # found before the first write (a skipped row's is None)
+                p.grad
                 for plan in host_plans
-                for p, _ in chain(plan.routes["cpu"], plan.routes["eager"])
+                for p, _ in chain(plan.routes["cpu"], plan.routes["staged"], plan.routes["eager"])
+                if p.grad is not None
             ]
             unscale = distinct_grads(host_grads)
         for plan in plans:
@@ -1106,6 +1305,7 @@ class LadderAdamW(torch.optim.Optimizer):
         if table is not None:
             self._step_cpu(table)
         for plan in host_plans:
+            self._step_staged(plan)
             for p, i in plan.routes["eager"]:
                 eager.eager_step(
                     p, self.state[p], plan.group, i, self.moment_dtype, self._scratch[p.device]
@@ -1145,6 +1345,14 @@ class LadderAdamW(torch.optim.Optimizer):
             if "cpu" not in env:
                 env["cpu"] = self._cpu_kernel_error or kernels.cpu_unavailable_reason()
             reason = env["cpu"] or kernels.cpu.param_unsupported_reason(p, grad)
+            # not contiguous (a transposed or channels_last param): the kernel steps
+            # contiguous copies of param and grad (:meth:`_step_staged`)
+            if (
+                reason is not None
+                and env["cpu"] is None
+                and kernels.cpu.param_unsupported_reason(p, grad, contiguous=False) is None
+            ):
+                return "staged", None
         else:
             name, reason = "eager", f"no fused bf16 kernel for {p.device.type} tensors"
         if reason is None:

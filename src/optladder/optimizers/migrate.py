@@ -388,6 +388,11 @@ def step_limit(engine: torch.optim.Optimizer, p: torch.Tensor) -> tuple[int, str
     """
     if isinstance(engine, LadderAdamW) and engine.moment_dtype == torch.bfloat16:
         return rung_step_limit("bf16", p.device.type)
+    if isinstance(engine, LadderAdamW):  # the fp32 rung's bfloat16/float16 params
+        return BF16_MAX_STEP, (
+            "optladder's AdamW, which steps bfloat16/float16 params on the fp32 rung, keys "
+            "its random bits and bias corrections by a step below 2**32"
+        )
     if is_bnb_engine(engine):
         return rung_step_limit("8bit", p.device.type)
     return rung_step_limit("fp32", p.device.type)

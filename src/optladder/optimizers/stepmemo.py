@@ -149,14 +149,45 @@ def _immutable(value: object) -> bool:
     return isinstance(value, _IMMUTABLE)
 
 
-def options_snapshot(group: Mapping[str, Any]) -> OptionsSnapshot | None:
+def options_snapshot(
+    group: Mapping[str, Any], previous: OptionsSnapshot | None = None
+) -> OptionsSnapshot | None:
     """The group's options (every key but ``params`` and ``param_names``) as they are
     now, for :func:`same_options`, or None when one is a tensor or a tuple or list
     holding one (a tensor lr, betas as tensors): a tensor can change in place, so such
-    options are never taken as unchanged: they are checked at every step."""
+    options are never taken as unchanged: they are checked at every step.
+
+    ``previous``: the group's last snapshot, if any. When the group has its keys, every
+    value is of the type it had, all were immutable and the tuple options (betas) are
+    the tuples it saw (an LR scheduler setting ``lr`` at every step), the snapshot is
+    ``previous`` with the new values (~1 us where the full one takes ~14 us a group).
+    """
     keys = list(group)
     objects = list(group.values())
     types = list(map(type, objects))
+    if (
+        previous is not None
+        and previous.fixed
+        and types == previous.types
+        and keys == previous.keys
+        and (
+            previous.nested is None
+            or (
+                previous.nested_then is not None
+                and (
+                    all(map(operator.is_, previous.nested(objects), previous.nested_then))
+                    if previous.several
+                    else previous.nested(objects) is previous.nested_then
+                )
+            )
+        )
+    ):
+        # the same immutable types, the same tuples: no tensor and no list among them
+        fast = list(objects)
+        for i, value in enumerate(previous.values):
+            if value is _ANY:
+                fast[i] = _ANY
+        return previous._replace(objects=objects, values=fast)
     values = list(objects)
     places: list[int] = []
     fixed = True
@@ -378,7 +409,8 @@ class StepMemo:
 
     def record_options(self, gi: int, group: dict[str, Any]) -> None:
         """Remember group ``gi``'s options as they are now (their checks passed)."""
-        self._memo(gi, group).options = options_snapshot(group)
+        memo = self._memo(gi, group)
+        memo.options = options_snapshot(group, memo.options)
 
     def grads_unchanged(
         self,

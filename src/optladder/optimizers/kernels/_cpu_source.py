@@ -835,13 +835,16 @@ int ol_adamw_step(const ol_param_t *params, int64_t n_params, const int64_t *off
 }
 
 /* The step counts of the table, read into out[n] and bumped together (one call each per
-   step instead of one torch call per param). */
+   step instead of one torch call per param). A row whose param has no grad this step
+   (numel 0 and grad NULL: the kernel steps none of its elements) is not counted; a
+   zero-size param with a grad has a non-NULL grad pointer (KernelTable.set_grads). */
 void ol_read_steps(const ol_param_t *params, int64_t n, double *out) {
     for (int64_t k = 0; k < n; k++) out[k] = *params[k].step;
 }
 
 void ol_bump_steps(const ol_param_t *params, int64_t n) {
-    for (int64_t k = 0; k < n; k++) *params[k].step += 1.0;
+    for (int64_t k = 0; k < n; k++)
+        if (params[k].numel > 0 || params[k].grad != NULL) *params[k].step += 1.0;
 }
 
 /* The highest hand-written path this CPU runs (see ol_cpu_simd): 2, 1 or 0. */

@@ -33,8 +33,9 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -382,13 +383,18 @@ def _load_bytes(data: bytes, path: Path, name: str = _BF16_NAME) -> ctypes.CDLL:
         raise KernelBuildError(f"loading {name} {path} failed: {exc}") from exc
 
 
-def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
+def param_unsupported_reason(
+    p: torch.Tensor, grad: torch.Tensor, *, contiguous: bool = True
+) -> str | None:
     """Why the CPU kernel cannot step this param, or None if it can.
 
     Args:
         p: the param (needs float32, bfloat16 or float16, CPU, contiguous).
         grad: its grad (needs float32, bfloat16 or float16, CPU, contiguous, dense, same
             shape).
+        contiguous: whether ``p`` and ``grad`` must be contiguous (False: the caller steps
+            contiguous copies of them, as :class:`LadderAdamW` stages a transposed or
+            ``channels_last`` param).
     """
     if p.device.type != "cpu":
         return f"param is on {p.device}, the CPU kernel needs CPU tensors"
@@ -398,7 +404,7 @@ def param_unsupported_reason(p: torch.Tensor, grad: torch.Tensor) -> str | None:
         return f"grad dtype {grad.dtype}: the CPU kernel reads float32, bfloat16, float16"
     if grad.is_sparse or grad.device != p.device or grad.shape != p.shape:
         return "grad is sparse, on another device or of another shape"
-    if not (p.is_contiguous() and grad.is_contiguous()):
+    if contiguous and not (p.is_contiguous() and grad.is_contiguous()):
         return "param or grad is not contiguous"
     return None
 
@@ -498,6 +504,8 @@ class KernelTable:
         self.total = total
         self._columns: dict[str, torch.Tensor] = {}
         self._grad_dtypes: list[torch.dtype | None] = [None] * n  # as last written
+        self._numels = [p.numel() for p in params]
+        self._skipped: set[int] = set()  # rows without a grad at the last set_grads
         self.tensors = (list(params), list(exp_avgs), list(exp_avg_sqs), list(steps))
 
     def read_steps(self, library: ctypes.CDLL | None = None) -> list[float]:
@@ -526,32 +534,64 @@ class KernelTable:
         return self._columns[name]
 
     def set_grads(
-        self, grads: Sequence[torch.Tensor], ptrs: Sequence[int] | None = None, first: int = 0
+        self,
+        grads: Sequence[torch.Tensor | None],
+        ptrs: Sequence[int] | None = None,
+        first: int = 0,
     ) -> None:
         """Point rows ``first, first + 1, ...`` at their params' grads (one vectorized
         write of the pointers, or row by row for up to :data:`_ROW_WRITES` rows).
 
+        A row whose grad is None is skipped by the next steps (its element count set to
+        0 and its grad pointer to NULL: the kernel steps none of its elements and
+        :meth:`bump_steps` does not count it) until it is given a grad again. A
+        zero-size grad (address 0) is pointed at address 1 (never read), so that its
+        row is counted.
+
         Args:
-            grads: each param's grad, in row order (float32/bfloat16/float16, contiguous,
-                its param's shape and device: :func:`param_unsupported_reason`).
-            ptrs: their ``data_ptr()``s, when the caller has them.
+            grads: each param's grad or None, in row order (float32/bfloat16/float16,
+                contiguous, its param's shape and device: :func:`param_unsupported_reason`).
+            ptrs: their ``data_ptr()``s (0 for None), when the caller has them.
             first: the first row written.
         """
         n = len(grads)
         if not n:
             return
-        if ptrs is None:
-            ptrs = list(map(torch.Tensor.data_ptr, grads))
-        dtypes = list(map(_DTYPE_OF, grads))
         end = first + n
+        absent = list(map(operator.is_, grads, repeat(None)))
+        skipped = {first + k for k, a in enumerate(absent) if a} if any(absent) else set()
+        given: list[torch.Tensor]
+        if skipped:  # the param stands in for a missing grad: its dtype has a code
+            params = self.tensors[0]
+            given = [params[first + k] if g is None else g for k, g in enumerate(grads)]
+            if ptrs is None:
+                ptrs = [0 if a else g.data_ptr() for g, a in zip(given, absent)]
+            else:
+                ptrs = [0 if a else ptr for ptr, a in zip(ptrs, absent)]
+        else:
+            given = cast(list[torch.Tensor], list(grads))
+            if ptrs is None:
+                ptrs = list(map(torch.Tensor.data_ptr, given))
+        grads = given
+        dtypes = list(map(_DTYPE_OF, grads))
+        before = {r for r in self._skipped if first <= r < end} if self._skipped else set()
+        if skipped or before:
+            for r in before - skipped:
+                self.rows[r].numel = self._numels[r]
+            for r in skipped - before:
+                self.rows[r].numel = 0
+            self._skipped = (self._skipped - before) | skipped
         if n <= _ROW_WRITES:
             for k, ptr, dtype in zip(range(first, end), ptrs, dtypes):
                 row = self.rows[k]
-                row.grad = ptr
+                row.grad = 0 if k in skipped else (ptr or 1)
                 row.grad_dtype = DTYPE_CODES[dtype]
             self._grad_dtypes[first:end] = dtypes
             return
-        self._column("grad", torch.int64)[first:end].copy_(torch.tensor(ptrs, dtype=torch.int64))
+        column = torch.tensor(ptrs, dtype=torch.int64).clamp_(min=1)
+        if skipped:
+            column[[r - first for r in skipped]] = 0
+        self._column("grad", torch.int64)[first:end].copy_(column)
         if dtypes != self._grad_dtypes[first:end]:
             codes = [DTYPE_CODES[d] for d in dtypes]
             column = self._column("grad_dtype", torch.int32)[first:end]
