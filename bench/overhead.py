@@ -15,11 +15,15 @@ and for ``torch.optim.AdamW(fused=True)``:
   construction without it (construction minus probe);
 - step: seconds of one ``step()`` once the state exists (warm-up steps first), on the
   grads the warm-up steps had (kept: ``zero_grad(set_to_none=False)``, or accumulation);
-- fresh: seconds of one ``step()`` on new grads in the steady state of a training loop:
-  every grad is replaced by a new tensor of the same values before each of ``--warmup``
-  untimed steps and before the timed one, as ``zero_grad()`` (set to None) and a
-  backward make them at every step (what a step checks and writes again for new grads
-  counts).
+- fresh: seconds a ``step()`` on new grads takes in the steady state of a training loop,
+  the mean over ``--fresh-steps`` consecutive timed steps: every grad is replaced by a
+  new tensor of the same values before each of ``--warmup`` untimed steps and before
+  each timed one, as ``zero_grad()`` (set to None) and a backward make them at every
+  step (what a step checks and writes again for new grads counts). Several steps, so
+  that Python's garbage collections are counted at the rate a step's allocations cause
+  them (one full collection of a process holding ~300,000 objects takes ~0.2 s: timed
+  alone, a step that happens to trigger one reads several times slower, one that does
+  not reads faster than it is).
 
 Each rep builds and steps every implementation once, in an order rotated by one each
 rep so that no implementation always runs first or last; reported are the median and
@@ -108,10 +112,13 @@ def one_rep(
     warmup: int,
     clock: Callable[[], float] = time.perf_counter,
     groups: int = 1,
+    fresh_steps: int = 1,
 ) -> dict[str, tuple[float, float, float, float]]:
     """Build and step each implementation in ``order``: name -> (build s, probe s, step s,
-    fresh-grads step s); the probe is timed inside each build, where
-    ``choose_optimizer`` calls it (0 for torch's); ``clock`` reads seconds."""
+    fresh-grads step s, the mean over ``fresh_steps`` steps, the grads made before each
+    counted: as ``fresh_grads`` costs the same for every implementation, the ratios
+    barely move); the probe is timed inside each build, where ``choose_optimizer`` calls
+    it (0 for torch's); ``clock`` reads seconds."""
     out: dict[str, tuple[float, float, float, float]] = {}
     probe = choose.probe_capabilities
     probe_seconds = [0.0]
@@ -143,10 +150,11 @@ def one_rep(
         for _ in range(warmup):  # a training loop's steps: new grads at every step
             fresh_grads(params)
             opt.step()
-        fresh_grads(params)
         t0 = clock()
-        opt.step()
-        t_fresh = clock() - t0
+        for _ in range(fresh_steps):
+            fresh_grads(params)
+            opt.step()
+        t_fresh = (clock() - t0) / fresh_steps
         out[name] = (t_build, t_probe, t_step, t_fresh)
         del opt, params
     return out
@@ -177,11 +185,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=5, help="reps (>= 3)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed one")
     ap.add_argument(
+        "--fresh-steps", type=int, default=10, help="timed steps on new grads (mean; >= 1)"
+    )
+    ap.add_argument(
         "--clock", choices=("wall", "cpu"), default="wall", help="wall clock or process CPU time"
     )
     args = ap.parse_args(argv)
     if args.reps < 3:
         ap.error(f"--reps must be >= 3, got {args.reps}")
+    if args.fresh_steps < 1:
+        ap.error(f"--fresh-steps must be >= 1, got {args.fresh_steps}")
     if args.warmup < 1:
         ap.error(f"--warmup must be >= 1 (the state must exist), got {args.warmup}")
     shapes = []
@@ -220,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
             for rep in range(args.reps):
                 order = names[rep % len(names) :] + names[: rep % len(names)]
                 for name, (b, p, s, f) in one_rep(
-                    impls, order, count, numel, args.warmup, clock, groups
+                    impls, order, count, numel, args.warmup, clock, groups, args.fresh_steps
                 ).items():
                     builds[name].append(b)
                     probes[name].append(p)
