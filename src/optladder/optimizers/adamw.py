@@ -481,14 +481,7 @@ class _GroupPlan:
             st = state.get(p)
             if not st or "step" not in st or cpu.param_unsupported_reason(p, p) is not None:
                 continue
-            moments = [st.get("exp_avg"), st.get("exp_avg_sq")]
-            if all(
-                isinstance(m, torch.Tensor)
-                and m.dtype == moment_dtype
-                and m.is_contiguous()
-                and m.shape == p.shape
-                for m in moments
-            ):
+            if _kernel_moments(st, p, moment_dtype):
                 kept[k] = kind
         return kept
 
@@ -539,6 +532,18 @@ def _ptrs(grads: list[torch.Tensor | None]) -> list[int]:
     if any(map(operator.is_, grads, repeat(None))):
         return [0 if g is None else g.data_ptr() for g in grads]
     return list(map(_DATA_PTR, cast(list[torch.Tensor], grads)))
+
+
+def _kernel_moments(st: Mapping[str, Any], p: torch.Tensor, moment_dtype: torch.dtype) -> bool:
+    """Whether ``st`` holds moments the C kernel can point at for ``p``: ``exp_avg`` and
+    ``exp_avg_sq`` tensors of ``moment_dtype``, contiguous, of ``p``'s shape."""
+    return all(
+        isinstance(m, torch.Tensor)
+        and m.dtype == moment_dtype
+        and m.is_contiguous()
+        and m.shape == p.shape
+        for m in (st.get("exp_avg"), st.get("exp_avg_sq"))
+    )
 
 
 def _stage_offset(p: torch.Tensor) -> int:
@@ -983,13 +988,7 @@ class LadderAdamW(torch.optim.Optimizer):
         if routes["staged"]:
             staged = []
             for p, i in routes["staged"]:  # moments the kernel can point at, else eager
-                st = self.state[p]
-                if all(
-                    st[k].dtype == self.moment_dtype
-                    and st[k].is_contiguous()
-                    and st[k].shape == p.shape
-                    for k in ("exp_avg", "exp_avg_sq")
-                ):
+                if _kernel_moments(self.state[p], p, self.moment_dtype):
                     staged.append((p, i))
                 else:
                     routes["eager"].append((p, i))
