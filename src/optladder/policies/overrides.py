@@ -207,9 +207,11 @@ def read_overrides(rung: str | None = None, environ: Mapping[str, str] | None = 
                 f"({type(name).__name__})"
             )
     _warn_unknown(os.environ if environ is None else environ)
-    if environ is None:
+    if environ is None and any(name in os.environ for name in KNOWN_VARIABLES):
         raw = _EnvVars()
         bf16_raw, eight_raw, rung_raw = raw.BF16_ADAM, raw.eight_bit_adam, raw.RUNG
+    elif environ is None:  # none set (~0.1 us, against ~0.7 ms for the settings' sources)
+        bf16_raw = eight_raw = rung_raw = None
     else:
         bf16_raw, eight_raw, rung_raw = (environ.get(k) for k in (ENV_BF16, ENV_8BIT, ENV_RUNG))
     switches: dict[Rung, tuple[str, bool | None]] = {
