@@ -263,3 +263,18 @@ def test_adam_mode_matches_torch_adam_on_every_rung(rung: str) -> None:
     for p, r, a in zip(params, ref, adamw):
         # much closer to Adam than to AdamW: the rung did not quietly decay the AdamW way
         assert (p - r).abs().mean() < (p - a).abs().mean() / 10
+
+
+def test_size_rule_is_bitsandbytes_min_8bit_size() -> None:
+    """The 8bit rung's size rule (read from RUNG_ACCEPTS by the footprint and `plan`) is
+    bitsandbytes' own default ``min_8bit_size``: a param of that many elements is
+    quantized, one element fewer keeps float32 moments."""
+    import inspect
+
+    bnb = pytest.importorskip("bitsandbytes")
+    from optladder.rungs import RUNG_ACCEPTS, quantizes
+
+    limit = inspect.signature(bnb.optim.AdamW8bit).parameters["min_8bit_size"].default
+    assert limit == 4096
+    assert RUNG_ACCEPTS["8bit"].min_quantized_numel == limit
+    assert quantizes(limit) and not quantizes(limit - 1)

@@ -49,7 +49,7 @@ from optladder.policies import (
     rung_state_bytes,
     trainable_params,
 )
-from optladder.rungs import BNB_MIN_8BIT_SIZE, BNB_QMAP_BYTES, RUNGS, Rung
+from optladder.rungs import BNB_MIN_8BIT_SIZE, BNB_QMAP_BYTES, RUNGS, Rung, quantizes
 from optladder.units import format_bytes, parse_bytes
 
 DTYPES: dict[str, torch.dtype] = {
@@ -505,7 +505,7 @@ def make_plan(
     if params is not None:
         param_bytes = count * param_dtype.itemsize
         state = {r: rung_state_bytes(r, count, param_dtype) for r in RUNGS}
-        codebooks = BNB_QMAP_BYTES if count >= BNB_MIN_8BIT_SIZE else 0
+        codebooks = BNB_QMAP_BYTES if quantizes(count) else 0
         state["8bit"] += codebooks
         footprint = Footprint(
             trainable_params=count,
@@ -558,7 +558,7 @@ def make_plan(
         footprint = measure_footprint(module)
         tensors = trainable_params(normalize_param_groups(module))
         param_bytes = sum(p.numel() * p.element_size() for p in tensors)
-        codebooks = BNB_QMAP_BYTES if footprint.largest_param >= BNB_MIN_8BIT_SIZE else 0
+        codebooks = BNB_QMAP_BYTES if quantizes(footprint.largest_param) else 0
         # One target device: the code books are counted once, wherever the params were built.
         state = {r: sum(rung_state_bytes(r, p.numel(), p.dtype) for p in tensors) for r in RUNGS}
         state["8bit"] += codebooks

@@ -184,6 +184,22 @@ RUNG_ACCEPTS: dict[Rung, RungAccepts] = {
 pick), the param checks of construction, ``add_param_group``, moves and checkpoint loads,
 and the engines' own builders."""
 
+
+def quantizes(numel: int) -> bool:
+    """Whether the 8bit rung keeps a param of ``numel`` elements in 8-bit state.
+
+    The size rule of :data:`RUNG_ACCEPTS` (``min_quantized_numel``: bitsandbytes'
+    ``min_8bit_size``, 4,096): a smaller param keeps float32 moments there.
+
+    Args:
+        numel: the param's element count; a DTensor's global count, as bitsandbytes'
+            FSDP path decides on the full param.
+    """
+    limit = RUNG_ACCEPTS["8bit"].min_quantized_numel
+    assert limit is not None  # the 8bit row has a size rule
+    return numel >= limit
+
+
 PARAM_DTYPES: tuple[str, ...] = tuple(
     dict.fromkeys(d for accepts in RUNG_ACCEPTS.values() for d in accepts.dtypes)
 )

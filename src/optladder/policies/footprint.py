@@ -18,11 +18,11 @@ from optladder.columns import ParamColumns, plain_types
 from optladder.dtype_names import dtype_name
 from optladder.rungs import (
     BNB_BLOCKSIZE,
-    BNB_MIN_8BIT_SIZE,
     BNB_QMAP_BYTES,
     RUNGS,
     Rung,
     group_pin,
+    quantizes,
 )
 from optladder.sharding import all_plain, is_dtensor, local_numel, local_tensor
 
@@ -131,7 +131,7 @@ def rung_state_bytes(
         return 2 * local * fp32_moment_dtype(dtype).itemsize
     if rung == "bf16":
         return 2 * local * 2
-    if not (numel >= BNB_MIN_8BIT_SIZE if quantize is None else quantize):
+    if not (quantizes(numel) if quantize is None else quantize):
         return 2 * local * 4
     return 2 * local + 2 * 4 * math.ceil(local / BNB_BLOCKSIZE)
 
@@ -319,7 +319,7 @@ def _state_bytes(params: list[torch.Tensor], rung: Rung) -> int:
         return sum(rung_state_bytes(rung, p.numel(), p.dtype, local_numel(p)) for p in params)
     if all_plain(params) and no_overrides():  # the size rule alone, in bulk
         counts = Counter(zip(map(torch.Tensor.numel, params), map(_DTYPE, params)))
-        quantized = {p.device for p in params if p.numel() >= BNB_MIN_8BIT_SIZE}
+        quantized = {p.device for p in params if quantizes(p.numel())}
         return _counted_state_bytes(counts, rung, len(quantized))
     total = 0
     devices = set()
@@ -452,7 +452,7 @@ def _disjoint_footprint(columns: ParamColumns) -> Footprint:
         elements = sum(numels)
         frozen = 0 if every else sum(columns.numels) - elements
     dtypes = {d for _, d in counts}
-    quantized = int(any(n >= BNB_MIN_8BIT_SIZE for n, _ in counts))  # one device
+    quantized = int(any(quantizes(n) for n, _ in counts))  # one device
     state_bytes = {
         rung: _counted_state_bytes(counts, rung, quantized)
         if rung != "8bit" or no_overrides()
