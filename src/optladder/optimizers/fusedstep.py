@@ -412,6 +412,7 @@ class StepCounts:
         self._storages: list[torch.UntypedStorage] = []
         self._cells: list[ctypes.c_double] | None = None
         self._pending: list[torch.Tensor] | None = None  # what prepare() made ready
+        self._pending_cells: list[ctypes.c_double] | None = None  # their cells
 
     def _keep(
         self,
@@ -426,19 +427,58 @@ class StepCounts:
         self._steps, self._ptrs, self._dtypes = list(steps), ptrs, dtypes
         self._storages, self._cells = storages, cells
 
-    def prepare(self, steps: list[torch.Tensor], name: Callable[[int], str] | None = None) -> None:
+    def _kept(self, steps: list[torch.Tensor], ptrs: list[int]) -> bool:
+        """Whether the kept cells are ``steps``' (at addresses ``ptrs``), dtypes included."""
+        return (
+            ptrs == self._ptrs
+            and list(map(_DTYPE, steps)) == self._dtypes
+            and same_objects(steps, self._steps)
+        )
+
+    def _make(
+        self, steps: list[torch.Tensor], ptrs: list[int], name: Callable[[int], str] | None
+    ) -> None:
+        """Refuse step tensors that params share, then make and keep ``steps``' cells.
+
+        Raises:
+            ValueError: from :func:`~optladder.optimizers.steps.refuse_shared_steps`;
+                nothing is kept then.
+        """
+        self._keep([], [], [], None)
+        refuse_shared_steps(steps, name)
+        cells = None
+        if all(map(_is_cpu_double_cell, steps)):
+            cells = [ctypes.c_double.from_address(ptr) for ptr in ptrs]
+        self._keep(steps, ptrs, list(map(_DTYPE, steps)), cells)
+
+    def prepare(
+        self,
+        steps: list[torch.Tensor],
+        name: Callable[[int], str] | None = None,
+        within: tuple[list[torch.Tensor], list[bool]] | None = None,
+    ) -> None:
         """Make ready to bump ``steps`` (in the step's prepare phase): read their
         addresses and dtypes, and when a tensor, an address or a dtype changed, refuse
         step tensors that params share (:func:`~optladder.optimizers.steps.refuse_shared_steps`,
         naming them with ``name``) and make the cells again. The next :meth:`bump`
         without ``steps`` bumps this list, reading nothing.
 
+        ``within``: ``(every step tensor, picks)`` with ``steps`` the picked ones
+        (``itertools.compress``; checked by identity), e.g. the step counts of every
+        param with state and which of those have a grad this step: the cells are made
+        and kept for every tensor, so a step that changes which params have a grad
+        (experts, a task's head) picks among them instead of making them again (~1 us a
+        tensor). When two of every tensor share memory (but not two of ``steps``), the
+        cells are made for ``steps`` alone.
+
         Raises:
             ValueError: two params share one step tensor; nothing is kept then.
         """
-        self._pending = None
+        self._pending, self._pending_cells = None, None
         if not steps:
             self._pending = steps
+            return
+        if within is not None and self._prepare_within(steps, *within):
             return
         try:
             ptrs = list(map(_DATA_PTR, steps))
@@ -447,15 +487,32 @@ class StepCounts:
             refuse_shared_steps(steps, name)
             self._pending = steps
             return
-        dtypes = list(map(_DTYPE, steps))
-        if not (ptrs == self._ptrs and dtypes == self._dtypes and same_objects(steps, self._steps)):
-            self._keep([], [], [], None)
-            refuse_shared_steps(steps, name)
-            cells = None
-            if all(map(_is_cpu_double_cell, steps)):
-                cells = [ctypes.c_double.from_address(ptr) for ptr in ptrs]
-            self._keep(steps, ptrs, dtypes, cells)
-        self._pending = steps
+        if not self._kept(steps, ptrs):
+            self._make(steps, ptrs, name)
+        self._pending, self._pending_cells = steps, self._cells
+
+    def _prepare_within(
+        self, steps: list[torch.Tensor], every: list[torch.Tensor], picks: list[bool]
+    ) -> bool:
+        """:meth:`prepare` with cells kept for ``every``; False when that does not apply
+        (``steps`` are not the picks of ``every``, a tensor has no storage, or two of
+        ``every`` share memory): then nothing is kept and the caller prepares ``steps``."""
+        if not same_objects(steps, list(compress(every, picks))):
+            return False
+        try:
+            ptrs = list(map(_DATA_PTR, every))
+        except RuntimeError:
+            return False
+        if not self._kept(every, ptrs):
+            try:
+                self._make(every, ptrs, None)
+            except ValueError:  # shared among every tensor: the plain path names them
+                return False
+        cells = self._cells
+        if cells is not None and not all(picks):
+            cells = list(compress(cells, picks))
+        self._pending, self._pending_cells = steps, cells
+        return True
 
     def bump(self, steps: list[torch.Tensor] | None = None) -> None:
         """Add one to every tensor of ``steps`` in place (allocating no tensor); None:
@@ -471,13 +528,14 @@ class StepCounts:
             steps = self._pending
         elif steps is not self._pending:
             self.prepare(steps)
-        self._pending = None
+        cells = self._pending_cells
+        self._pending, self._pending_cells = None, None
         if not steps:
             return
-        if self._cells is None:
+        if cells is None:
             torch._foreach_add_(steps, 1)
             return
-        for cell in self._cells:
+        for cell in cells:
             cell.value += 1.0
 
 
