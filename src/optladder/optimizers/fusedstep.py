@@ -311,6 +311,7 @@ def fused_plan(
     grads: Sequence[Sequence[torch.Tensor | None]],
     states: Sequence[Sequence[dict[str, Any]]],
     nondense: Sequence[Sequence[int]],
+    previous: Sequence[FusedCall] | None = None,
 ) -> list[FusedCall] | None:
     """The kernel calls of ``engine``'s next step, or None when torch's ``step`` must run.
 
@@ -326,6 +327,12 @@ def fused_plan(
             contiguous buffer allocated here (and its grad, when that is not contiguous),
             filled and written back by :func:`run_fused_plan` (the commit: grads are
             unscaled in place between prepare and commit).
+        previous: an earlier plan (emptied by :func:`release_grads`) whose lists,
+            options dicts and tuples are filled again in place, call by call, where a
+            call has the kernel and options' keys of the new one: over many groups a
+            plan is ~11 objects a group, and made anew at every step they outlived each
+            step's young-generation collections and set off a full garbage collection
+            every ~10 steps (~0.2 s over 1,000 groups in a process of ~300,000 objects).
 
     Returns:
         Per group with a grad, the call :func:`run_fused_plan` makes.
@@ -381,7 +388,27 @@ def fused_plan(
             "found_inf": None,
         }
         kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
-        calls.append((kernel, lists, options, (fills, writeback)))
+        call = previous[len(calls)] if previous is not None and len(calls) < len(previous) else None
+        if call is None or call[0] is not kernel or call[2].keys() != options.keys():
+            call = (kernel, lists, options, (fills, writeback))
+        else:  # the earlier call's containers, filled again
+            for kept, new in zip(call[1], lists, strict=True):
+                kept[:] = new
+            call[2].update(options)
+            call[3][0][:] = fills
+            call[3][1][:] = writeback
+        calls.append(call)
+    return calls
+
+
+def release_grads(calls: list[FusedCall]) -> list[FusedCall]:
+    """Empty the grad lists and copies of :func:`fused_plan`'s calls in place (after the
+    commit: a kept plan must not keep the grads alive after ``zero_grad()``, nor the
+    copies' buffers); returns ``calls``, for :func:`fused_plan`'s ``previous``."""
+    for _, lists, _, (fills, writeback) in calls:
+        lists[1].clear()
+        fills.clear()
+        writeback.clear()
     return calls
 
 

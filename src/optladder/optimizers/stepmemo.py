@@ -294,8 +294,10 @@ class KeptGrads:
         if self.reused or self.fresh % REFS_EVERY == 0:
             self.refs = grad_refs(grads)
             self.ptrs = _grad_ptrs(grads) if self.reused and self.addresses else None
-        else:
-            self.refs = []  # matches no grads: checked again at the next step
+        elif self.refs:
+            # matches no grads: checked again at the next step (emptied in place: a new
+            # list a step per group would outlive the step, see fusedstep.fused_plan)
+            self.refs.clear()
         self.fresh = 0 if self.reused else self.fresh + 1
         self.reused = False
 
@@ -336,6 +338,9 @@ class StepMemo:
             held.
         states_extra: what the caller derived from that state (see :meth:`record_states`).
         plan: what the prepare phase left for the commit (consumed by it), or None.
+        kept_plan: the last committed plan, emptied of its grads, whose containers the
+            next prepare phase fills again (:func:`~.fusedstep.fused_plan`'s
+            ``previous``: a step then makes few objects that outlive it), or None.
         step_counts: what the prepare phase readies and the commit uses, kept between
             steps, to bump the step counts
             (:class:`~optladder.optimizers.fusedstep.StepCounts`), or None.
@@ -347,6 +352,7 @@ class StepMemo:
     )
     states_extra: Any = None
     plan: Any = None
+    kept_plan: Any = None
     step_counts: Any = None
 
     def states_exist(
@@ -440,7 +446,9 @@ class StepMemo:
         """Remember group ``gi``'s params and grads as they are now (their checks
         passed; the grads as :meth:`KeptGrads.record` keeps them)."""
         memo = self._memo(gi, group)
-        memo.params, memo.context = list(params), context
+        if not same_objects(params, memo.params):  # kept when the same: see KeptGrads.record
+            memo.params = list(params)
+        memo.context = context
         memo.grads.record(grads)
 
     def trim(self, n_groups: int) -> None:

@@ -48,6 +48,7 @@ from optladder.optimizers.fusedstep import (
     plan_steps,
     refuse_nondense,
     refuse_resized,
+    release_grads,
     run_fused_plan,
     steps_through_copy,
 )
@@ -317,7 +318,8 @@ def prepare_step(
                 extra = None if bnb else _fused_states(engine)
                 memo.record_states(state, params, sizes, extra)
             if memo is not None and memo.states_extra is not None:
-                memo.plan = _plan(engine, grads, memo.states_extra)
+                kept, memo.kept_plan = memo.kept_plan, None  # its containers, filled again
+                memo.plan = _plan(engine, grads, memo.states_extra, kept)
             if not bnb and memo is not None and memo.plan is not None:
                 if memo.step_counts is None:
                     memo.step_counts = StepCounts()
@@ -430,11 +432,12 @@ def _plan(
     engine: torch.optim.Optimizer,
     grads: list[list[torch.Tensor | None]],
     fused: FusedStates,
+    kept: list[FusedCall] | None = None,
 ) -> list[FusedCall] | None:
-    """The commit's kernel calls (:func:`~.fusedstep.fused_plan`) on the state dicts of
-    the params with a grad (every one has its state: see :class:`FusedStates`), or None
-    for torch's ``step`` (an option changed so that a group no longer fits, a state dict
-    lost a tensor)."""
+    """The commit's kernel calls (:func:`~.fusedstep.fused_plan`, in ``kept``'s
+    containers where it can) on the state dicts of the params with a grad (every one has
+    its state: see :class:`FusedStates`), or None for torch's ``step`` (an option
+    changed so that a group no longer fits, a state dict lost a tensor)."""
     states: list[list[dict[str, Any]]] = []
     nondense: list[list[int]] = []
     for sts, nd, gs in zip(fused.states, fused.nondense, grads, strict=True):
@@ -447,7 +450,7 @@ def _plan(
         ranks = list(accumulate(present, initial=0))  # place among those with a grad
         nondense.append([ranks[i] for i in nd if present[i]])
     try:
-        return fused_plan(engine, grads, states, nondense)
+        return fused_plan(engine, grads, states, nondense, kept)
     except KeyError:
         return None
 
@@ -538,6 +541,7 @@ def commit_step(engine: torch.optim.Optimizer, memo: StepMemo | None = None) -> 
         plan, memo.plan = memo.plan, None  # one commit per prepare
     if memo is not None and plan is not None:
         run_fused_plan(plan, memo.step_counts)  # prepared with the plan
+        memo.kept_plan = release_grads(plan)  # its containers, for the next prepare
     elif isinstance(engine, LadderAdamW) or hasattr(engine, "commit_step"):
         engine.commit_step()  # LadderAdamW, optladder's bitsandbytes engine
     else:
