@@ -111,7 +111,10 @@ def check_step_inputs(
     if memo is not None:
         memo.trim(len(groups))
     all_grads: list[list[torch.Tensor | None]] = []
-    changed: list[tuple[int, dict[str, Any], list[torch.Tensor], bool]] = []
+    # the groups whose grads are checked, by place (ints: no tuple per group, which over
+    # many groups would outlive the step's young collections, see fusedstep.fused_plan)
+    changed: list[int] = []
+    with_strides: list[bool] = []
     for gi, group in enumerate(groups):
         if memo is None or not memo.options_unchanged(gi, group):
             try:
@@ -135,18 +138,22 @@ def check_step_inputs(
         grads = list(map(grad_of, params))
         all_grads.append(grads)
         strides = fused and bool(group.get("fused"))
+        with_strides.append(strides)
         if memo is None or not memo.grads_unchanged(gi, group, params, grads, strides):
-            changed.append((gi, group, params, strides))
+            changed.append(gi)
     for strides in (False, True):  # the groups' grads checked together, in C
-        checks = [(gi, group, params) for gi, group, params, s in changed if s is strides]
-        flat = list(chain.from_iterable(params for _, _, params in checks))
-        flat_grads = list(chain.from_iterable(all_grads[gi] for gi, _, _ in checks))
+        checks = [gi for gi in changed if with_strides[gi] is strides]
+        flat = list(chain.from_iterable(groups[gi]["params"] for gi in checks))
+        flat_grads = list(chain.from_iterable(all_grads[gi] for gi in checks))
         if _grads_match(flat, flat_grads, strides):
             continue
-        for gi, group, params in checks:
+        for gi in checks:
+            params = groups[gi]["params"]
             if not _grads_match(params, all_grads[gi], strides):  # raises, naming it:
-                _check_grads(params, names.get(id(group), f"group {gi}"), strides)
-    for gi, group, params, strides in changed:
+                _check_grads(params, names.get(id(groups[gi]), f"group {gi}"), strides)
+    for gi in changed:
+        group, strides = groups[gi], with_strides[gi]
+        params = group["params"]
         if bnb:
             _check_bnb_steps(engine, params, names.get(id(group), f"group {gi}"))
         if memo is not None:
