@@ -789,8 +789,10 @@ class _KernelPlan:
         absent = list(map(operator.is_, kernel_grads, itertools.repeat(None)))
         table, states = self.table, self.states
         if any(absent):
-            # a skipped row points at its param (read by no item), as a full table's does
-            ptrs = [q if g is None else g.data_ptr() for g, q in zip(kernel_grads, self.param_ptrs)]
+            given = list(kernel_grads)  # a skipped row points at its param (read by no
+            for k in itertools.compress(range(len(absent)), absent):  # item), as a full
+                given[k] = self.kernel_params[k]  # table's does
+            ptrs = list(map(_DATA_PTR, cast(list[torch.Tensor], given)))
             table = _skip_rows(self.table, absent, self.step_items)
             states = list(itertools.compress(states, map(operator.not_, absent)))
         else:
