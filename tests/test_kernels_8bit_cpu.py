@@ -972,3 +972,135 @@ def test_state_moved_to_other_memory_between_steps_is_stepped_there(name: str, h
         )
     for k, (a, b) in enumerate(zip(*results, strict=True)):
         assert torch.equal(a, b), k
+
+
+# which params have a grad at each step: param 5 gets its first grad at step 1 (its state
+# is made then: the table is made again, keeping the rows of params without a grad);
+# step 5 has no grad at all; param 2 (300 elements) and 4 (70) keep float32 state
+_SKIP_SIZES = (1_000, 5_000, 300, 20_000, 70, 4_097)
+_SKIP_SCHEDULE = [
+    {0, 1, 2, 3, 4},
+    {0, 2, 3, 5},
+    {1, 4},
+    {0, 1, 2, 3, 4, 5},
+    {3},
+    set(),
+    {0, 5},
+    {1, 2, 3, 4},
+    {0, 1, 2, 3, 4, 5},
+]
+_SKIP_GROUPS = (
+    {"lr": 2e-3, "weight_decay": 0.1},
+    {"lr": 1e-3, "weight_decay": 0.01, "betas": (0.8, 0.99), "eps": 1e-6},
+)
+
+
+def _skip_grads(step: int) -> list[torch.Tensor]:
+    """Step ``step``'s grads (every param's; those the schedule leaves out are unused),
+    multiples of 2**-20 so that a grad scale of 64 divides them exactly."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [
+        (torch.randn(n, generator=gen) * 2**10).round() * 2**-20 * (1 + k)
+        for k, n in enumerate(_SKIP_SIZES)
+    ]
+
+
+def _skip_reference(coupled: bool) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    """Each param of the schedule stepped alone (its own engine, a one-row table made
+    afresh whenever it steps) at the steps where it has a grad: its final value and
+    state."""
+    gen = torch.Generator().manual_seed(0)
+    starts = [torch.randn(n, generator=gen) for n in _SKIP_SIZES]
+    finals, states = [], []
+    for k, start in enumerate(starts):
+        q = torch.nn.Parameter(start.clone())
+        opt = _engine(
+            [{"params": [q], **_SKIP_GROUPS[k % 2]}], lr=1e-3, coupled_weight_decay=coupled
+        )
+        for s, having in enumerate(_SKIP_SCHEDULE):
+            if k in having:
+                q.grad = _skip_grads(s)[k]
+                opt.step()
+                opt._kernel_plan = None  # a full table at every step
+        finals.append(q.detach())
+        states.append(opt.state[q])
+    return finals, states
+
+
+@pytest.mark.parametrize("coupled", [False, True], ids=["adamw", "adam"])
+def test_params_without_a_grad_at_some_steps_keep_the_table_and_step_as_if_alone(
+    coupled: bool,
+) -> None:
+    """Params that have a grad at some steps only (experts, a task's head; param 5 gets
+    its first one at step 1): the engine keeps its kernel table (a step where the set of
+    params with a grad changed made the whole table again: ~6x the step's host time
+    over 20,000 params with 1% of them missing a grad), its rows without a grad are
+    skipped, and every param ends bit for bit as when stepped alone at the steps where
+    it had a grad (its own step count in its bias correction), with that step count.
+    Two groups alternate (param k in group k % 2), so runs of one group hold 8-bit and
+    float32 state and rows of several step counts."""
+    ref, ref_states = _skip_reference(coupled)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in _SKIP_SIZES]
+    groups = [
+        {"params": [p for k, p in enumerate(params) if k % 2 == g], **_SKIP_GROUPS[g]}
+        for g in (0, 1)
+    ]
+    opt = _engine(groups, lr=1e-3, coupled_weight_decay=coupled)
+    plans = []
+    for s, having in enumerate(_SKIP_SCHEDULE):
+        grads = _skip_grads(s)
+        for k, p in enumerate(params):
+            p.grad = grads[k] if k in having else None
+        opt.step()
+        plans.append(opt._kernel_plan)
+    assert opt.eager_reasons == {}
+    assert plans[1] is not None and all(plan is plans[1] for plan in plans[1:])
+    counts = [sum(k in having for having in _SKIP_SCHEDULE) for k in range(len(_SKIP_SIZES))]
+    assert [opt.state[p]["step"] for p in params] == counts
+    assert {opt.state[p]["state1"].dtype for p in params} == {torch.uint8, torch.float32}
+    for k, (p, q, want) in enumerate(zip(params, ref, ref_states, strict=True)):
+        assert torch.equal(p.detach().view(torch.int32), q.view(torch.int32)), k
+        st = opt.state[p]
+        assert st["step"] == want["step"] == counts[k]
+        for name in ("state1", "state2", "absmax1", "absmax2"):
+            if name in want:
+                a, b = st[name], want[name]
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (k, name)
+
+
+def test_params_without_a_grad_through_grad_scale_and_found_inf() -> None:
+    """The 8bit rung of the optladder optimizer, with grad_scale and found_inf set on it
+    (as torch.amp.GradScaler sets them on fused optimizers) and params missing a grad at
+    some steps: grads scaled by 64 and divided back before the commit, a step with an
+    overflow (found_inf 1) changes nothing; every param ends as stepped alone on the
+    unscaled grads at the steps where it had one."""
+    import optladder
+
+    ref, ref_states = _skip_reference(coupled=False)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in _SKIP_SIZES]
+    groups = [
+        {"params": [p for k, p in enumerate(params) if k % 2 == g], **_SKIP_GROUPS[g]}
+        for g in (0, 1)
+    ]
+    opt = optladder.choose_optimizer(groups, lr=1e-3, rung="8bit", free_memory="1TiB", environ={})
+    plans = []
+    for s, having in enumerate(_SKIP_SCHEDULE):
+        for overflow in (True, False) if s in (2, 6) else (False,):
+            grads = _skip_grads(s)
+            for k, p in enumerate(params):
+                p.grad = grads[k] * 64 if k in having else None
+            opt.grad_scale = torch.tensor(64.0)  # type: ignore[attr-defined]
+            opt.found_inf = torch.tensor(1.0 if overflow else 0.0)  # type: ignore[attr-defined]
+            opt.step()
+            assert opt.last_step_skipped == overflow
+        plans.append(opt.engine._kernel_plan)  # type: ignore[attr-defined]
+    assert plans[1] is not None and all(plan is plans[1] for plan in plans[1:])
+    state = opt.engine.state  # type: ignore[attr-defined]
+    for k, (p, q, want) in enumerate(zip(params, ref, ref_states, strict=True)):
+        assert torch.equal(p.detach().view(torch.int32), q.view(torch.int32)), k
+        assert state[p]["step"] == want["step"]
+        for name in ("state1", "state2", "absmax1", "absmax2"):
+            if name in want:
+                assert torch.equal(state[p][name].view(torch.uint8), want[name].view(torch.uint8))

@@ -174,3 +174,35 @@ def test_with_no_rung_left_that_steps_from_the_counts_the_escalation_says_why() 
     with pytest.raises(OptimizerOutOfMemoryError, match=r"has step 4294967296, past the bf16"):
         opt.escalate("out of memory (a test)")
     assert opt.rung == "fp32"
+
+
+def test_picks_among_kept_cells_bump_only_the_picked_tensors() -> None:
+    """``prepare(steps, within=(every, picks))``: cells made once for every tensor; each
+    step bumps the picked ones only (as ``_foreach_add_`` on them would), also when the
+    picks change, and two unpicked tensors sharing memory make the cells for the picked
+    ones alone (refused only when two picked ones share it)."""
+    every = _steps([0.0, 10.0, 20.0, 30.0])
+    counts = StepCounts()
+    for picks in ([True, False, True, True], [False, True, False, True], [True] * 4):
+        steps = [t for t, k in zip(every, picks) if k]
+        expected = _expected(steps)
+        before = [t.clone() for t in every]
+        counts.prepare(steps, within=(every, picks))
+        counts.bump()
+        _assert_equal(steps, expected)
+        _assert_equal(
+            [t for t, k in zip(every, picks) if not k], [b for b, k in zip(before, picks) if not k]
+        )
+        kept = counts._steps  # the cells of every tensor, made at the first step
+        assert len(kept) == len(every) and all(a is b for a, b in zip(kept, every))
+    assert [t.item() for t in every] == [2.0, 12.0, 22.0, 33.0]
+    shared = [*every, every[0].view(())]
+    counts.prepare(every[1:3], within=(shared, [False, True, True, False, False]))
+    counts.bump()
+    assert [t.item() for t in every] == [2.0, 13.0, 23.0, 33.0]
+    with pytest.raises(ValueError, match="share one step count"):
+        counts.prepare([every[0], shared[4]], within=(shared, [True, False, False, False, True]))
+    # steps that are not the picks: prepared as they are
+    counts.prepare(every[:1], within=(every, [False, True, False, False]))
+    counts.bump()
+    assert [t.item() for t in every] == [3.0, 13.0, 23.0, 33.0]

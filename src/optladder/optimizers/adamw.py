@@ -513,7 +513,7 @@ class _GroupPlan:
         ptrs = written[1] if written[1] is not None else _ptrs(present)
         self.table.set_grads(present, ptrs, self.first)
         self._grads.record(grads)
-        self._grad_ptrs = ptrs
+        self._grad_ptrs[:] = ptrs  # in place: a new list a step would outlive the step
 
     def place(self, table: Any, first: int, table_group: int) -> None:
         """Make this plan's C kernel params rows ``first, ...`` of ``table`` (a new table:
@@ -1182,7 +1182,7 @@ class LadderAdamW(torch.optim.Optimizer):
 
         need: dict[torch.device, int] = {}
         for plan in plans:
-            plan.staged = []
+            plan.staged.clear()  # in place: a new list a step per group outlives the step
             for p, _ in plan.routes["staged"]:
                 grad = cast(torch.Tensor, p.grad)
                 size = _stage_offset(p) + grad.numel() * grad.element_size()

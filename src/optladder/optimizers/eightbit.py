@@ -31,7 +31,7 @@ import logging
 import operator
 from collections.abc import Iterator
 from types import ModuleType
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -41,7 +41,7 @@ from optladder.dtype_names import dtype_name
 from optladder.oom import is_oom
 from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.migrate import check_step_range
-from optladder.optimizers.stepmemo import grad_kinds, grad_of, same_objects
+from optladder.optimizers.stepmemo import grad_of, same_objects
 from optladder.optimizers.steps import MAX_STEP
 from optladder.rungs import BNB_MIN_8BIT_SIZE, param_refusal
 from optladder.sharding import is_dtensor, local_tensor
@@ -476,6 +476,8 @@ _STATE2 = operator.itemgetter("state2")
 _ABSMAX = operator.itemgetter("absmax1", "absmax2")
 _QMAPS = operator.itemgetter("qmap1", "qmap2")
 _DATA_PTR = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
+_LAYOUT = operator.attrgetter("layout")
 
 
 def _row_bytes(rows: ctypes.Array[Any]) -> torch.Tensor:
@@ -489,49 +491,73 @@ class _KernelPlan:
     """The 8-bit CPU kernel's table of a ``LadderAdamW8bit``, kept between steps while
     the groups, params (and their memory), grads' kinds, state (the same tensors, in
     the same memory) and bitsandbytes' per-param overrides stay the same; a step then
-    writes only the grad pointers and,
-    per (group, state format), the scalars of its step count and the group's options
-    (written into one row per run by :func:`~.kernels.cpu8bit.write_step_scalars`, the
-    function a full table's rows are written with, and copied to the run's rows in one
-    call, so the scalars are exactly the ones a full table would hold).
+    writes only the grad pointers and, per (group, state format, step count), the
+    scalars of its step count and the group's options (written into one row per such
+    key by :func:`~.kernels.cpu8bit.write_step_scalars`, the function a full table's
+    rows are written with, and copied to the rows in one call, so the scalars are
+    exactly the ones a full table would hold).
 
-    Made only for plain CPU params of one step count per run, without per-param
-    overrides, DTensors or non-contiguous params; :meth:`make` returns None otherwise
-    (every step then prepares a full table).
+    A step that changes which of the table's params have a grad (experts of a mixture,
+    a task's head: a param gets a grad at some steps only) keeps the table: the work
+    items of a row whose param has no grad are left out of that step's item list (its
+    elements are not read or written), its ``step`` is not bumped, and each row's
+    scalars follow its own step count. A param that had no grad when the table was made
+    and gets one later makes the table again; rows of the last table whose param has
+    no grad then are kept in the new one (:meth:`rows_to_keep`), so after a few steps
+    the table covers every param that had a grad.
+
+    Made only for plain CPU params without per-param overrides, DTensors or
+    non-contiguous params; :meth:`make` returns None otherwise (every step then
+    prepares a full table).
     """
 
     def __init__(
         self,
         engine: Any,
         prepared: _PreparedStep,
+        full: Any,
         jobs: list[Any],
         places: list[tuple[int, int]],
         kernel_params: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        skipped: list[bool],
     ) -> None:
         from optladder.optimizers.kernels import cpu8bit
 
         groups = engine.param_groups
         self.groups = list(groups)
         self.params = [list(g["params"]) for g in groups]
-        self.kinds = [grad_kinds(list(map(grad_of, g["params"]))) for g in groups]
+        self.places = places
         self.n_overrides = (len(engine.mng.pid2config), len(engine.mng.index2config))
         self.state_seen = prepared.state_seen
         held = [dataclasses.replace(job, grad=job.param) for job in jobs]  # no grads held
         keep = tuple(getattr(job, f.name) for job in held for f in dataclasses.fields(job))
-        table = dataclasses.replace(  # the tensors it points into, but none of the grads
-            prepared.table, tensors=tuple(t for t in keep if isinstance(t, torch.Tensor))
+        self.table = dataclasses.replace(  # the tensors it points into, but none of the grads
+            full, tensors=tuple(t for t in keep if isinstance(t, torch.Tensor))
         )
-        self.prepared = dataclasses.replace(prepared, table=table, params=[], grads=[])
+        self.prepared = dataclasses.replace(prepared, table=self.table, params=[], grads=[])
         offsets = list(itertools.accumulate((len(p) for p in self.params), initial=0))
         self.flat_places = [offsets[gi] + pi for gi, pi in places]
+        self.kernel_places = frozenset(self.flat_places)
         self.kernel_params = kernel_params
         self.param_ptrs = list(map(torch.Tensor.data_ptr, kernel_params))
-        self.states = prepared.states
+        self.states = states  # every row's, skipped ones too
         self.quantized_states = [
             st for st, job in zip(self.states, jobs) if job.absmax1 is not None
         ]
         self.held, self.held_qmaps = self.table_state()
         self.held_ptrs = self.addresses(self.held, self.held_qmaps)
+        # what each place's grad must be for the table to fit: the kinds the grads had
+        # (None: had none), a skipped row's as its param's (grads of a kernel param have
+        # its dtype, shape and device: checked before the step)
+        grads = list(prepared.grads)
+        for k, (place, p) in enumerate(zip(self.flat_places, kernel_params)):
+            if skipped[k]:
+                grads[place] = p
+        self.missing = list(map(operator.is_, prepared.grads, itertools.repeat(None)))
+        has = list(map(operator.is_not, grads, itertools.repeat(None)))
+        columns = map(iter, _kind_columns(list(itertools.compress(grads, has))))
+        self.kinds = [[next(c) if h else None for h in has] for c in columns]
         self.runs: list[tuple[int, int, int]] = []  # (group, first row, end row)
         for k, (gi, _) in enumerate(places):
             quantized = jobs[k].state1.dtype
@@ -543,8 +569,8 @@ class _KernelPlan:
                 self.runs[-1] = (gi, self.runs[-1][1], k + 1)
             else:
                 self.runs.append((gi, k, k + 1))
-        self.rows = _row_bytes(prepared.table.params)
-        row_type = prepared.table.params._type_
+        self.rows = _row_bytes(full.params)
+        row_type = full.params._type_
         spans = sorted(
             (getattr(row_type, name).offset, getattr(row_type, name).size)
             for name in cpu8bit.STEP_SCALAR_FIELDS
@@ -555,32 +581,39 @@ class _KernelPlan:
         self.scalar_span = (lo, hi)
         grad_field = row_type.grad
         self.grad_column = self.rows.view(torch.int64)[:, grad_field.offset // 8]
-        # each step's scalars: one row per run, copied to the run's rows in one call
+        # each step's scalars: one row per (run, step count), copied to the rows in one
+        # call; the rows of a run at one step count (the common case) share the run's
         self.step_rows = cpu8bit.step_rows(len(self.runs))
         self.step_bytes = _row_bytes(self.step_rows)
         self.run_of_row = torch.tensor(
             [r for r, (_, first, end) in enumerate(self.runs) for _ in range(first, end)],
             dtype=torch.int64,
         )
-        lo, hi = self.scalar_span
         self.scalars = torch.empty((len(self.run_of_row), hi - lo), dtype=torch.uint8)
         self.run_formats = [
             (jobs[first].state1.dtype == torch.uint8, jobs[first].coupled_weight_decay)
             for _, first, _ in self.runs
         ]
+        # a step that skips rows runs the table's work items but theirs, written here
+        self.step_items = (full.items._type_ * max(full.n_items, 1))()
 
     @classmethod
     def make(
         cls,
         engine: Any,
         prepared: _PreparedStep,
+        full: Any,
         jobs: list[Any],
         places: list[tuple[int, int]],
         kernel_params: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        skipped: list[bool],
     ) -> _KernelPlan | None:
         """A plan for the next steps, or None when this step's table cannot be kept
-        (see the class docstring)."""
-        if prepared.table is None or prepared.late or prepared.staged:
+        (see the class docstring). ``full``: the step's table with every row's work
+        items; ``states``: every row's state dict; ``skipped``: per row, whether its param
+        has no grad this step."""
+        if full is None or prepared.late or prepared.staged:
             return None
         if any(is_dtensor(p) for p in kernel_params):
             return None
@@ -588,11 +621,11 @@ class _KernelPlan:
         for (gi, pi), p in zip(places, kernel_params):
             if (gi, pi) in mng.index2config or id(p) in mng.pid2config:
                 return None
-        plan = cls(engine, prepared, jobs, places, kernel_params)
-        lo, hi = plan.scalar_span  # the scalars must be one per run: check
-        firsts = torch.tensor([first for _, first, _ in plan.runs], dtype=torch.int64)
-        scalars = plan.rows[:, lo:hi]
-        if not torch.equal(scalars, scalars.index_select(0, firsts[plan.run_of_row])):
+        plan = cls(engine, prepared, full, jobs, places, kernel_params, states, skipped)
+        # the scalars a later step writes must be the ones this table holds: check
+        lo, hi = plan.scalar_span
+        plan.write_scalars(engine.param_groups, list(map(_STEP, plan.states)))
+        if not torch.equal(plan.rows[:, lo:hi], plan.scalars):
             return None
         return plan
 
@@ -622,6 +655,91 @@ class _KernelPlan:
         books = list({id(q): q for q in qmaps}.values())
         return list(map(_DATA_PTR, itertools.chain(written, books)))
 
+    def rows_to_keep(self, engine: Any) -> dict[tuple[int, int], torch.Tensor]:
+        """The rows of this table that a new table keeps when their param has no grad:
+        ``(group index, place in the group) -> param`` of every kernel param still at
+        its place in the same group dict (the new table checks the rest)."""
+        groups = engine.param_groups
+        kept = {}
+        for (gi, pi), p in zip(self.places, self.kernel_params):
+            if gi < len(groups) and groups[gi] is self.groups[gi]:
+                params = groups[gi]["params"]
+                if pi < len(params) and params[pi] is p:
+                    kept[gi, pi] = p
+        return kept
+
+    def fits(self, grads: list[torch.Tensor | None]) -> bool:
+        """Whether ``grads`` (every param's, over all groups) are of the kinds the table
+        takes: the params that had a grad when it was made have one of the same kind,
+        except the table's own params, which may have none (their rows are skipped),
+        and no other param has one unless it is a row of the table (a param its last
+        table had, kept without a grad: :meth:`rows_to_keep`)."""
+        missing = list(map(operator.is_, grads, itertools.repeat(None)))
+        if missing != self.missing:
+            changed = itertools.compress(
+                range(len(missing)), map(operator.ne, missing, self.missing)
+            )
+            if not self.kernel_places.issuperset(changed):
+                return False
+        if not any(missing):
+            return _kind_columns(grads) == self.kinds
+        present = list(map(operator.not_, missing))
+        want = [list(itertools.compress(column, present)) for column in self.kinds]
+        return _kind_columns(list(itertools.compress(grads, present))) == want
+
+    def write_scalars(self, groups: list[dict[str, Any]], steps: list[int]) -> None:
+        """Write every row's step scalars for the step after ``steps`` (each row's step
+        count, in row order) into :attr:`scalars` (the table's rows are not written)."""
+        from optladder.optimizers.kernels import cpu8bit
+
+        index, keys = self._scalar_keys(steps)
+        if len(keys) > len(self.step_rows):
+            self.step_rows = cpu8bit.step_rows(max(len(keys), 2 * len(self.step_rows)))
+            self.step_bytes = _row_bytes(self.step_rows)
+        corrections: dict[tuple[int, float, float], tuple[float, float]] = {}
+        for k, (r, step) in enumerate(keys):
+            quantized, coupled = self.run_formats[r]
+            group = groups[self.runs[r][0]]
+            cpu8bit.write_step_scalars(
+                self.step_rows[k],
+                step=step + 1,
+                lr=group["lr"],
+                betas=group["betas"],
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                quantized=quantized,
+                coupled_weight_decay=coupled,
+                corrections=corrections,
+            )
+        lo, hi = self.scalar_span
+        torch.index_select(self.step_bytes[:, lo:hi], 0, index, out=self.scalars)
+
+    def _scalar_keys(self, steps: list[int]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """``(row -> key index, keys)``: one key ``(run, step count)`` per run and step
+        count among its rows, in order of first row (one per run when each run's rows
+        are at one step count, the common case)."""
+        firsts = [steps[first] for _, first, _ in self.runs]
+        if all(
+            steps[first:end].count(step) == end - first
+            for (_, first, end), step in zip(self.runs, firsts)
+        ):
+            return self.run_of_row, list(enumerate(firsts))
+        keys: list[tuple[int, int]] = []
+        index: list[int] = []
+        for r, ((_, first, end), step) in enumerate(zip(self.runs, firsts)):
+            run = steps[first:end]
+            if run.count(step) == end - first:
+                index += itertools.repeat(len(keys), end - first)
+                keys.append((r, step))
+                continue
+            at: dict[int, int] = {}
+            for s in run:
+                if s not in at:
+                    at[s] = len(keys)
+                    keys.append((r, s))
+            index += map(at.__getitem__, run)
+        return torch.tensor(index, dtype=torch.int64), keys
+
     def refresh(self, engine: Any) -> _PreparedStep | None:
         """The prepared step for the engine's current grads, step counts and options on
         this plan's table, or None when the plan no longer fits (prepare a full table).
@@ -630,22 +748,18 @@ class _KernelPlan:
             ValueError: a step count outside what the kernel steps from (see
                 :func:`~optladder.optimizers.migrate.check_step_range`).
         """
-        from optladder.optimizers.kernels import cpu8bit
-
         groups = engine.param_groups
         if not same_objects(groups, self.groups):
             return None
         params: list[torch.Tensor] = []
-        grads: list[torch.Tensor | None] = []
-        for group, held, kinds in zip(groups, self.params, self.kinds):
+        for group, held in zip(groups, self.params):
             group_params = group["params"]
             if not same_objects(group_params, held):
                 return None
-            group_grads = list(map(grad_of, group_params))
-            if grad_kinds(group_grads) != kinds:
-                return None
             params += group_params
-            grads += group_grads
+        grads: list[torch.Tensor | None] = list(map(grad_of, params))
+        if not self.fits(grads):
+            return None
         state_seen = list(engine.state.values())
         if (
             not same_objects(state_seen, self.state_seen)
@@ -671,42 +785,44 @@ class _KernelPlan:
         if min(steps) < 0 or max(steps) > MAX_STEP:
             k = next(k for k, step in enumerate(steps) if not 0 <= step <= MAX_STEP)
             check_step_range(steps[k], engine, self.kernel_params[k], f"param {k}")
-        firsts = [steps[first] for _, first, _ in self.runs]
-        for (_, first, end), step in zip(self.runs, firsts):
-            if steps[first:end].count(step) != end - first:
-                return None  # params of one run at different step counts
-        kernel_grads = cast(list[torch.Tensor], list(map(grads.__getitem__, self.flat_places)))
-        self.grad_column.copy_(
-            torch.tensor(list(map(torch.Tensor.data_ptr, kernel_grads)), dtype=torch.int64)
-        )
-        corrections: dict[tuple[int, float, float], tuple[float, float]] = {}
-        for r, ((gi, _, _), step, (quantized, coupled)) in enumerate(
-            zip(self.runs, firsts, self.run_formats)
-        ):
-            group = groups[gi]
-            cpu8bit.write_step_scalars(
-                self.step_rows[r],
-                step=step + 1,
-                lr=group["lr"],
-                betas=group["betas"],
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                quantized=quantized,
-                coupled_weight_decay=coupled,
-                corrections=corrections,
-            )
+        kernel_grads = list(map(grads.__getitem__, self.flat_places))
+        absent = list(map(operator.is_, kernel_grads, itertools.repeat(None)))
+        table, states = self.table, self.states
+        if any(absent):
+            given = list(kernel_grads)  # a skipped row points at its param (read by no
+            for k in itertools.compress(range(len(absent)), absent):  # item), as a full
+                given[k] = self.kernel_params[k]  # table's does
+            ptrs = list(map(_DATA_PTR, cast(list[torch.Tensor], given)))
+            table = _skip_rows(self.table, absent, self.step_items)
+            states = list(itertools.compress(states, map(operator.not_, absent)))
+        else:
+            ptrs = list(map(_DATA_PTR, cast(list[torch.Tensor], kernel_grads)))
+        self.grad_column.copy_(torch.tensor(ptrs, dtype=torch.int64))
+        self.write_scalars(groups, steps)
         lo, hi = self.scalar_span
-        torch.index_select(self.step_bytes[:, lo:hi], 0, self.run_of_row, out=self.scalars)
         self.rows[:, lo:hi].copy_(self.scalars)  # nothing allocated: the step commits next
-        old = self.prepared
         self.state_seen = state_seen
         return dataclasses.replace(
-            old,
+            self.prepared,
+            table=table,
+            states=states,
             params=params,
             grads=grads,
             state_seen=state_seen,
             check_steps=steps,
         )
+
+
+def _kind_columns(grads: list[Any]) -> list[list[Any]]:
+    """What routing reads of each grad (no None among them), as columns compared with
+    ``==``: dtypes, contiguity, element counts, devices, layouts (loops in C)."""
+    return [
+        list(map(_DTYPE, grads)),
+        list(map(torch.Tensor.is_contiguous, grads)),
+        list(map(torch.Tensor.numel, grads)),
+        list(map(torch.Tensor.get_device, grads)),
+        list(map(_LAYOUT, grads)),
+    ]
 
 
 def _code_bounds(engine: Any, qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -791,33 +907,57 @@ def _kernel_miss(
 def _prepare_step(engine: Any) -> _PreparedStep:
     """The prepared step of a ``LadderAdamW8bit``: on the engine's kept
     :class:`_KernelPlan` when it still fits, else from a full table
-    (:func:`_build_step`), kept for the next steps when it can be."""
+    (:func:`_build_step`, keeping the last table's rows whose param has no grad now),
+    kept for the next steps when it can be."""
     plan = engine._kernel_plan
+    carry: dict[tuple[int, int], torch.Tensor] = {}
     if plan is not None:
         prepared = plan.refresh(engine)
         if prepared is not None:
             return cast(_PreparedStep, prepared)
+        carry = plan.rows_to_keep(engine)
         engine._kernel_plan = None
-    prepared, jobs, places, kernel_params = _build_step(engine)
-    engine._kernel_plan = _KernelPlan.make(engine, prepared, jobs, places, kernel_params)
-    return prepared
+    built = _build_step(engine, carry)
+    engine._kernel_plan = _KernelPlan.make(engine, *built)
+    return built.prepared
 
 
-def _build_step(
-    engine: Any,
-) -> tuple[_PreparedStep, list[Any], list[tuple[int, int]], list[torch.Tensor]]:
+class _Built(NamedTuple):
+    """What :func:`_build_step` made: the prepared step, its table with every row's work
+    items (the prepared one leaves out those of skipped rows), and per row in table
+    order: its job, ``(gindex, pindex)``, param, state dict and whether it is skipped
+    (its param has no grad this step)."""
+
+    prepared: _PreparedStep
+    full: Any
+    jobs: list[Any]
+    places: list[tuple[int, int]]
+    kernel_params: list[torch.Tensor]
+    states: list[dict[str, Any]]
+    skipped: list[bool]
+
+
+def _build_step(engine: Any, carry: dict[tuple[int, int], torch.Tensor] | None = None) -> _Built:
     """Route each param with a grad of a ``LadderAdamW8bit`` to the 8-bit CPU kernel or
     to bitsandbytes, and prepare the kernel's tables; record why each CPU param that
     is not on the kernel is not, in ``engine.eager_reasons`` (param index over all
     groups -> reason).
 
+    Args:
+        engine: the engine.
+        carry: ``(gindex, pindex) -> param`` of params that get a row of the table
+            without a grad (skipped this step: no work items, no step bump), when the
+            kernel can step them (a plain contiguous CPU param with its state); the
+            last table's rows (:meth:`_KernelPlan.rows_to_keep`).
+
     Returns:
-        The prepared step; its kernel jobs, each job's ``(gindex, pindex)`` and param,
-        in table order (by group, then state format, then param order).
+        The prepared step and its rows, in table order (by group, then state format,
+        then param order): :class:`_Built`.
     """
     from optladder.optimizers.kernels import cpu8bit
 
-    entries: list[tuple[int, bool, int, Any, dict[str, Any], torch.Tensor]] = []
+    carry = carry or {}
+    entries: list[tuple[int, bool, int, Any, dict[str, Any], torch.Tensor, bool]] = []
     check_states: list[dict[str, Any]] = []
     others: list[tuple[dict[str, Any], torch.Tensor, int, int]] = []
     late: list[tuple[torch.Tensor, cpu8bit.Job, dict[str, Any]]] = []
@@ -829,7 +969,10 @@ def _build_step(
         for pindex, p in enumerate(group["params"]):
             index += 1
             grad = p.grad
-            if grad is None:
+            skip = grad is None
+            # a param without a grad that was a row of the last table keeps its row,
+            # skipped (see _KernelPlan), if it can
+            if skip and not (_carried(engine, p) and carry.get((gindex, pindex)) is p):
                 continue
             state = engine.state[p]
             if p.device.type != "cpu" or len(state) == 0:
@@ -837,9 +980,11 @@ def _build_step(
                 continue
             check_step_range(int(state["step"]), engine, p, f"param {pindex} of group {gindex}")
             config = engine.get_config(gindex, pindex, group)
-            pair = _local_pair(p)
+            pair = (p.detach(), p.detach()) if skip else _local_pair(p)
             copies = engine._contiguous.get(p)
-            if copies is not None and not p.is_contiguous():  # stepped in its copy
+            if skip:
+                pass  # contiguous: its param stands in for its grad (its row runs no items)
+            elif copies is not None and not p.is_contiguous():  # stepped in its copy
                 work, work_grad = copies
                 pair = (work, work_grad if work_grad is not None else pair[1])
                 staged.append((p, work, work_grad))
@@ -868,6 +1013,8 @@ def _build_step(
                 except ValueError as exc:
                     why = f"its code books do not fit the kernel: {exc}"
             if why is not None:
+                if skip:
+                    continue
                 reasons[index] = why
                 others.append((group, p, gindex, pindex))
                 continue
@@ -898,12 +1045,17 @@ def _build_step(
             if pair[1] is None:
                 late.append((p, jobs.pop(), state))
             else:
-                entries.append((gindex, quantized, pindex, jobs.pop(), state, p))
+                entries.append((gindex, quantized, pindex, jobs.pop(), state, p, skip))
             check_states.append(state)
     entries.sort(key=lambda e: (e[0], e[1]))  # runs of one group and state format
     jobs = [e[3] for e in entries]
     states = [e[4] for e in entries]
-    table = cpu8bit.prepare_table(jobs) if jobs else None
+    skipped = [e[6] for e in entries]
+    full = table = cpu8bit.prepare_table(jobs) if jobs else None
+    run_states = states
+    if any(skipped):
+        table = _skip_rows(full, skipped)
+        run_states = list(itertools.compress(states, map(operator.not_, skipped)))
     for _, job, _ in late:
         cpu8bit.prepare_table([job])  # checks it now (its table is written in the commit)
     engine.eager_reasons = reasons
@@ -911,7 +1063,7 @@ def _build_step(
     prepared = _PreparedStep(
         table=table,
         library=cpu8bit.load_library() if jobs or late else None,
-        states=states,
+        states=run_states,
         others=others,
         late=late,
         staged=staged,
@@ -923,7 +1075,38 @@ def _build_step(
         check_state1=list(map(_STATE1, check_states)),
         n_groups=len(engine.param_groups),
     )
-    return prepared, jobs, [(e[0], e[2]) for e in entries], [e[5] for e in entries]
+    places = [(e[0], e[2]) for e in entries]
+    return _Built(prepared, full, jobs, places, [e[5] for e in entries], states, skipped)
+
+
+def _carried(engine: Any, p: torch.Tensor) -> bool:
+    """Whether a param without a grad can keep its row in the 8-bit CPU kernel's table:
+    a plain contiguous CPU param with its state."""
+    return (
+        p.device.type == "cpu"
+        and not is_dtensor(p)
+        and p.is_contiguous()
+        and bool(engine.state.get(p))
+    )
+
+
+def _skip_rows(table: Any, skipped: list[bool], out: Any = None) -> Any:
+    """``table`` without the work items of the rows ``skipped`` marks (their params are
+    not read or written; the param rows are ``table``'s own), written into ``out`` (an
+    item array at least as long as ``table``'s) or a new item array."""
+    items = table.items
+    item_type = items._type_
+    if ctypes.sizeof(item_type) % 8 or item_type.param.offset % 8:
+        raise AssertionError("a work item of the 8-bit CPU kernel is not a row of int64s")
+    every = _row_bytes(items)[: table.n_items]
+    rows = every.view(torch.int64)[:, item_type.param.offset // 8]
+    present = torch.tensor(skipped, dtype=torch.bool).logical_not_()
+    keep = torch.nonzero(present[rows]).squeeze(1)
+    if out is None:
+        out = (item_type * max(table.n_items, 1))()
+    n = keep.numel()
+    torch.index_select(every, 0, keep, out=_row_bytes(out)[:n])
+    return dataclasses.replace(table, items=out, n_items=n)
 
 
 def steps_noncontiguous(engine: torch.optim.Optimizer) -> bool:

@@ -294,8 +294,10 @@ class KeptGrads:
         if self.reused or self.fresh % REFS_EVERY == 0:
             self.refs = grad_refs(grads)
             self.ptrs = _grad_ptrs(grads) if self.reused and self.addresses else None
-        else:
-            self.refs = []  # matches no grads: checked again at the next step
+        elif self.refs:
+            # matches no grads: checked again at the next step (emptied in place: a new
+            # list a step per group would outlive the step, see fusedstep.fused_plan)
+            self.refs.clear()
         self.fresh = 0 if self.reused else self.fresh + 1
         self.reused = False
 
@@ -332,9 +334,13 @@ class StepMemo:
     Attributes:
         groups: place in ``param_groups`` -> :class:`GroupMemo`.
         states_ready: after :meth:`record_states`, the state dicts and keys then (in
-            order), the params, which had no grad, and how many params each group held.
+            order), the params, which had their state, and how many params each group
+            held.
         states_extra: what the caller derived from that state (see :meth:`record_states`).
         plan: what the prepare phase left for the commit (consumed by it), or None.
+        kept_plan: the last committed plan, emptied of its grads, whose containers the
+            next prepare phase fills again (:func:`~.fusedstep.fused_plan`'s
+            ``previous``: a step then makes few objects that outlive it), or None.
         step_counts: what the prepare phase readies and the commit uses, kept between
             steps, to bump the step counts
             (:class:`~optladder.optimizers.fusedstep.StepCounts`), or None.
@@ -346,6 +352,7 @@ class StepMemo:
     )
     states_extra: Any = None
     plan: Any = None
+    kept_plan: Any = None
     step_counts: Any = None
 
     def states_exist(
@@ -355,19 +362,20 @@ class StepMemo:
         missing: list[bool],
         sizes: list[int],
     ) -> bool:
-        """Whether every param of ``params`` (all groups' params) with a grad had its
-        state the last time :meth:`record_states` ran, with the same state mapping now
-        (the same keys and state dicts, in order: compared by identity, no hashing), the
-        same params and the same params without a grad (``missing``: per param, whether
-        its grad is None), split into groups of the same ``sizes`` (params moved from one
-        group to the next keep the flat list but not what was derived per group), so no
-        state needs creating."""
+        """Whether every param of ``params`` (all groups' params) with a grad
+        (``missing``: per param, whether its grad is None) had its state the last time
+        :meth:`record_states` ran, with the same state mapping now (the same keys and
+        state dicts, in order: compared by identity, no hashing) and the same params,
+        split into groups of the same ``sizes`` (params moved from one group to the next
+        keep the flat list but not what was derived per group), so no state needs
+        creating. A step that changes which params have a grad (experts, a task's head)
+        reads one flag per param, in C."""
         if self.states_ready is None:
             return False
-        values, keys, seen, seen_missing, seen_sizes = self.states_ready
+        values, keys, seen, having, seen_sizes = self.states_ready
         return (
-            missing == seen_missing
-            and sizes == seen_sizes
+            sizes == seen_sizes
+            and all(map(operator.or_, missing, having))
             and same_objects(params, seen)
             and same_objects(list(state.values()), values)
             and same_objects(list(state), keys)
@@ -377,20 +385,15 @@ class StepMemo:
         self,
         state: Mapping[Any, Any],
         params: list[torch.Tensor],
-        missing: list[bool],
         sizes: list[int],
         extra: Any = None,
     ) -> None:
-        """Remember that every param of ``params`` with a grad now has its state, with
-        ``extra`` (whatever the caller derived from that state and the groups' ``sizes``,
-        read back as :attr:`states_extra` while :meth:`states_exist` holds)."""
-        self.states_ready = (
-            list(state.values()),
-            list(state),
-            list(params),
-            list(missing),
-            list(sizes),
-        )
+        """Remember which params of ``params`` have their state now (a non-empty state
+        dict, one lookup per param), with ``extra`` (whatever the caller derived from
+        that state and the groups' ``sizes``, read back as :attr:`states_extra` while
+        :meth:`states_exist` holds)."""
+        having = list(map(bool, map(state.get, params)))
+        self.states_ready = (list(state.values()), list(state), list(params), having, list(sizes))
         self.states_extra = extra
 
     def _memo(self, gi: int, group: dict[str, Any]) -> GroupMemo:
@@ -443,7 +446,9 @@ class StepMemo:
         """Remember group ``gi``'s params and grads as they are now (their checks
         passed; the grads as :meth:`KeptGrads.record` keeps them)."""
         memo = self._memo(gi, group)
-        memo.params, memo.context = list(params), context
+        if not same_objects(params, memo.params):  # kept when the same: see KeptGrads.record
+            memo.params = list(params)
+        memo.context = context
         memo.grads.record(grads)
 
     def trim(self, n_groups: int) -> None:

@@ -31,8 +31,8 @@ import operator
 import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from itertools import chain, compress, repeat
-from typing import Any, cast
+from itertools import accumulate, chain, compress, repeat
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -48,6 +48,7 @@ from optladder.optimizers.fusedstep import (
     plan_steps,
     refuse_nondense,
     refuse_resized,
+    release_grads,
     run_fused_plan,
     steps_through_copy,
 )
@@ -110,7 +111,10 @@ def check_step_inputs(
     if memo is not None:
         memo.trim(len(groups))
     all_grads: list[list[torch.Tensor | None]] = []
-    changed: list[tuple[int, dict[str, Any], list[torch.Tensor], bool]] = []
+    # the groups whose grads are checked, by place (ints: no tuple per group, which over
+    # many groups would outlive the step's young collections, see fusedstep.fused_plan)
+    changed: list[int] = []
+    with_strides: list[bool] = []
     for gi, group in enumerate(groups):
         if memo is None or not memo.options_unchanged(gi, group):
             try:
@@ -134,18 +138,22 @@ def check_step_inputs(
         grads = list(map(grad_of, params))
         all_grads.append(grads)
         strides = fused and bool(group.get("fused"))
+        with_strides.append(strides)
         if memo is None or not memo.grads_unchanged(gi, group, params, grads, strides):
-            changed.append((gi, group, params, strides))
+            changed.append(gi)
     for strides in (False, True):  # the groups' grads checked together, in C
-        checks = [(gi, group, params) for gi, group, params, s in changed if s is strides]
-        flat = list(chain.from_iterable(params for _, _, params in checks))
-        flat_grads = list(chain.from_iterable(all_grads[gi] for gi, _, _ in checks))
+        checks = [gi for gi in changed if with_strides[gi] is strides]
+        flat = list(chain.from_iterable(groups[gi]["params"] for gi in checks))
+        flat_grads = list(chain.from_iterable(all_grads[gi] for gi in checks))
         if _grads_match(flat, flat_grads, strides):
             continue
-        for gi, group, params in checks:
+        for gi in checks:
+            params = groups[gi]["params"]
             if not _grads_match(params, all_grads[gi], strides):  # raises, naming it:
-                _check_grads(params, names.get(id(group), f"group {gi}"), strides)
-    for gi, group, params, strides in changed:
+                _check_grads(params, names.get(id(groups[gi]), f"group {gi}"), strides)
+    for gi in changed:
+        group, strides = groups[gi], with_strides[gi]
+        params = group["params"]
         if bnb:
             _check_bnb_steps(engine, params, names.get(id(group), f"group {gi}"))
         if memo is not None:
@@ -307,22 +315,25 @@ def prepare_step(
                         else:
                             state[p].update(_torch_adam_init(group, p))
             if not ready and not bnb:
-                _lay_out_moments(engine, grads)
+                _lay_out_moments(engine)
             if bnb and hasattr(engine, "prepare_contiguous"):
                 engine.prepare_contiguous()  # copies of non-contiguous params, see eightbit
             prepare_kernel = getattr(engine, "prepare_kernel_step", None)
             if prepare_kernel is not None:
                 prepare_kernel()  # the 8-bit CPU kernel's tables
             if memo is not None and not ready:
-                extra = None if bnb else _fused_states(engine, grads)
-                memo.record_states(state, params, missing, sizes, extra)
+                extra = None if bnb else _fused_states(engine)
+                memo.record_states(state, params, sizes, extra)
             if memo is not None and memo.states_extra is not None:
-                memo.plan = _plan(engine, grads, *memo.states_extra)
+                kept, memo.kept_plan = memo.kept_plan, None  # its containers, filled again
+                memo.plan = _plan(engine, grads, memo.states_extra, kept)
             if not bnb and memo is not None and memo.plan is not None:
                 if memo.step_counts is None:
                     memo.step_counts = StepCounts()
                 names = param_names(engine.param_groups, grads, group_names)
-                memo.step_counts.prepare(plan_steps(memo.plan), names)  # on change: shared?
+                memo.step_counts.prepare(  # on change: shared?
+                    plan_steps(memo.plan), names, _every_step(memo.states_extra, missing)
+                )
             elif not bnb:  # torch's step, which costs far more than reading every step
                 refuse_nondense(engine, grads, group_names)  # torch's step: past them
                 refuse_shared_steps(
@@ -336,6 +347,7 @@ def prepare_step(
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _STRIDE = torch.Tensor.stride
+_STEP = operator.itemgetter("step")
 
 
 def _laid_out_like(m: torch.Tensor, p: torch.Tensor) -> bool:
@@ -348,19 +360,21 @@ def _laid_out_like(m: torch.Tensor, p: torch.Tensor) -> bool:
     return all(a == b for a, b, n in zip(m.stride(), p.stride(), p.shape) if n > 1)
 
 
-def _lay_out_moments(engine: torch.optim.Optimizer, grads: list[list[torch.Tensor | None]]) -> None:
+def _lay_out_moments(engine: torch.optim.Optimizer) -> None:
     """Give each moment of a fused group's param that is laid out unlike the param (see
     :func:`_laid_out_like`) a copy laid out like it, in its state dict (the values stay
     the same). torch's fused kernel pairs elements by memory order; torch creates
     moments laid out like the param, but a checkpoint load or a move between rungs makes
     them contiguous, which would pair a ``channels_last`` or transposed param's elements
     with other elements' moments. Once per change of the state, before anything is
-    written; plain tensors only (a DTensor's strides describe the global tensor)."""
+    written, for every param with state (also those without a grad this step: a later
+    step that gives one a grad finds it laid out); plain tensors only (a DTensor's
+    strides describe the global tensor)."""
     state = engine.state
-    for group, gs in zip(engine.param_groups, grads):
+    for group in engine.param_groups:
         if not group.get("fused"):
             continue
-        params = [p for p, g in zip(group["params"], gs) if g is not None and p in state]
+        params = [p for p in group["params"] if p in state]
         for key in _MOMENTS:
             pairs = [(p, state[p][key]) for p in params if key in state[p]]
             if all(
@@ -382,40 +396,84 @@ def _lay_out_moments(engine: torch.optim.Optimizer, grads: list[list[torch.Tenso
                 state[p][key] = like.copy_(m)
 
 
-def _fused_states(
-    engine: torch.optim.Optimizer, grads: list[list[torch.Tensor | None]]
-) -> tuple[list[list[dict[str, Any]]], list[list[int]]] | None:
-    """Per group, the state dicts of the params with a grad (one lookup per param, once
-    per change of the state or of which params have grads) and the places among those of
-    the params that are not dense (:func:`~.fusedstep.nondense_places`), when every group
-    of a torch Adam engine's params can take the direct fused call
-    (:func:`~.fusedstep.params_fit`)."""
+class FusedStates(NamedTuple):
+    """What the fused commit reads of the state, once per change of it
+    (:func:`_fused_states`; kept in the memo while every param with a grad had its
+    state then, :meth:`~.stepmemo.StepMemo.states_exist`).
+
+    Attributes:
+        states: per group, every param's state dict (None for a param without state).
+        nondense: per group, the places of the params that are not dense
+            (:func:`~.fusedstep.nondense_places`).
+        having: every param with state (flat, in order): whether it has one.
+        with_state: the state dicts of those params, in order.
+    """
+
+    states: list[list[dict[str, Any] | None]]
+    nondense: list[list[int]]
+    having: list[bool]
+    with_state: list[dict[str, Any]]
+
+
+def _fused_states(engine: torch.optim.Optimizer) -> FusedStates | None:
+    """:class:`FusedStates` of a torch Adam engine whose every group can take the direct
+    fused call (:func:`~.fusedstep.params_fit`), else None. One lookup per param, once
+    per change of the state (not of which params have a grad: a step that changes that
+    picks among these)."""
     if not isinstance(engine, torch.optim.Adam):
         return None
     state = engine.state
     out, nondense = [], []
-    for group, gs in zip(engine.param_groups, grads):
+    for group in engine.param_groups:
         if not group.get("fused") or not group["params"] or not params_fit(group["params"]):
             return None
-        present = list(compress(group["params"], map(operator.is_not, gs, repeat(None))))
-        out.append([state[p] for p in present])
-        nondense.append(nondense_places(present))
-    return out, nondense
+        out.append([state.get(p) or None for p in group["params"]])
+        nondense.append(nondense_places(group["params"]))
+    flat = list(chain.from_iterable(out))
+    having = list(map(operator.is_not, flat, repeat(None)))
+    with_state = cast(list[dict[str, Any]], list(compress(flat, having)))
+    return FusedStates(out, nondense, having, with_state)
 
 
 def _plan(
     engine: torch.optim.Optimizer,
     grads: list[list[torch.Tensor | None]],
-    states: list[list[dict[str, Any]]],
-    nondense: list[list[int]],
+    fused: FusedStates,
+    kept: list[FusedCall] | None = None,
 ) -> list[FusedCall] | None:
-    """The commit's kernel calls (:func:`~.fusedstep.fused_plan`), or None for torch's
-    ``step`` (an option changed so that a group no longer fits, a state dict lost a
-    tensor)."""
+    """The commit's kernel calls (:func:`~.fusedstep.fused_plan`, in ``kept``'s
+    containers where it can) on the state dicts of the params with a grad (every one has
+    its state: see :class:`FusedStates`), or None for torch's ``step`` (an option
+    changed so that a group no longer fits, a state dict lost a tensor)."""
+    states: list[list[dict[str, Any]]] = []
+    nondense: list[list[int]] = []
+    for sts, nd, gs in zip(fused.states, fused.nondense, grads, strict=True):
+        present = list(map(operator.is_not, gs, repeat(None)))
+        if all(present):
+            states.append(cast(list[dict[str, Any]], sts))
+            nondense.append(nd)
+            continue
+        states.append(cast(list[dict[str, Any]], list(compress(sts, present))))
+        ranks = list(accumulate(present, initial=0))  # place among those with a grad
+        nondense.append([ranks[i] for i in nd if present[i]])
     try:
-        return fused_plan(engine, grads, states, nondense)
+        return fused_plan(engine, grads, states, nondense, kept)
     except KeyError:
         return None
+
+
+def _every_step(
+    fused: FusedStates, missing: list[bool]
+) -> tuple[list[torch.Tensor], list[bool]] | None:
+    """``(step of every param with state, whether it has a grad)`` for
+    :meth:`~.fusedstep.StepCounts.prepare` (``missing``: per param, whether its grad is
+    None), or None when a state dict has no ``step``."""
+    try:
+        every = list(map(_STEP, fused.with_state))
+    except KeyError:
+        return None
+    present = map(operator.not_, compress(missing, fused.having))
+    return every, list(present)
 
 
 def _steps_of(engine: torch.optim.Optimizer, grads: list[list[torch.Tensor | None]]) -> list[Any]:
@@ -490,6 +548,7 @@ def commit_step(engine: torch.optim.Optimizer, memo: StepMemo | None = None) -> 
         plan, memo.plan = memo.plan, None  # one commit per prepare
     if memo is not None and plan is not None:
         run_fused_plan(plan, memo.step_counts)  # prepared with the plan
+        memo.kept_plan = release_grads(plan)  # its containers, for the next prepare
     elif isinstance(engine, LadderAdamW) or hasattr(engine, "commit_step"):
         engine.commit_step()  # LadderAdamW, optladder's bitsandbytes engine
     else:
