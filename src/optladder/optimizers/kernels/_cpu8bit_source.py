@@ -382,9 +382,9 @@ static inline __attribute__((always_inline)) void ol8_range_f32(
    the update with the absmax taken in the same loop, then the encode 64 values at a
    time by register permutes (ol8v_quantize64; the start table read by scalar loads,
    ol8v_quantize, for a book its tables cannot serve); no software prefetch (see
-   ol8_prefetch). The permute encode made the whole step 1.25-1.28x faster at 1M float32 params and
-   1.40x at 16M (1 thread, AMD EPYC Zen 4: 1.23 -> 0.96-0.98 and 1.50 -> 1.07 ns per
-   element). */
+   ol8_prefetch). The permute encode made the whole step 1.25-1.28x faster at 1M
+   float32 params and 1.40x at 16M (1 thread, AMD EPYC Zen 4: 1.23 -> 0.96-0.98 and
+   1.50 -> 1.07 ns per element). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define OL8_HAVE_AVX512 1
 #include <immintrin.h>
