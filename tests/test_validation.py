@@ -1350,6 +1350,44 @@ def test_an_8bit_entry_missing_its_codes_is_refused_naming_them(missing: str) ->
 
 
 @pytest.mark.parametrize("rung", RUNGS)
+@pytest.mark.parametrize(
+    ("entry", "found"),
+    [(None, "NoneType"), ([], "list"), (torch.zeros(128), "Tensor"), ((), "tuple")],
+)
+def test_a_param_state_that_is_not_a_dict_is_refused_naming_the_param(
+    rung: str, entry: object, found: str
+) -> None:
+    """A param's saved state of None or [] loaded as no state (the bias's moments
+    and step count silently lost: it restarted from zero moments); a tensor failed on
+    its truth value (RuntimeError). Refused naming the param and the type, nothing
+    changed."""
+    opt, _ = _stepped(rung)
+    _, saved = _stepped("fp32")
+    saved["state"][1] = entry
+    assert_load_refused(
+        opt, saved, rf"param 1: its state must be a dict \(an empty one for no state\), got {found}"
+    )
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_bitsandbytes_wrapped_state_that_is_not_a_dict_is_refused_naming_the_param(
+    rung: str,
+) -> None:
+    """bitsandbytes' state_dict() puts a param's 8-bit tensors in a dict under
+    '__bnb_optimizer_quant_state__'; a tensor there failed with a TypeError from
+    dict.update. Refused naming the param and the type, nothing changed."""
+    opt, _ = _stepped(rung)
+    _, saved = _stepped("8bit")
+    saved["state"][0]["__bnb_optimizer_quant_state__"] = torch.zeros(3)
+    assert_load_refused(
+        opt,
+        saved,
+        r"param 0: its state's '__bnb_optimizer_quant_state__' must be a dict of tensors, "
+        r"as bitsandbytes' state_dict\(\) wraps them, got Tensor",
+    )
+
+
+@pytest.mark.parametrize("rung", RUNGS)
 def test_loaded_group_options_are_the_optimizers_own_not_the_checkpoints(rung: str) -> None:
     """Loading copies the saved groups' values, as torch's load_state_dict deep-copies
     them: a tensor lr was the checkpoint's object, so an LR scheduler on one optimizer

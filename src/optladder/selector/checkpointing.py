@@ -29,6 +29,7 @@ from optladder.errors import OptladderWarning, user_stacklevel
 from optladder.optimizers.build import ENGINE_KEYS
 from optladder.optimizers.checkpoint import from_checkpoint_form, to_checkpoint_form, zero_state
 from optladder.optimizers.migrate import (
+    BNB_WRAPPED_KEY,
     check_param_state,
     check_step_range,
     convert_param_state,
@@ -159,10 +160,11 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
         )
     loaded: dict[Any, dict[str, Any]] = {}  # key -> state in a layout convert reads
     for pi, (key, p) in enumerate(pairs):
-        st = saved_state.get(key)
+        if key not in saved_state:
+            continue
+        st = saved_state[key]
+        _check_containers(st, f"param {pi}")
         if st:
-            if not isinstance(st, dict):
-                raise ValueError(f"param {pi}: its state must be a dict, got {type(st).__name__}")
             st = from_checkpoint_form(st, p, f"param {pi}")
             check_param_state(st, p, f"param {pi}")
             if read_step(st) > 0:  # step 0: saved for a param that never stepped
@@ -213,6 +215,31 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
         opt.state.update(new_state)
         if move_to is not None:
             switch(opt, engine, move_to, checkpoint_reason(opt, move_to), "checkpoint")
+
+
+def _check_containers(state: object, where: str) -> None:
+    """Refuse one param's saved state whose containers are not the layout's: the state
+    itself not a dict (``None`` or ``[]`` had loaded as no state, the moments lost; a
+    tensor failed on its truth value), or bitsandbytes' wrapped tensors not under a dict.
+
+    Args:
+        state: the saved state of one param (``state_dict["state"][key]``).
+        where: names the param in messages, e.g. ``"param 3"``.
+
+    Raises:
+        ValueError: naming the param, the container and the type found.
+    """
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"{where}: its state must be a dict (an empty one for no state), got "
+            f"{type(state).__name__}"
+        )
+    wrapped = state.get(BNB_WRAPPED_KEY, {})
+    if not isinstance(wrapped, dict):
+        raise ValueError(
+            f"{where}: its state's {BNB_WRAPPED_KEY!r} must be a dict of tensors, as "
+            f"bitsandbytes' state_dict() wraps them, got {type(wrapped).__name__}"
+        )
 
 
 def _refuse_overflow(converted: dict[str, Any], saved: dict[str, Any], where: str) -> None:
