@@ -1068,7 +1068,13 @@ def _case_dcp_unsharded_to_fsdp2(rank: int) -> None:
     rounding. fp32: every moment is the value the 8-bit state held (dequantized here
     independently), and the run resumes bit for bit as the unsharded run moved to
     fp32 at the save."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (WORLD,))
     singles = [dist.new_group([r]) for r in range(WORLD)]
@@ -1081,14 +1087,15 @@ def _case_dcp_unsharded_to_fsdp2(rank: int) -> None:
         if rung == "8bit":
             moments = {n: _dequantized(opt, p) for n, p in plain.named_parameters()}
             _dcp_save(plain, opt, _ckpt_dir[0] / f"unsharded_rank{rank}", pg=singles[rank])
+            full = copy.deepcopy(
+                get_optimizer_state_dict(plain, opt, options=StateDictOptions(full_state_dict=True))
+            )
         else:  # the reference: the same run moved to fp32 at the save
             opt.migrate_to("fp32", "the reference", force=True)
         _unsharded_run(plain, opt, range(_SAVE_AT, _STEPS))
         want[rung] = _full_params(plain)
     dist.barrier()
     for rung, exact in (("8bit", ("a", "b")), ("fp32", tuple(_UNSHARDED_PARAMS))):
-        from torch.distributed.fsdp import fully_shard
-
         model = _UnshardedNet()
         fully_shard(model, mesh=mesh)
         sharded = choose_optimizer(model, rung=rung, **kw)
@@ -1104,6 +1111,17 @@ def _case_dcp_unsharded_to_fsdp2(rank: int) -> None:
         got = _full_params(model)
         for name in exact:
             assert torch.equal(got[name], want[rung][name]), (rung, name)
+    # The same state as a full state dict on every rank, into FSDP2: torch merges it
+    # into the live state dict (row form) and keeps the keys it lacks, so each param's
+    # state holds two forms. The row form, the template's, was read alone: every moment
+    # loaded as the template's zeros, no error. Refused, the template's state kept.
+    model = _UnshardedNet()
+    fully_shard(model, mesh=mesh)
+    sharded = choose_optimizer(model, rung="8bit", **kw)
+    options = StateDictOptions(full_state_dict=True)
+    with pytest.raises(ValueError, match="holds the keys of 2 forms"):
+        set_optimizer_state_dict(model, sharded, full, options=options)
+    assert _dcp_steps(sharded) == [0] * len(_UNSHARDED_PARAMS)
 
 
 CASES: dict[str, Callable[[int], None]] = {

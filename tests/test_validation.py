@@ -1387,6 +1387,48 @@ def test_bitsandbytes_wrapped_state_that_is_not_a_dict_is_refused_naming_the_par
     )
 
 
+def _mixed(kind: str) -> dict:
+    """One param's saved state holding two forms, as torch's full-state-dict loading
+    leaves it when the checkpoint's form is not the live optimizer's: the keys the
+    checkpoint lacks keep the template's values."""
+    _, adam = _stepped("fp32")
+    _, bnb = _stepped("8bit")
+    wrapped = bnb["state"][0]["__bnb_optimizer_quant_state__"]
+    if kind == "adam+wrapped":
+        return {**adam["state"][0], "__bnb_optimizer_quant_state__": wrapped}
+    if kind == "flat+wrapped":  # an old flat 8-bit checkpoint into a wrapped template
+        return {**wrapped, "step": 2, "__bnb_optimizer_quant_state__": wrapped}
+    rows = 128  # the row form of the 128 x 64 weight: each row's block and scale
+    phase = (torch.arange(rows) * 64 % 256).to(torch.int32)
+    slot = torch.arange(rows) * 64 // 256
+    row_form = {
+        "block_phase": phase,
+        "block_absmax1": torch.stack([wrapped["absmax1"][slot], torch.zeros(rows)], 1),
+        "block_absmax2": torch.stack([wrapped["absmax2"][slot], torch.zeros(rows)], 1),
+    }
+    return {
+        **row_form,
+        **{k: wrapped[k] for k in ("state1", "state2", "qmap1", "qmap2")},
+        "step": 2,
+        "__bnb_optimizer_quant_state__": wrapped,
+    }
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+@pytest.mark.parametrize("kind", ["adam+wrapped", "flat+wrapped", "rows+wrapped"])
+def test_a_state_holding_two_forms_is_refused_naming_them(rung: str, kind: str) -> None:
+    """torch's set_optimizer_state_dict(full_state_dict=True) merges a checkpoint into
+    the live optimizer's state dict, keeping the template's keys the checkpoint lacks.
+    The row form beside bitsandbytes' wrapped state was read alone (the template's
+    values loaded as the checkpoint's, no error), and a flat 8-bit state beside wrapped
+    values took the wrapped ones; refused naming both forms, nothing changed."""
+    pytest.importorskip("bitsandbytes")
+    opt, _ = _stepped(rung)
+    _, saved = _stepped("fp32")
+    saved["state"][0] = _mixed(kind)
+    assert_load_refused(opt, saved, r"param 0: its state holds the keys of 2 forms: .*'__bnb")
+
+
 @pytest.mark.parametrize("rung", RUNGS)
 def test_loaded_group_options_are_the_optimizers_own_not_the_checkpoints(rung: str) -> None:
     """Loading copies the saved groups' values, as torch's load_state_dict deep-copies

@@ -29,9 +29,16 @@ import torch
 
 from optladder.errors import OptladderWarning, user_stacklevel
 from optladder.optimizers.build import ENGINE_KEYS
-from optladder.optimizers.checkpoint import from_checkpoint_form, to_checkpoint_form, zero_state
+from optladder.optimizers.checkpoint import (
+    PHASE_KEY,
+    ROW_ABSMAX_KEYS,
+    from_checkpoint_form,
+    to_checkpoint_form,
+    zero_state,
+)
 from optladder.optimizers.migrate import (
     BNB_WRAPPED_KEY,
+    BNB_WRAPPED_KEYS,
     check_param_state,
     check_step_range,
     convert_param_state,
@@ -297,6 +304,49 @@ def _check_containers(state: object, where: str) -> None:
         raise ValueError(
             f"{where}: its state's {BNB_WRAPPED_KEY!r} must be a dict of tensors, as "
             f"bitsandbytes' state_dict() wraps them, got {type(wrapped).__name__}"
+        )
+    _refuse_mixed_forms(state, wrapped, where)
+
+
+_ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+_ROW_KEYS = (PHASE_KEY, *ROW_ABSMAX_KEYS)
+
+
+def _refuse_mixed_forms(state: dict[Any, Any], wrapped: dict[Any, Any], where: str) -> None:
+    """Refuse one param's saved state that holds the keys of two forms at once: the Adam
+    layout, bitsandbytes' layout at the top level, the same wrapped under
+    ``"__bnb_optimizer_quant_state__"``, and the row form of sharded 8-bit state. No
+    optimizer saves two (``state_dict()`` writes one form per param, as bitsandbytes and
+    torch do), but torch's ``set_optimizer_state_dict(..., full_state_dict=True)`` loads
+    a checkpoint into the live optimizer's own state dict and keeps the keys the
+    checkpoint lacks: a checkpoint of another form then arrives beside this optimizer's
+    own values. The row form was read and the rest ignored, so the live (template)
+    values loaded as if they were the checkpoint's (an unsharded 8bit run's full state
+    dict into FSDP2: every moment off, 0.6 in exp_avg, no error).
+
+    Raises:
+        ValueError: naming the param, the forms and their keys, and what loads instead.
+    """
+    top = set(state)
+    forms = {
+        "the Adam layout": sorted(top & set(_ADAM_KEYS)),
+        "the row form of sharded 8-bit state": sorted(top & set(_ROW_KEYS)),
+        "bitsandbytes' layout": sorted(top & BNB_WRAPPED_KEYS)
+        if not top & set(_ROW_KEYS)
+        else sorted(top & {"absmax1", "absmax2"}),
+        f"bitsandbytes' layout under {BNB_WRAPPED_KEY!r}": sorted(wrapped),
+    }
+    found = {form: keys for form, keys in forms.items() if keys}
+    if len(found) > 1:
+        listed = "; ".join(f"{form} ({', '.join(map(str, keys))})" for form, keys in found.items())
+        raise ValueError(
+            f"{where}: its state holds the keys of {len(found)} forms: {listed}. One optimizer "
+            "saves one; this is a checkpoint of one form loaded into a state dict of another "
+            "(torch's set_optimizer_state_dict with full_state_dict=True keeps the live "
+            "optimizer's keys the checkpoint lacks), and which values are the checkpoint's "
+            "cannot be told. Load it into an optimizer on the rung and sharding it was saved "
+            "from, or save and load it with torch.distributed.checkpoint and "
+            "optladder.DCPLoadPlanner, which loads any rung into any rung"
         )
 
 
