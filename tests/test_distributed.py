@@ -1060,9 +1060,11 @@ def _unsharded_run(model: nn.Module, opt: LadderOptimizer, steps: range) -> None
 
 def _case_dcp_unsharded_to_fsdp2(rank: int) -> None:
     """A DCP checkpoint of an 8bit run without FSDP (bitsandbytes' layout: one block
-    scale per 256 elements of the whole param) loads under FSDP2 on 2 ranks. It was
-    refused on every rung ("absmax1 has 24 values; 3072 elements ... need 12": the
-    scales were read against this rank's shard). 8bit: codes and scales exact for
+    scale per 256 elements of the whole param) loads under FSDP2 on 2 ranks, and so
+    does its full state dict through set_optimizer_state_dict. DCP's was refused on
+    every rung ("absmax1 has 24 values; 3072 elements ... need 12": the scales were read
+    against this rank's shard); the full state dict loaded the template's zero moments
+    on 8bit and was refused on fp32. 8bit: codes and scales exact for
     the params whose shards start on a block boundary ("a"; "b" keeps float32 state),
     which then resume bit for bit; the others requantized within the format's
     rounding. fp32: every moment is the value the 8-bit state held (dequantized here
@@ -1085,6 +1087,7 @@ def _case_dcp_unsharded_to_fsdp2(rank: int) -> None:
         opt = choose_optimizer(plain, rung="8bit", **kw)
         _unsharded_run(plain, opt, range(_SAVE_AT))
         if rung == "8bit":
+            at_save = _full_params(plain)
             moments = {n: _dequantized(opt, p) for n, p in plain.named_parameters()}
             _dcp_save(plain, opt, _ckpt_dir[0] / f"unsharded_rank{rank}", pg=singles[rank])
             full = copy.deepcopy(
@@ -1095,33 +1098,40 @@ def _case_dcp_unsharded_to_fsdp2(rank: int) -> None:
         _unsharded_run(plain, opt, range(_SAVE_AT, _STEPS))
         want[rung] = _full_params(plain)
     dist.barrier()
-    for rung, exact in (("8bit", ("a", "b")), ("fp32", tuple(_UNSHARDED_PARAMS))):
+    # The same state as DCP saved it, and as a full state dict on every rank, which
+    # torch merges into the live state dict (row form on 8bit, Adam on fp32), keeping
+    # the keys it lacks: each param's state then holds two forms, of which the live
+    # one's keys are the template's. The row form, the template's, was read alone:
+    # every moment loaded as the template's zeros, no error.
+    cases = [
+        ("dcp", "8bit", ("a", "b")),
+        ("dcp", "fp32", tuple(_UNSHARDED_PARAMS)),
+        # into another rung, torch's own merge fails (KeyError on the groups' keys)
+        ("full state dict", "8bit", ("a", "b")),
+    ]
+    for how, rung, exact in cases:
         model = _UnshardedNet()
         fully_shard(model, mesh=mesh)
         sharded = choose_optimizer(model, rung=rung, **kw)
-        _dcp_load(model, sharded, _ckpt_dir[0] / "unsharded_rank0")
+        if how == "dcp":
+            _dcp_load(model, sharded, _ckpt_dir[0] / "unsharded_rank0")
+        else:
+            model.load_state_dict(
+                {n: _shard_of(at_save[n], p) for n, p in model.named_parameters()}
+            )
+            options = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(model, sharded, copy.deepcopy(full), options=options)
         if rung == "8bit":
             _assert_within_8bit_rounding(sharded, model, moments, exact)
         else:
             for name, old in moments.items():
                 new = _dequantized(sharded, model.get_parameter(name))
                 for m in ("exp_avg", "exp_avg_sq"):
-                    assert torch.equal(new[m], old[m]), (name, m)
+                    assert torch.equal(new[m], old[m]), (how, name, m)
         _unsharded_run(model, sharded, range(_SAVE_AT, _STEPS))
         got = _full_params(model)
         for name in exact:
-            assert torch.equal(got[name], want[rung][name]), (rung, name)
-    # The same state as a full state dict on every rank, into FSDP2: torch merges it
-    # into the live state dict (row form) and keeps the keys it lacks, so each param's
-    # state holds two forms. The row form, the template's, was read alone: every moment
-    # loaded as the template's zeros, no error. Refused, the template's state kept.
-    model = _UnshardedNet()
-    fully_shard(model, mesh=mesh)
-    sharded = choose_optimizer(model, rung="8bit", **kw)
-    options = StateDictOptions(full_state_dict=True)
-    with pytest.raises(ValueError, match="holds the keys of 2 forms"):
-        set_optimizer_state_dict(model, sharded, full, options=options)
-    assert _dcp_steps(sharded) == [0] * len(_UNSHARDED_PARAMS)
+            assert torch.equal(got[name], want[rung][name]), (how, rung, name)
 
 
 CASES: dict[str, Callable[[int], None]] = {

@@ -200,8 +200,9 @@ def _row_form_of_whole(
     A run without FSDP saves its 8-bit state as bitsandbytes does: codes laid out like
     the param, which ``torch.distributed.checkpoint`` loads as this rank's rows (a
     DTensor laid out like the param, as :class:`~optladder.DCPLoadPlanner` makes the
-    template), and one absmax per 256-element block of the *whole* param, counted from
-    its first element, which DCP loads whole. Those scales were refused as the wrong
+    template) and a full state dict holds whole (this rank's rows are taken), and one
+    absmax per 256-element block of the *whole* param, counted from its first element,
+    which DCP loads whole. Those scales were refused as the wrong
     number of values for this rank's shard, so such a checkpoint did not load under
     FSDP2 on any rung. As rows, they load as the row form does: exactly where the
     shard starts on a multiple of 256 elements, requantized elsewhere.
@@ -229,9 +230,8 @@ def _row_form_of_whole(
             and not is_dtensor(absmax)
             and absmax.dim() == 1
             and absmax.numel() == -(-n // BNB_BLOCKSIZE)
-            and is_dtensor(codes)
             and tuple(codes.shape) == tuple(p.shape)
-            and tuple(local_tensor(codes).shape) == tuple(shard.shape)
+            and (not is_dtensor(codes) or tuple(local_tensor(codes).shape) == tuple(shard.shape))
         ):
             return None
     _check_row_sharding(p, where)
@@ -244,10 +244,42 @@ def _row_form_of_whole(
         ),
     }
     for i in (1, 2):
-        out[f"state{i}"] = local_tensor(flat[f"state{i}"])
+        codes = flat[f"state{i}"]
+        # DCP loads this rank's rows (a DTensor laid out like the param); a full state
+        # dict holds the whole codes: this rank's rows of them
+        out[f"state{i}"] = local_tensor(codes) if is_dtensor(codes) else codes[first : first + rows]
         out[ROW_ABSMAX_KEYS[i - 1]] = _rows_from_blocks(flat[f"absmax{i}"], rows, per_row, first)
         out[f"qmap{i}"] = flat.get(f"qmap{i}")
     return out
+
+
+def _rows_of_full(flat: Mapping[str, Any], p: torch.Tensor) -> dict[str, Any] | None:
+    """This rank's rows of a DTensor param's float moments saved whole (plain tensors
+    of the param's global shape: Adam's ``exp_avg``/``exp_avg_sq``, bitsandbytes'
+    float32 ``state1``/``state2``), as a full state dict of a run without FSDP holds
+    them; None when ``flat`` holds none, or ``p`` is not sharded by rows alone."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not is_dtensor(p) or p.dim() == 0:
+        return None
+    shard = local_tensor(p)
+    placements = tuple(p.placements)  # type: ignore[attr-defined]
+    if shard.numel() == p.numel() or not all(
+        isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in placements
+    ):
+        return None
+    names = [
+        k
+        for k in ("exp_avg", "exp_avg_sq", "state1", "state2")
+        if isinstance(flat.get(k), torch.Tensor)
+        and not is_dtensor(flat[k])
+        and flat[k].is_floating_point()
+        and tuple(flat[k].shape) == tuple(p.shape)
+    ]
+    if not names:
+        return None
+    first, rows = _first_row(p), shard.shape[0]
+    return {k: (v[first : first + rows] if k in names else v) for k, v in flat.items()}
 
 
 def from_checkpoint_form(state: Mapping[str, Any], p: torch.Tensor, where: str) -> dict[str, Any]:
@@ -257,8 +289,9 @@ def from_checkpoint_form(state: Mapping[str, Any], p: torch.Tensor, where: str) 
     saved blocks are this shard's blocks, else the Adam layout with float32 moments
     dequantized element by element from their saved blocks (see the module). So does
     8-bit state of a DTensor param saved in bitsandbytes' layout over the whole param
-    (by a run without FSDP; :func:`_row_form_of_whole`). Any other form is returned as
-    it is (a new dict). Nothing is written to ``state``.
+    (by a run without FSDP; :func:`_row_form_of_whole`); float moments of a DTensor
+    param saved whole become this rank's rows (:func:`_rows_of_full`). Any other form
+    is returned as it is (a new dict). Nothing is written to ``state``.
 
     Args:
         state: one param's saved state (DTensor values are read on this rank's shard;
@@ -271,11 +304,13 @@ def from_checkpoint_form(state: Mapping[str, Any], p: torch.Tensor, where: str) 
             do not fit the param's shard on this rank, its codes are not uint8, or its
             ``block_phase`` is not integer offsets in ``[0, 255]``.
     """
-    whole = _row_form_of_whole(unwrap_bnb_state(state), p, where)
+    flat = unwrap_bnb_state(state)
+    whole = _row_form_of_whole(flat, p, where)
     if whole is not None:
         state = whole
     elif not is_row_form(state):
-        return dict(state)
+        sliced = _rows_of_full(flat, p)
+        return sliced if sliced is not None else dict(state)
     shard = local_tensor(p)
     rows = shard.shape[0] if shard.dim() else 1
     per_row = row_numel(p.shape)

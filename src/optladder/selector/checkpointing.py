@@ -39,6 +39,7 @@ from optladder.optimizers.checkpoint import (
 from optladder.optimizers.migrate import (
     BNB_WRAPPED_KEY,
     BNB_WRAPPED_KEYS,
+    StateTarget,
     check_param_state,
     check_step_range,
     convert_param_state,
@@ -224,11 +225,17 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
             f"{sorted(map(repr, unknown))[:5]}{hint}"
         )
     loaded: dict[Any, dict[str, Any]] = {}  # key -> state in a layout convert reads
+    live_owner = {id(g): e for e in opt._engines() for g in e.param_groups}
+    live_groups_of = [g for g in opt.param_groups for _ in g["params"]]
     for pi, (key, p) in enumerate(pairs):
         if key not in saved_state:
             continue
         st = saved_state[key]
         _check_containers(st, f"param {pi}")
+        group = live_groups_of[pi]
+        st = _one_form(
+            st, _live_form(state_target(live_owner[id(group)], group, p), p), f"param {pi}"
+        )
         if st:
             st = from_checkpoint_form(st, p, f"param {pi}")
             check_param_state(st, p, f"param {pi}")
@@ -305,49 +312,98 @@ def _check_containers(state: object, where: str) -> None:
             f"{where}: its state's {BNB_WRAPPED_KEY!r} must be a dict of tensors, as "
             f"bitsandbytes' state_dict() wraps them, got {type(wrapped).__name__}"
         )
-    _refuse_mixed_forms(state, wrapped, where)
 
 
-_ADAM_KEYS = ("exp_avg", "exp_avg_sq")
-_ROW_KEYS = (PHASE_KEY, *ROW_ABSMAX_KEYS)
+_ADAM_KEYS = frozenset({"exp_avg", "exp_avg_sq"})
+_ROW_KEYS = frozenset({PHASE_KEY, *ROW_ABSMAX_KEYS})
+_FORM_KEYS = {
+    "adam": _ADAM_KEYS,
+    "rows": _ROW_KEYS | {"state1", "state2", "qmap1", "qmap2"},
+    "flat": BNB_WRAPPED_KEYS,
+    "wrapped": frozenset({BNB_WRAPPED_KEY}),
+}
+"""The top-level keys of each form one param's state is saved in: the Adam layout,
+the row form of sharded 8-bit state, bitsandbytes' layout (flat, as a DTensor param's
+float32 state and old checkpoints save it), and the same wrapped as bitsandbytes'
+``state_dict()`` wraps it."""
+_FORM_NAMES = {
+    "adam": "the Adam layout",
+    "rows": "the row form of sharded 8-bit state",
+    "flat": "bitsandbytes' layout",
+    "wrapped": f"bitsandbytes' layout under {BNB_WRAPPED_KEY!r}",
+}
 
 
-def _refuse_mixed_forms(state: dict[Any, Any], wrapped: dict[Any, Any], where: str) -> None:
-    """Refuse one param's saved state that holds the keys of two forms at once: the Adam
-    layout, bitsandbytes' layout at the top level, the same wrapped under
-    ``"__bnb_optimizer_quant_state__"``, and the row form of sharded 8-bit state. No
-    optimizer saves two (``state_dict()`` writes one form per param, as bitsandbytes and
-    torch do), but torch's ``set_optimizer_state_dict(..., full_state_dict=True)`` loads
-    a checkpoint into the live optimizer's own state dict and keeps the keys the
-    checkpoint lacks: a checkpoint of another form then arrives beside this optimizer's
-    own values. The row form was read and the rest ignored, so the live (template)
-    values loaded as if they were the checkpoint's (an unsharded 8bit run's full state
-    dict into FSDP2: every moment off, 0.6 in exp_avg, no error).
+def _live_form(target: StateTarget, p: torch.Tensor) -> str:
+    """The form :func:`state_dict` saves ``p``'s state in, on the engine of ``target``."""
+    if target.layout == "adam":
+        return "adam"
+    if is_dtensor(p):
+        return "rows" if target.quantize else "flat"
+    return "wrapped"
+
+
+def _forms(state: dict[Any, Any]) -> list[str]:
+    """The forms whose keys ``state`` holds at its top level (the row form's codes count
+    for it alone; bitsandbytes' flat block scales beside them are a second form)."""
+    top = set(state)
+    rows = bool(top & _ROW_KEYS)
+    found = []
+    if top & _ADAM_KEYS:
+        found.append("adam")
+    if rows:
+        found.append("rows")
+    if top & ({"absmax1", "absmax2"} if rows else BNB_WRAPPED_KEYS):
+        found.append("flat")
+    if state.get(BNB_WRAPPED_KEY):
+        found.append("wrapped")
+    return found
+
+
+def _one_form(state: dict[Any, Any], live: str, where: str) -> dict[Any, Any]:
+    """One param's saved state in one form.
+
+    No optimizer saves two forms (``state_dict()`` writes one per param, as torch and
+    bitsandbytes do), but torch's ``set_optimizer_state_dict(..., full_state_dict=True)``
+    loads a checkpoint into the live optimizer's own state dict (its template) and keeps
+    the template's keys the checkpoint lacks: a checkpoint of another form arrives beside
+    this param's live form. That form's keys are then the template's and are dropped.
+    (The row form was read and the rest ignored: an unsharded 8bit run's full state dict
+    loaded into FSDP2 as the template's zero moments, with no error.)
+
+    Args:
+        state: the param's saved state (a dict).
+        live: the form this param's state is saved in now (:func:`_live_form`).
+        where: names the param in messages, e.g. ``"param 3"``.
+
+    Returns:
+        ``state`` itself when it holds one form, else a new dict without the live form's
+        keys.
 
     Raises:
-        ValueError: naming the param, the forms and their keys, and what loads instead.
+        ValueError: two forms of which neither is the live one, or whose keys overlap
+            (the row form and bitsandbytes' flat layout share the codes' names), or
+            more than two; naming the forms and their keys.
     """
-    top = set(state)
-    forms = {
-        "the Adam layout": sorted(top & set(_ADAM_KEYS)),
-        "the row form of sharded 8-bit state": sorted(top & set(_ROW_KEYS)),
-        "bitsandbytes' layout": sorted(top & BNB_WRAPPED_KEYS)
-        if not top & set(_ROW_KEYS)
-        else sorted(top & {"absmax1", "absmax2"}),
-        f"bitsandbytes' layout under {BNB_WRAPPED_KEY!r}": sorted(wrapped),
-    }
-    found = {form: keys for form, keys in forms.items() if keys}
-    if len(found) > 1:
-        listed = "; ".join(f"{form} ({', '.join(map(str, keys))})" for form, keys in found.items())
-        raise ValueError(
-            f"{where}: its state holds the keys of {len(found)} forms: {listed}. One optimizer "
-            "saves one; this is a checkpoint of one form loaded into a state dict of another "
-            "(torch's set_optimizer_state_dict with full_state_dict=True keeps the live "
-            "optimizer's keys the checkpoint lacks), and which values are the checkpoint's "
-            "cannot be told. Load it into an optimizer on the rung and sharding it was saved "
-            "from, or save and load it with torch.distributed.checkpoint and "
-            "optladder.DCPLoadPlanner, which loads any rung into any rung"
-        )
+    found = _forms(state)
+    if len(found) < 2:
+        return state
+    if len(found) == 2 and live in found and {"rows", "flat"} != set(found):
+        drop = _FORM_KEYS[live]
+        return {k: v for k, v in state.items() if k not in drop}
+    listed = "; ".join(
+        f"{_FORM_NAMES[form]} ({', '.join(sorted(map(str, set(state) & _FORM_KEYS[form])))})"
+        for form in found
+    )
+    raise ValueError(
+        f"{where}: its state holds the keys of {len(found)} forms: {listed}, and which values "
+        "are the checkpoint's cannot be told. One optimizer saves one form; torch's "
+        "set_optimizer_state_dict with full_state_dict=True loads a checkpoint into this "
+        f"optimizer's own state dict, which is in {_FORM_NAMES[live]} for this param, and "
+        "keeps the keys the checkpoint lacks. Load it into an optimizer on the rung and "
+        "sharding it was saved from, or save and load it with torch.distributed.checkpoint "
+        "and optladder.DCPLoadPlanner, which loads any rung into any rung"
+    )
 
 
 def _refuse_overflow(converted: dict[str, Any], saved: dict[str, Any], where: str) -> None:
