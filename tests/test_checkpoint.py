@@ -265,6 +265,83 @@ def test_dcp_resume_with_a_never_stepped_param_equals_the_uninterrupted_run(rung
     assert read_step(opt2.state[model2.b]) == 3
 
 
+@pytest.mark.parametrize("rung", RUNGS)
+def test_a_dcp_template_of_a_fresh_optimizer_takes_no_step(rung: str) -> None:
+    """get_optimizer_state_dict on an optimizer without state (the README's load
+    recipe, a checkpoint saved before the first step) runs torch's _init_optim_state,
+    which calls step() with zero grads and lr 0. That step counted: every step count
+    was one on (4 after 3 steps), so the run's bias corrections differed from a run
+    that never made a template (params off by ~5e-3 after 3 steps at lr 1e-2), and
+    committed_steps grew. Now it gives each trainable param a zero state with step 0;
+    the run equals one that never made a template, bit for bit, and (fp32) torch's
+    fused AdamW over the same grads."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    plain, templated = _AB(), _AB()
+    opt, opt2 = _build(plain, rung), _build(templated, rung)
+    saved = get_optimizer_state_dict(templated, opt2)["state"]
+    assert sorted(saved) == ["a", "b"]  # the frozen param gets none, as in torch
+    for st in saved.values():
+        flat = unwrap_bnb_state(st)
+        assert read_step(flat) == 0
+        for k, v in flat.items():
+            if isinstance(v, torch.Tensor) and not k.startswith("qmap") and k != "step":
+                assert not v.any(), k
+    assert opt2.committed_steps == 0 and templated.a.grad is None
+    assert torch.equal(templated.a, plain.a)
+    reference = _AB()
+    torch_opt = torch.optim.AdamW(
+        [p for p in reference.parameters() if p.requires_grad], lr=1e-2, fused=True
+    )
+    for s in range(3):
+        _step(plain, opt, s)
+        _step(templated, opt2, s)
+        _step(reference, torch_opt, s)
+    assert torch.equal(templated.a, plain.a) and torch.equal(templated.b, plain.b)
+    assert read_step(opt2.state[templated.a]) == 3 and opt2.committed_steps == 3
+    if rung == "fp32":
+        assert torch.equal(templated.a, reference.a) and torch.equal(templated.b, reference.b)
+
+
+def test_a_dcp_template_that_runs_out_of_memory_moves_down_as_a_step_does() -> None:
+    """The template's state is allocated outside the step's machinery: out of memory
+    there, a policy-chosen optimizer moves one rung down and makes it there (as the step
+    torch asked for did), and a fixed rung raises with nothing installed."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from memtools import FailNthAllocation
+    from optladder import OptimizerOutOfMemoryError
+
+    model = _AB()
+    opt = choose_optimizer(model, lr=1e-2, free_memory="1GiB", environ={})
+    assert opt.rung == "fp32"
+    # allocations 1 and 2: torch's zero grads for a and b; 3: a's first moment
+    with FailNthAllocation(3):
+        state = get_optimizer_state_dict(model, opt)["state"]
+    assert opt.rung == "bf16" and [e.to_rung for e in opt.escalations] == ["bf16"]
+    assert state["a"]["exp_avg"].dtype == torch.bfloat16 and read_step(state["a"]) == 0
+    assert opt.committed_steps == 0 and opt.param_groups[0]["lr"] == 1e-2
+
+    model = _AB()
+    fixed = _build(model, "fp32")
+    with pytest.raises(OptimizerOutOfMemoryError, match="fixed"), FailNthAllocation(3):
+        get_optimizer_state_dict(model, fixed)
+    assert not fixed.state and fixed.rung == "fp32"
+
+
+def test_a_users_step_with_lr_0_and_zero_grads_still_counts() -> None:
+    """Only torch's _init_optim_state is taken for a template: the same step called by
+    the user (no state yet, zero grads, lr 0) is a step, as in torch's AdamW."""
+    model = _AB()
+    opt = _build(model, "fp32")
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    model.a.grad = torch.zeros_like(model.a)
+    model.b.grad = torch.zeros_like(model.b)
+    opt.step()
+    assert read_step(opt.state[model.a]) == 1 and opt.committed_steps == 1
+
+
 # ---------------------------------------------------------------- meta params
 @pytest.mark.parametrize("rung", RUNGS)
 def test_an_optimizer_over_meta_params_is_refused(rung: str) -> None:

@@ -55,6 +55,10 @@ The cases:
   blocks are unchanged resume bit for bit and the others stay within the 8-bit rounding.
 - ``dcp_reshard``: 2 ranks -> 1 and 1 -> 2 (1-rank meshes over 1-rank process groups):
   fp32 exact; 8bit exact where the blocks are unchanged, else within the rounding.
+- ``dcp_unsharded_to_fsdp2``: a checkpoint of an 8bit run without FSDP (block scales
+  over the whole param) loads under FSDP2 on the 8bit rung (exact where the blocks are
+  unchanged, else within the rounding) and the fp32 rung (the values it held), and
+  resumes as the unsharded run does.
 """
 
 from __future__ import annotations
@@ -218,6 +222,12 @@ def test_fsdp2_dcp_reshards_2_to_1_and_1_to_2_within_the_8bit_rounding(
     outcomes: list[dict[str, str]],
 ) -> None:
     _check(outcomes, "dcp_reshard")
+
+
+def test_fsdp2_dcp_loads_a_checkpoint_of_an_unsharded_8bit_run(
+    outcomes: list[dict[str, str]],
+) -> None:
+    _check(outcomes, "dcp_unsharded_to_fsdp2")
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -707,7 +717,7 @@ def _run(model: _Net, opt: LadderOptimizer, steps: range, oom_at: int | None = N
         opt.zero_grad()
 
 
-def _dcp_save(model: _Net, opt: LadderOptimizer, path: Path, pg: Any = None) -> None:
+def _dcp_save(model: nn.Module, opt: LadderOptimizer, path: Path, pg: Any = None) -> None:
     """The README's recipe: save."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -716,7 +726,7 @@ def _dcp_save(model: _Net, opt: LadderOptimizer, path: Path, pg: Any = None) -> 
     dcp.save(state, checkpoint_id=str(path), process_group=pg)
 
 
-def _dcp_load(model: _Net, opt: LadderOptimizer, path: Path, pg: Any = None) -> None:
+def _dcp_load(model: nn.Module, opt: LadderOptimizer, path: Path, pg: Any = None) -> None:
     """The README's recipe: load (optladder's planner fits the optimizer's template to
     the checkpoint, whatever its rung; set_optimizer_state_dict then moves the rung)."""
     import torch.distributed.checkpoint as dcp
@@ -801,7 +811,7 @@ def _assert_same_states(got: list[dict[str, Any]], want: list[dict[str, Any]]) -
                 assert x.dtype == y.dtype and torch.equal(x, y), (pi, k)
 
 
-def _full_params(model: _Net) -> dict[str, torch.Tensor]:
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         n: (p.full_tensor() if is_dtensor(p) else p.detach()).clone()  # type: ignore[attr-defined]
         for n, p in model.named_parameters()
@@ -810,7 +820,7 @@ def _full_params(model: _Net) -> dict[str, torch.Tensor]:
 
 def _assert_within_8bit_rounding(
     opt: LadderOptimizer,
-    model: _Net,
+    model: nn.Module,
     before: dict[str, dict[str, torch.Tensor]],
     exact: tuple[str, ...],
 ) -> None:
@@ -1021,6 +1031,109 @@ def _case_dcp_reshard(rank: int) -> None:
             assert torch.equal(got[name], want[name]), (config, "1 -> 2", name)
 
 
+# Weights of the unsharded -> FSDP2 case, by name: global shape. "a": 6,144 elements,
+# each rank's 3,072 whole blocks (the same blocks unsharded); "c": 7 rows of 1,000, split
+# 4 + 3 (rank 1 starts mid-block); "r": 24 rows of 250, 24 blocks (as many block scales
+# as rows: DCP had split its scales like its rows), split 12 + 12 (rank 1 starts at
+# element 3,000, mid-block); "b": 512 (float32 state on the 8bit rung).
+_UNSHARDED_PARAMS = {"a": (64, 96), "c": (7, 1000), "r": (24, 250), "b": (8, 64)}
+
+
+class _UnshardedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(11)  # the same init on every rank
+        for name, shape in _UNSHARDED_PARAMS.items():
+            self.register_parameter(name, nn.Parameter(torch.randn(shape, generator=gen) / 10))
+
+
+def _unsharded_run(model: nn.Module, opt: LadderOptimizer, steps: range) -> None:
+    """Steps on the same full grads whatever the sharding (each rank takes its rows)."""
+    for s in steps:
+        for i, (name, shape) in enumerate(_UNSHARDED_PARAMS.items()):
+            p = model.get_parameter(name)
+            g = torch.randn(shape, generator=torch.Generator().manual_seed(100 * s + i))
+            p.grad = _shard_of(g, p) if is_dtensor(p) else g
+        opt.step()
+        opt.zero_grad()
+
+
+def _case_dcp_unsharded_to_fsdp2(rank: int) -> None:
+    """A DCP checkpoint of an 8bit run without FSDP (bitsandbytes' layout: one block
+    scale per 256 elements of the whole param) loads under FSDP2 on 2 ranks, and so
+    does its full state dict through set_optimizer_state_dict. DCP's was refused on
+    every rung ("absmax1 has 24 values; 3072 elements ... need 12": the scales were read
+    against this rank's shard); the full state dict loaded the template's zero moments
+    on 8bit and was refused on fp32. 8bit: codes and scales exact for
+    the params whose shards start on a block boundary ("a"; "b" keeps float32 state),
+    which then resume bit for bit; the others requantized within the format's
+    rounding. fp32: every moment is the value the 8-bit state held (dequantized here
+    independently), and the run resumes bit for bit as the unsharded run moved to
+    fp32 at the save."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    singles = [dist.new_group([r]) for r in range(WORLD)]
+    kw: dict[str, Any] = {"lr": 1e-2, "free_memory": "1GiB", "environ": {}}
+    want: dict[str, dict[str, torch.Tensor]] = {}
+    for rung in ("8bit", "fp32"):  # each rank runs the same unsharded job, in step
+        plain = _UnshardedNet()
+        opt = choose_optimizer(plain, rung="8bit", **kw)
+        _unsharded_run(plain, opt, range(_SAVE_AT))
+        if rung == "8bit":
+            at_save = _full_params(plain)
+            moments = {n: _dequantized(opt, p) for n, p in plain.named_parameters()}
+            _dcp_save(plain, opt, _ckpt_dir[0] / f"unsharded_rank{rank}", pg=singles[rank])
+            full = copy.deepcopy(
+                get_optimizer_state_dict(plain, opt, options=StateDictOptions(full_state_dict=True))
+            )
+        else:  # the reference: the same run moved to fp32 at the save
+            opt.migrate_to("fp32", "the reference", force=True)
+        _unsharded_run(plain, opt, range(_SAVE_AT, _STEPS))
+        want[rung] = _full_params(plain)
+    dist.barrier()
+    # The same state as DCP saved it, and as a full state dict on every rank, which
+    # torch merges into the live state dict (row form on 8bit, Adam on fp32), keeping
+    # the keys it lacks: each param's state then holds two forms, of which the live
+    # one's keys are the template's. The row form, the template's, was read alone:
+    # every moment loaded as the template's zeros, no error.
+    cases = [
+        ("dcp", "8bit", ("a", "b")),
+        ("dcp", "fp32", tuple(_UNSHARDED_PARAMS)),
+        # into another rung, torch's own merge fails (KeyError on the groups' keys)
+        ("full state dict", "8bit", ("a", "b")),
+    ]
+    for how, rung, exact in cases:
+        model = _UnshardedNet()
+        fully_shard(model, mesh=mesh)
+        sharded = choose_optimizer(model, rung=rung, **kw)
+        if how == "dcp":
+            _dcp_load(model, sharded, _ckpt_dir[0] / "unsharded_rank0")
+        else:
+            model.load_state_dict(
+                {n: _shard_of(at_save[n], p) for n, p in model.named_parameters()}
+            )
+            options = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(model, sharded, copy.deepcopy(full), options=options)
+        if rung == "8bit":
+            _assert_within_8bit_rounding(sharded, model, moments, exact)
+        else:
+            for name, old in moments.items():
+                new = _dequantized(sharded, model.get_parameter(name))
+                for m in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(new[m], old[m]), (how, name, m)
+        _unsharded_run(model, sharded, range(_SAVE_AT, _STEPS))
+        got = _full_params(model)
+        for name in exact:
+            assert torch.equal(got[name], want[rung][name]), (how, rung, name)
+
+
 CASES: dict[str, Callable[[int], None]] = {
     "decision": _case_decision,
     "oom_step": _case_oom_step,
@@ -1034,6 +1147,7 @@ CASES: dict[str, Callable[[int], None]] = {
     "dcp_same_world": _case_dcp_same_world,
     "dcp_full_state_dict": _case_dcp_full_state_dict,
     "dcp_reshard": _case_dcp_reshard,
+    "dcp_unsharded_to_fsdp2": _case_dcp_unsharded_to_fsdp2,
 }
 
 

@@ -23,7 +23,7 @@ import torch
 from memtools import FailNthAllocation
 from optladder import choose_optimizer, decide, measure_footprint
 from optladder.optimizers import probe_capabilities
-from optladder.optimizers.migrate import unwrap_bnb_state
+from optladder.optimizers.migrate import read_step, unwrap_bnb_state
 from optladder.policies import Overrides
 from optladder.policies.decision import allowed_rungs
 from optladder.rungs import PARAM_DTYPES, RUNGS, param_refusal
@@ -1347,6 +1347,119 @@ def test_an_8bit_entry_missing_its_codes_is_refused_naming_them(missing: str) ->
     opt, saved = _stepped("8bit")
     del saved["state"][0]["__bnb_optimizer_quant_state__"][missing]
     assert_load_refused(opt, saved, rf"param 0: the state has no tensor '{missing}'")
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+@pytest.mark.parametrize(
+    ("entry", "found"),
+    [(None, "NoneType"), ([], "list"), (torch.zeros(128), "Tensor"), ((), "tuple")],
+)
+def test_a_param_state_that_is_not_a_dict_is_refused_naming_the_param(
+    rung: str, entry: object, found: str
+) -> None:
+    """A param's saved state of None or [] loaded as no state (the bias's moments
+    and step count silently lost: it restarted from zero moments); a tensor failed on
+    its truth value (RuntimeError). Refused naming the param and the type, nothing
+    changed."""
+    opt, _ = _stepped(rung)
+    _, saved = _stepped("fp32")
+    saved["state"][1] = entry
+    assert_load_refused(
+        opt, saved, rf"param 1: its state must be a dict \(an empty one for no state\), got {found}"
+    )
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_bitsandbytes_wrapped_state_that_is_not_a_dict_is_refused_naming_the_param(
+    rung: str,
+) -> None:
+    """bitsandbytes' state_dict() puts a param's 8-bit tensors in a dict under
+    '__bnb_optimizer_quant_state__'; a tensor there failed with a TypeError from
+    dict.update. Refused naming the param and the type, nothing changed."""
+    opt, _ = _stepped(rung)
+    _, saved = _stepped("8bit")
+    saved["state"][0]["__bnb_optimizer_quant_state__"] = torch.zeros(3)
+    assert_load_refused(
+        opt,
+        saved,
+        r"param 0: its state's '__bnb_optimizer_quant_state__' must be a dict of tensors, "
+        r"as bitsandbytes' state_dict\(\) wraps them, got Tensor",
+    )
+
+
+def _mixed(kind: str) -> dict:
+    """One param's saved state holding two forms, as torch's full-state-dict loading
+    leaves it when the checkpoint's form is not the live optimizer's: the keys the
+    checkpoint lacks keep the template's values."""
+    _, adam = _stepped("fp32")
+    _, bnb = _stepped("8bit")
+    wrapped = bnb["state"][0]["__bnb_optimizer_quant_state__"]
+    if kind == "flat+wrapped":  # an old flat 8-bit checkpoint into a wrapped template
+        return {**wrapped, "step": 2, "__bnb_optimizer_quant_state__": wrapped}
+    rows = 128  # the row form of the 128 x 64 weight: each row's block and scale
+    phase = (torch.arange(rows) * 64 % 256).to(torch.int32)
+    slot = torch.arange(rows) * 64 // 256
+    row_form = {
+        "block_phase": phase,
+        "block_absmax1": torch.stack([wrapped["absmax1"][slot], torch.zeros(rows)], 1),
+        "block_absmax2": torch.stack([wrapped["absmax2"][slot], torch.zeros(rows)], 1),
+    }
+    mixed = {
+        **row_form,
+        **{k: wrapped[k] for k in ("state1", "state2", "qmap1", "qmap2")},
+        "step": 2,
+        "__bnb_optimizer_quant_state__": wrapped,
+    }
+    if kind == "adam+rows+wrapped":
+        mixed.update({k: adam["state"][0][k] for k in ("exp_avg", "exp_avg_sq")})
+    return mixed
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+@pytest.mark.parametrize("source", RUNGS)
+def test_a_checkpoint_merged_into_a_template_of_another_form_loads_the_checkpoint(
+    rung: str, source: str
+) -> None:
+    """torch's set_optimizer_state_dict(full_state_dict=True) loads a checkpoint into the
+    live optimizer's own state dict and keeps the keys the checkpoint lacks, so a
+    checkpoint of another form arrives beside the live form's values (it was refused for
+    holding the other layout's keys). The live form's keys are the template's: the load
+    equals loading the checkpoint alone, bit for bit."""
+    pytest.importorskip("bitsandbytes")
+    opt, template = _stepped(rung)
+    _, saved = _stepped(source)
+    for key in saved["state"]:  # saved after 2 steps on another rung: other values
+        saved["state"][key]["step"] = 5
+    merged = copy.deepcopy(template)
+    for key, st in saved["state"].items():
+        merged["state"][key] = {**merged["state"][key], **copy.deepcopy(st)}
+    opt.load_state_dict(merged)
+    alone, _ = _stepped(rung)
+    alone.load_state_dict(saved)
+    assert_same(snapshot(opt), snapshot(alone))
+    assert read_step(opt.state[next(iter(opt.state))]) == 5
+
+
+@pytest.mark.parametrize(
+    ("rung", "kind", "forms"),
+    [
+        ("fp32", "flat+wrapped", "bitsandbytes' layout .*; bitsandbytes' layout under"),
+        ("bf16", "rows+wrapped", "the row form .*; bitsandbytes' layout under"),
+        ("8bit", "adam+rows+wrapped", "3 forms: the Adam layout"),
+    ],
+)
+def test_a_state_holding_two_forms_but_not_the_live_one_is_refused(
+    rung: str, kind: str, forms: str
+) -> None:
+    """Forms of which none is the live optimizer's cannot be told apart (which values
+    are the checkpoint's?): refused naming them, nothing changed. The row form beside
+    bitsandbytes' wrapped state was read alone; a flat 8-bit state beside wrapped values
+    took the wrapped ones."""
+    pytest.importorskip("bitsandbytes")
+    opt, _ = _stepped(rung)
+    _, saved = _stepped("fp32")
+    saved["state"][0] = _mixed(kind)
+    assert_load_refused(opt, saved, rf"param 0: its state holds the keys of .*{forms}")
 
 
 @pytest.mark.parametrize("rung", RUNGS)

@@ -74,14 +74,18 @@ def row_slots(numel_per_row: int) -> int:
     return (numel_per_row + BNB_BLOCKSIZE - 2) // BNB_BLOCKSIZE + 1
 
 
-def _row_starts(rows: int, per_row: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(rows, dtype=torch.int64, device=device) * per_row
+def _row_starts(rows: int, per_row: int, device: torch.device, first_row: int = 0) -> torch.Tensor:
+    """Each row's first element (int64, ``(rows,)``), counting from row ``first_row``."""
+    return torch.arange(first_row, first_row + rows, dtype=torch.int64, device=device) * per_row
 
 
-def _rows_from_blocks(absmax: torch.Tensor, rows: int, per_row: int) -> torch.Tensor:
-    """The ``(rows, K)`` table of a contiguous shard's per-block ``absmax``."""
+def _rows_from_blocks(
+    absmax: torch.Tensor, rows: int, per_row: int, first_row: int = 0
+) -> torch.Tensor:
+    """The ``(rows, K)`` table of a contiguous shard's per-block ``absmax``: its rows
+    ``first_row`` to ``first_row + rows - 1`` (the blocks counted from row 0)."""
     k = row_slots(per_row)
-    start = _row_starts(rows, per_row, absmax.device)
+    start = _row_starts(rows, per_row, absmax.device, first_row)
     first = start // BNB_BLOCKSIZE
     last = (start + per_row - 1) // BNB_BLOCKSIZE
     idx = first[:, None] + torch.arange(k, device=absmax.device)[None, :]
@@ -175,13 +179,119 @@ def is_row_form(state: Mapping[str, Any]) -> bool:
     return PHASE_KEY in state
 
 
+def _first_row(p: torch.Tensor) -> int:
+    """The global index of the first row (dim 0) of ``p``'s shard on this rank."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(
+        p.shape,
+        p.device_mesh,  # type: ignore[attr-defined]
+        p.placements,  # type: ignore[attr-defined]
+    )
+    return int(offset[0]) if offset else 0
+
+
+def _row_form_of_whole(
+    flat: Mapping[str, Any], p: torch.Tensor, where: str
+) -> dict[str, Any] | None:
+    """The row form of this rank's rows of a DTensor param's 8-bit state saved in
+    bitsandbytes' layout over the *whole* param, or None when ``flat`` is not that.
+
+    A run without FSDP saves its 8-bit state as bitsandbytes does: codes laid out like
+    the param, which ``torch.distributed.checkpoint`` loads as this rank's rows (a
+    DTensor laid out like the param, as :class:`~optladder.DCPLoadPlanner` makes the
+    template) and a full state dict holds whole (this rank's rows are taken), and one
+    absmax per 256-element block of the *whole* param, counted from its first element,
+    which DCP loads whole. Those scales were refused as the wrong
+    number of values for this rank's shard, so such a checkpoint did not load under
+    FSDP2 on any rung. As rows, they load as the row form does: exactly where the
+    shard starts on a multiple of 256 elements, requantized elsewhere.
+
+    Args:
+        flat: one param's saved state, bitsandbytes' wrapping undone.
+        p: the live param.
+        where: names the param in messages, e.g. ``"param 3"``.
+
+    Raises:
+        ValueError: for a param not sharded on dim 0.
+    """
+    if not is_dtensor(p) or not all(f"state{i}" in flat for i in (1, 2)):
+        return None
+    n = p.numel()
+    shard = local_tensor(p)
+    if shard.numel() == n:  # this rank holds the whole param: the layout is the live one
+        return None
+    for i in (1, 2):
+        codes, absmax = flat[f"state{i}"], flat.get(f"absmax{i}")
+        if not (
+            isinstance(codes, torch.Tensor)
+            and codes.dtype == torch.uint8
+            and isinstance(absmax, torch.Tensor)
+            and not is_dtensor(absmax)
+            and absmax.dim() == 1
+            and absmax.numel() == -(-n // BNB_BLOCKSIZE)
+            and tuple(codes.shape) == tuple(p.shape)
+            and (not is_dtensor(codes) or tuple(local_tensor(codes).shape) == tuple(shard.shape))
+        ):
+            return None
+    _check_row_sharding(p, where)
+    first = _first_row(p)
+    rows, per_row = shard.shape[0], row_numel(p.shape)
+    out: dict[str, Any] = {
+        "step": flat.get("step"),
+        PHASE_KEY: (_row_starts(rows, per_row, shard.device, first) % BNB_BLOCKSIZE).to(
+            torch.int32
+        ),
+    }
+    for i in (1, 2):
+        codes = flat[f"state{i}"]
+        # DCP loads this rank's rows (a DTensor laid out like the param); a full state
+        # dict holds the whole codes: this rank's rows of them
+        out[f"state{i}"] = local_tensor(codes) if is_dtensor(codes) else codes[first : first + rows]
+        out[ROW_ABSMAX_KEYS[i - 1]] = _rows_from_blocks(flat[f"absmax{i}"], rows, per_row, first)
+        out[f"qmap{i}"] = flat.get(f"qmap{i}")
+    return out
+
+
+def _rows_of_full(flat: Mapping[str, Any], p: torch.Tensor) -> dict[str, Any] | None:
+    """This rank's rows of a DTensor param's float moments saved whole (plain tensors
+    of the param's global shape: Adam's ``exp_avg``/``exp_avg_sq``, bitsandbytes'
+    float32 ``state1``/``state2``), as a full state dict of a run without FSDP holds
+    them; None when ``flat`` holds none, or ``p`` is not sharded by rows alone."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not is_dtensor(p) or p.dim() == 0:
+        return None
+    shard = local_tensor(p)
+    placements = tuple(p.placements)  # type: ignore[attr-defined]
+    if shard.numel() == p.numel() or not all(
+        isinstance(pl, Replicate) or (isinstance(pl, Shard) and pl.dim == 0) for pl in placements
+    ):
+        return None
+    names = [
+        k
+        for k in ("exp_avg", "exp_avg_sq", "state1", "state2")
+        if isinstance(flat.get(k), torch.Tensor)
+        and not is_dtensor(flat[k])
+        and flat[k].is_floating_point()
+        and tuple(flat[k].shape) == tuple(p.shape)
+    ]
+    if not names:
+        return None
+    first, rows = _first_row(p), shard.shape[0]
+    return {k: (v[first : first + rows] if k in names else v) for k, v in flat.items()}
+
+
 def from_checkpoint_form(state: Mapping[str, Any], p: torch.Tensor, where: str) -> dict[str, Any]:
     """A saved state of ``p`` in a layout :func:`convert_param_state` reads.
 
     The row form becomes the bitsandbytes layout of this rank's shard (exact) when the
     saved blocks are this shard's blocks, else the Adam layout with float32 moments
-    dequantized element by element from their saved blocks (see the module). Any other
-    form is returned as it is (a new dict). Nothing is written to ``state``.
+    dequantized element by element from their saved blocks (see the module). So does
+    8-bit state of a DTensor param saved in bitsandbytes' layout over the whole param
+    (by a run without FSDP; :func:`_row_form_of_whole`); float moments of a DTensor
+    param saved whole become this rank's rows (:func:`_rows_of_full`). Any other form
+    is returned as it is (a new dict). Nothing is written to ``state``.
 
     Args:
         state: one param's saved state (DTensor values are read on this rank's shard;
@@ -194,8 +304,13 @@ def from_checkpoint_form(state: Mapping[str, Any], p: torch.Tensor, where: str) 
             do not fit the param's shard on this rank, its codes are not uint8, or its
             ``block_phase`` is not integer offsets in ``[0, 255]``.
     """
-    if not is_row_form(state):
-        return dict(state)
+    flat = unwrap_bnb_state(state)
+    whole = _row_form_of_whole(flat, p, where)
+    if whole is not None:
+        state = whole
+    elif not is_row_form(state):
+        sliced = _rows_of_full(flat, p)
+        return sliced if sliced is not None else dict(state)
     shard = local_tensor(p)
     rows = shard.shape[0] if shard.dim() else 1
     per_row = row_numel(p.shape)

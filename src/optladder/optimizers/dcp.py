@@ -57,8 +57,11 @@ __all__ = ["DCPLoadPlanner", "fit_optimizer_templates"]
 
 Path = tuple[str | int, ...]
 
-_REPLICATED = frozenset({"qmap1", "qmap2"})
-"""Saved tensors of a DTensor param's state that are never sharded (the code books)."""
+_REPLICATED = frozenset({"qmap1", "qmap2", "absmax1", "absmax2"})
+"""Saved tensors of a DTensor param's state that are never sharded: the code books, and
+bitsandbytes' block scales of an unsharded param's 8-bit state (one per 256-element
+block of the whole param; a param with as many rows as blocks had them split like its
+rows, and refused). Sharded state saves its scales per row (``block_absmax1/2``)."""
 _PARAM_SHAPED = ("exp_avg", "state1")
 """Template tensors laid out like the param, whichever rung made the template."""
 

@@ -19,16 +19,27 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import warnings
 from collections.abc import Sequence
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from optladder.errors import OptladderWarning, user_stacklevel
 from optladder.optimizers.build import ENGINE_KEYS
-from optladder.optimizers.checkpoint import from_checkpoint_form, to_checkpoint_form, zero_state
+from optladder.optimizers.checkpoint import (
+    PHASE_KEY,
+    ROW_ABSMAX_KEYS,
+    from_checkpoint_form,
+    to_checkpoint_form,
+    zero_state,
+)
 from optladder.optimizers.migrate import (
+    BNB_WRAPPED_KEY,
+    BNB_WRAPPED_KEYS,
+    StateTarget,
     check_param_state,
     check_step_range,
     convert_param_state,
@@ -54,6 +65,8 @@ __all__ = [
     "checkpoint_rung",
     "checkpoint_states",
     "follow_checkpoint",
+    "init_zero_states",
+    "is_state_init_step",
     "load",
     "state_dict",
 ]
@@ -108,6 +121,60 @@ def checkpoint_states(opt: LadderOptimizer, states: dict[Any, Any]) -> dict[Any,
     return out
 
 
+_STATE_INIT = ("torch.distributed.checkpoint.state_dict", "_init_optim_state")
+"""torch's function that makes an optimizer's state by a step (module, name)."""
+_STATE_INIT_DEPTH = 12
+"""How many frames above :meth:`LadderOptimizer.step` are searched for it (the step is
+wrapped by torch's hook runner and the compiler's eager marker)."""
+
+
+def is_state_init_step(opt: LadderOptimizer, closure: object) -> bool:
+    """Whether this ``step()`` call is torch's ``_init_optim_state``: the step that
+    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (and
+    ``set_optimizer_state_dict``) take on an optimizer without state, with zero grads and
+    every lr set to 0, to make the state a DCP template needs.
+
+    Taken as a step, it counts one: every param's ``step`` becomes 1 (so the run's bias
+    corrections are one step on from a run that never made a template, and a checkpoint
+    saved before the first step says 1), ``committed_steps`` grows, and a load refused
+    after it leaves that state behind. It is recognized by its caller (searched a few
+    frames up), the optimizer holding no state, no closure, and every lr 0; a step
+    called by anything else is a step.
+    """
+    if opt.state or closure is not None:
+        return False
+    for group in opt.param_groups:
+        lr = group.get("lr")
+        if lr is None or float(lr) != 0.0:
+            return False
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(_STATE_INIT_DEPTH):
+        if frame is None:
+            return False
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _STATE_INIT:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def init_zero_states(opt: LadderOptimizer) -> None:
+    """Give every trainable param a zero state with ``step`` 0 in its group's rung format
+    (what :func:`checkpoint_states` saves for a param that never stepped, and loads as
+    no state), instead of the step torch's ``_init_optim_state`` asks for: the template
+    has every key, and the next step is each param's first (zero moments, ``step`` 0,
+    as a fresh state starts). Allocates the state torch's step would have allocated;
+    nothing is installed until every param's state exists.
+    """
+    owner = {id(g): e for e in opt._engines() for g in e.param_groups}
+    made: dict[torch.Tensor, dict[str, Any]] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p not in made:
+                made[p] = zero_state(state_target(owner[id(group)], group, p), p)
+    with deferred_interrupts():
+        opt.state.update(made)
+
+
 def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
     """Load ``state_dict`` into ``opt``: every check and conversion first, then the
     commit, which allocates nothing (see :meth:`LadderOptimizer.load_state_dict`; the
@@ -158,11 +225,18 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
             f"{sorted(map(repr, unknown))[:5]}{hint}"
         )
     loaded: dict[Any, dict[str, Any]] = {}  # key -> state in a layout convert reads
+    live_owner = {id(g): e for e in opt._engines() for g in e.param_groups}
+    live_groups_of = [g for g in opt.param_groups for _ in g["params"]]
     for pi, (key, p) in enumerate(pairs):
-        st = saved_state.get(key)
+        if key not in saved_state:
+            continue
+        st = saved_state[key]
+        _check_containers(st, f"param {pi}")
+        group = live_groups_of[pi]
+        st = _one_form(
+            st, _live_form(state_target(live_owner[id(group)], group, p), p), f"param {pi}"
+        )
         if st:
-            if not isinstance(st, dict):
-                raise ValueError(f"param {pi}: its state must be a dict, got {type(st).__name__}")
             st = from_checkpoint_form(st, p, f"param {pi}")
             check_param_state(st, p, f"param {pi}")
             if read_step(st) > 0:  # step 0: saved for a param that never stepped
@@ -213,6 +287,123 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
         opt.state.update(new_state)
         if move_to is not None:
             switch(opt, engine, move_to, checkpoint_reason(opt, move_to), "checkpoint")
+
+
+def _check_containers(state: object, where: str) -> None:
+    """Refuse one param's saved state whose containers are not the layout's: the state
+    itself not a dict (``None`` or ``[]`` had loaded as no state, the moments lost; a
+    tensor failed on its truth value), or bitsandbytes' wrapped tensors not under a dict.
+
+    Args:
+        state: the saved state of one param (``state_dict["state"][key]``).
+        where: names the param in messages, e.g. ``"param 3"``.
+
+    Raises:
+        ValueError: naming the param, the container and the type found.
+    """
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"{where}: its state must be a dict (an empty one for no state), got "
+            f"{type(state).__name__}"
+        )
+    wrapped = state.get(BNB_WRAPPED_KEY, {})
+    if not isinstance(wrapped, dict):
+        raise ValueError(
+            f"{where}: its state's {BNB_WRAPPED_KEY!r} must be a dict of tensors, as "
+            f"bitsandbytes' state_dict() wraps them, got {type(wrapped).__name__}"
+        )
+
+
+_ADAM_KEYS = frozenset({"exp_avg", "exp_avg_sq"})
+_ROW_KEYS = frozenset({PHASE_KEY, *ROW_ABSMAX_KEYS})
+_FORM_KEYS = {
+    "adam": _ADAM_KEYS,
+    "rows": _ROW_KEYS | {"state1", "state2", "qmap1", "qmap2"},
+    "flat": BNB_WRAPPED_KEYS,
+    "wrapped": frozenset({BNB_WRAPPED_KEY}),
+}
+"""The top-level keys of each form one param's state is saved in: the Adam layout,
+the row form of sharded 8-bit state, bitsandbytes' layout (flat, as a DTensor param's
+float32 state and old checkpoints save it), and the same wrapped as bitsandbytes'
+``state_dict()`` wraps it."""
+_FORM_NAMES = {
+    "adam": "the Adam layout",
+    "rows": "the row form of sharded 8-bit state",
+    "flat": "bitsandbytes' layout",
+    "wrapped": f"bitsandbytes' layout under {BNB_WRAPPED_KEY!r}",
+}
+
+
+def _live_form(target: StateTarget, p: torch.Tensor) -> str:
+    """The form :func:`state_dict` saves ``p``'s state in, on the engine of ``target``."""
+    if target.layout == "adam":
+        return "adam"
+    if is_dtensor(p):
+        return "rows" if target.quantize else "flat"
+    return "wrapped"
+
+
+def _forms(state: dict[Any, Any]) -> list[str]:
+    """The forms whose keys ``state`` holds at its top level (the row form's codes count
+    for it alone; bitsandbytes' flat block scales beside them are a second form)."""
+    top = set(state)
+    rows = bool(top & _ROW_KEYS)
+    found = []
+    if top & _ADAM_KEYS:
+        found.append("adam")
+    if rows:
+        found.append("rows")
+    if top & ({"absmax1", "absmax2"} if rows else BNB_WRAPPED_KEYS):
+        found.append("flat")
+    if state.get(BNB_WRAPPED_KEY):
+        found.append("wrapped")
+    return found
+
+
+def _one_form(state: dict[Any, Any], live: str, where: str) -> dict[Any, Any]:
+    """One param's saved state in one form.
+
+    No optimizer saves two forms (``state_dict()`` writes one per param, as torch and
+    bitsandbytes do), but torch's ``set_optimizer_state_dict(..., full_state_dict=True)``
+    loads a checkpoint into the live optimizer's own state dict (its template) and keeps
+    the template's keys the checkpoint lacks: a checkpoint of another form arrives beside
+    this param's live form. That form's keys are then the template's and are dropped.
+    (The row form was read and the rest ignored: an unsharded 8bit run's full state dict
+    loaded into FSDP2 as the template's zero moments, with no error.)
+
+    Args:
+        state: the param's saved state (a dict).
+        live: the form this param's state is saved in now (:func:`_live_form`).
+        where: names the param in messages, e.g. ``"param 3"``.
+
+    Returns:
+        ``state`` itself when it holds one form, else a new dict without the live form's
+        keys.
+
+    Raises:
+        ValueError: two forms of which neither is the live one, or whose keys overlap
+            (the row form and bitsandbytes' flat layout share the codes' names), or
+            more than two; naming the forms and their keys.
+    """
+    found = _forms(state)
+    if len(found) < 2:
+        return state
+    if len(found) == 2 and live in found and {"rows", "flat"} != set(found):
+        drop = _FORM_KEYS[live]
+        return {k: v for k, v in state.items() if k not in drop}
+    listed = "; ".join(
+        f"{_FORM_NAMES[form]} ({', '.join(sorted(map(str, set(state) & _FORM_KEYS[form])))})"
+        for form in found
+    )
+    raise ValueError(
+        f"{where}: its state holds the keys of {len(found)} forms: {listed}, and which values "
+        "are the checkpoint's cannot be told. One optimizer saves one form; torch's "
+        "set_optimizer_state_dict with full_state_dict=True loads a checkpoint into this "
+        f"optimizer's own state dict, which is in {_FORM_NAMES[live]} for this param, and "
+        "keeps the keys the checkpoint lacks. Load it into an optimizer on the rung and "
+        "sharding it was saved from, or save and load it with torch.distributed.checkpoint "
+        "and optladder.DCPLoadPlanner, which loads any rung into any rung"
+    )
 
 
 def _refuse_overflow(converted: dict[str, Any], saved: dict[str, Any], where: str) -> None:
