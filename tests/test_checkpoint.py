@@ -303,32 +303,6 @@ def test_a_dcp_template_of_a_fresh_optimizer_takes_no_step(rung: str) -> None:
         assert torch.equal(templated.a, reference.a) and torch.equal(templated.b, reference.b)
 
 
-def test_a_dcp_template_that_runs_out_of_memory_moves_down_as_a_step_does() -> None:
-    """The template's state is allocated outside the step's machinery: out of memory
-    there, a policy-chosen optimizer moves one rung down and makes it there (as the step
-    torch asked for did), and a fixed rung raises with nothing installed."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    from memtools import FailNthAllocation
-    from optladder import OptimizerOutOfMemoryError
-
-    model = _AB()
-    opt = choose_optimizer(model, lr=1e-2, free_memory="1GiB", environ={})
-    assert opt.rung == "fp32"
-    # allocations 1 and 2: torch's zero grads for a and b; 3: a's first moment
-    with FailNthAllocation(3):
-        state = get_optimizer_state_dict(model, opt)["state"]
-    assert opt.rung == "bf16" and [e.to_rung for e in opt.escalations] == ["bf16"]
-    assert state["a"]["exp_avg"].dtype == torch.bfloat16 and read_step(state["a"]) == 0
-    assert opt.committed_steps == 0 and opt.param_groups[0]["lr"] == 1e-2
-
-    model = _AB()
-    fixed = _build(model, "fp32")
-    with pytest.raises(OptimizerOutOfMemoryError, match="fixed"), FailNthAllocation(3):
-        get_optimizer_state_dict(model, fixed)
-    assert not fixed.state and fixed.rung == "fp32"
-
-
 def test_a_users_step_with_lr_0_and_zero_grads_still_counts() -> None:
     """Only torch's _init_optim_state is taken for a template: the same step called by
     the user (no state yet, zero grads, lr 0) is a step, as in torch's AdamW."""

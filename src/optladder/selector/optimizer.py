@@ -540,8 +540,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         torch's ``get_optimizer_state_dict``/``set_optimizer_state_dict`` step an
         optimizer without state (zero grads, lr 0) to make its state: that call gives
         every trainable param a zero state with ``step`` 0 and counts no step
-        (:func:`~optladder.selector.checkpointing.is_state_init_step`); out of memory
-        there, the state moves one rung down as in a step.
+        (:func:`~optladder.selector.checkpointing.is_state_init_step`).
 
         Under ``torch.distributed`` one all-reduce before the commit
         (:func:`~optladder.selector.agreement.agree_step`) tells every rank whether any
@@ -568,7 +567,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         """
         if checkpointing.is_state_init_step(self, closure):
             # torch's get_optimizer_state_dict making a DCP template: state, not a step
-            self._init_zero_states()
+            checkpointing.init_zero_states(self)
             return None
         self._step_requests += 1
         loss = None
@@ -592,31 +591,6 @@ class LadderOptimizer(torch.optim.Optimizer):
             if not follow:
                 retries += 1
             self._escalate_on_every_rank(reason, rung, follow)
-
-    def _init_zero_states(self) -> None:
-        """Give every trainable param a zero state with ``step`` 0
-        (:func:`~optladder.selector.checkpointing.init_zero_states`); out of memory, move
-        one rung down and try again, as a step would (at most ``max_retries`` moves).
-        Nothing is installed until every param's state exists.
-
-        Raises:
-            OptimizerOutOfMemoryError: out of memory with no rung left to move to, or
-                the rung fixed by ``rung=`` (the state stays empty).
-            torch.OutOfMemoryError: out of memory after ``max_retries`` moves.
-        """
-        retries = 0
-        while True:
-            try:
-                checkpointing.init_zero_states(self)
-                return
-            except BaseException as exc:
-                if not is_oom(exc) or retries >= self.max_retries:
-                    raise
-                message = describe_error(exc)
-                exc.__traceback__ = None
-            # Outside the except block: the failed attempt's tensors are gone.
-            retries += 1
-            self.escalate(f"out of memory making the state for a checkpoint ({message})")
 
     def _escalate_on_every_rank(self, reason: str, rung: Rung, follow: bool) -> None:
         """Escalate (to ``rung`` itself when ``follow``, else one rung below it), then
