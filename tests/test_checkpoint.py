@@ -265,57 +265,6 @@ def test_dcp_resume_with_a_never_stepped_param_equals_the_uninterrupted_run(rung
     assert read_step(opt2.state[model2.b]) == 3
 
 
-@pytest.mark.parametrize("rung", RUNGS)
-def test_a_dcp_template_of_a_fresh_optimizer_takes_no_step(rung: str) -> None:
-    """get_optimizer_state_dict on an optimizer without state (the README's load
-    recipe, a checkpoint saved before the first step) runs torch's _init_optim_state,
-    which calls step() with zero grads and lr 0. That step counted: every step count
-    was one on (4 after 3 steps), so the run's bias corrections differed from a run
-    that never made a template (params off by ~5e-3 after 3 steps at lr 1e-2), and
-    committed_steps grew. Now it gives each trainable param a zero state with step 0;
-    the run equals one that never made a template, bit for bit, and (fp32) torch's
-    fused AdamW over the same grads."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    plain, templated = _AB(), _AB()
-    opt, opt2 = _build(plain, rung), _build(templated, rung)
-    saved = get_optimizer_state_dict(templated, opt2)["state"]
-    assert sorted(saved) == ["a", "b"]  # the frozen param gets none, as in torch
-    for st in saved.values():
-        flat = unwrap_bnb_state(st)
-        assert read_step(flat) == 0
-        for k, v in flat.items():
-            if isinstance(v, torch.Tensor) and not k.startswith("qmap") and k != "step":
-                assert not v.any(), k
-    assert opt2.committed_steps == 0 and templated.a.grad is None
-    assert torch.equal(templated.a, plain.a)
-    reference = _AB()
-    torch_opt = torch.optim.AdamW(
-        [p for p in reference.parameters() if p.requires_grad], lr=1e-2, fused=True
-    )
-    for s in range(3):
-        _step(plain, opt, s)
-        _step(templated, opt2, s)
-        _step(reference, torch_opt, s)
-    assert torch.equal(templated.a, plain.a) and torch.equal(templated.b, plain.b)
-    assert read_step(opt2.state[templated.a]) == 3 and opt2.committed_steps == 3
-    if rung == "fp32":
-        assert torch.equal(templated.a, reference.a) and torch.equal(templated.b, reference.b)
-
-
-def test_a_users_step_with_lr_0_and_zero_grads_still_counts() -> None:
-    """Only torch's _init_optim_state is taken for a template: the same step called by
-    the user (no state yet, zero grads, lr 0) is a step, as in torch's AdamW."""
-    model = _AB()
-    opt = _build(model, "fp32")
-    for group in opt.param_groups:
-        group["lr"] = 0.0
-    model.a.grad = torch.zeros_like(model.a)
-    model.b.grad = torch.zeros_like(model.b)
-    opt.step()
-    assert read_step(opt.state[model.a]) == 1 and opt.committed_steps == 1
-
-
 # ---------------------------------------------------------------- meta params
 @pytest.mark.parametrize("rung", RUNGS)
 def test_an_optimizer_over_meta_params_is_refused(rung: str) -> None:

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 import warnings
 from collections.abc import Sequence
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,8 +63,6 @@ __all__ = [
     "checkpoint_rung",
     "checkpoint_states",
     "follow_checkpoint",
-    "init_zero_states",
-    "is_state_init_step",
     "load",
     "state_dict",
 ]
@@ -119,60 +115,6 @@ def checkpoint_states(opt: LadderOptimizer, states: dict[Any, Any]) -> dict[Any,
                 out[index] = form if is_dtensor(p) else wrap_bnb_state(form)
             index += 1
     return out
-
-
-_STATE_INIT = ("torch.distributed.checkpoint.state_dict", "_init_optim_state")
-"""torch's function that makes an optimizer's state by a step (module, name)."""
-_STATE_INIT_DEPTH = 12
-"""How many frames above :meth:`LadderOptimizer.step` are searched for it (the step is
-wrapped by torch's hook runner and the compiler's eager marker)."""
-
-
-def is_state_init_step(opt: LadderOptimizer, closure: object) -> bool:
-    """Whether this ``step()`` call is torch's ``_init_optim_state``: the step that
-    ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` (and
-    ``set_optimizer_state_dict``) take on an optimizer without state, with zero grads and
-    every lr set to 0, to make the state a DCP template needs.
-
-    Taken as a step, it counts one: every param's ``step`` becomes 1 (so the run's bias
-    corrections are one step on from a run that never made a template, and a checkpoint
-    saved before the first step says 1), ``committed_steps`` grows, and a load refused
-    after it leaves that state behind. It is recognized by its caller (searched a few
-    frames up), the optimizer holding no state, no closure, and every lr 0; a step
-    called by anything else is a step.
-    """
-    if opt.state or closure is not None:
-        return False
-    for group in opt.param_groups:
-        lr = group.get("lr")
-        if lr is None or float(lr) != 0.0:
-            return False
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(_STATE_INIT_DEPTH):
-        if frame is None:
-            return False
-        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _STATE_INIT:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def init_zero_states(opt: LadderOptimizer) -> None:
-    """Give every trainable param a zero state with ``step`` 0 in its group's rung format
-    (what :func:`checkpoint_states` saves for a param that never stepped, and loads as
-    no state), instead of the step torch's ``_init_optim_state`` asks for: the template
-    has every key, and the next step is each param's first (zero moments, ``step`` 0,
-    as a fresh state starts). Allocates the state torch's step would have allocated;
-    nothing is installed until every param's state exists.
-    """
-    owner = {id(g): e for e in opt._engines() for g in e.param_groups}
-    made: dict[torch.Tensor, dict[str, Any]] = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and p not in made:
-                made[p] = zero_state(state_target(owner[id(group)], group, p), p)
-    with deferred_interrupts():
-        opt.state.update(made)
 
 
 def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:

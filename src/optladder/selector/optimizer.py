@@ -537,11 +537,6 @@ class LadderOptimizer(torch.optim.Optimizer):
         hold views of the same elements (torch's fused AdamW would divide such a grad
         once per param: see :func:`optladder.optimizers.adamw.distinct_grads`).
 
-        torch's ``get_optimizer_state_dict``/``set_optimizer_state_dict`` step an
-        optimizer without state (zero grads, lr 0) to make its state: that call gives
-        every trainable param a zero state with ``step`` 0 and counts no step
-        (:func:`~optladder.selector.checkpointing.is_state_init_step`).
-
         Under ``torch.distributed`` one all-reduce before the commit
         (:func:`~optladder.selector.agreement.agree_step`) tells every rank whether any
         rank ran out of memory and which rungs the ranks are on: every rank then rolls
@@ -565,10 +560,6 @@ class LadderOptimizer(torch.optim.Optimizer):
                 hand, or (with ``grad_scale`` set) grads that share some of their memory
                 but not all.
         """
-        if checkpointing.is_state_init_step(self, closure):
-            # torch's get_optimizer_state_dict making a DCP template: state, not a step
-            checkpointing.init_zero_states(self)
-            return None
         self._step_requests += 1
         loss = None
         if closure is not None:
