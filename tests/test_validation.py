@@ -1560,3 +1560,30 @@ def test_8bit_codes_cast_to_a_float_are_refused_not_read_as_moments(
         assert_load_refused(
             opt, cast, rf"param 0: {name} has dtype {dtype} beside absmax{name[-1]}, the block"
         )
+
+
+@pytest.mark.parametrize("loader", RUNGS)
+@pytest.mark.parametrize("saver", RUNGS)
+def test_a_saved_state_of_step_0_with_moments_is_refused_not_dropped(
+    saver: str, loader: str
+) -> None:
+    """A saved state with step 0 loads as no state (state_dict() saves step 0 and zero
+    moments for a param that never stepped). With non-zero moments (here: the weight's
+    after two steps, its step set to 0 by hand) they were dropped silently; torch's
+    AdamW would keep them. Refused naming the param, step 0 and the key; nothing
+    changed. The same state with its moments zeroed still loads as no state."""
+    opt, _ = _stepped(loader)
+    _, saved = _stepped(saver)
+    saved["state"][0]["step"] = 0
+    key = "exp_avg" if saver != "8bit" else "absmax1"
+    assert_load_refused(opt, saved, rf"param 0 of the state_dict has step 0 but a non-zero {key}")
+    for entry in (saved["state"][0], saved["state"][0].get("__bnb_optimizer_quant_state__", {})):
+        for name, value in entry.items():
+            if name in ("exp_avg", "exp_avg_sq", "absmax1", "absmax2") or (
+                name.startswith("state") and value.dtype != torch.uint8
+            ):
+                value.zero_()
+    opt.load_state_dict(saved)
+    weight = opt.param_groups[0]["params"][0]
+    assert not opt.state.get(weight)  # no state: its next step is its first
+    assert read_step(unwrap_bnb_state(opt.state[opt.param_groups[0]["params"][1]])) == 2

@@ -117,6 +117,38 @@ def checkpoint_states(opt: LadderOptimizer, states: dict[Any, Any]) -> dict[Any,
     return out
 
 
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "state1", "state2", "absmax1", "absmax2")
+"""The keys of a saved state whose values are moments or their block scales (the Adam
+layout, bitsandbytes' flat one): all zero in a param that never stepped."""
+
+
+def _refuse_unstepped_moments(state: dict[str, Any], where: str) -> None:
+    """Raise if ``state`` (one param's saved state, ``step`` 0) holds a non-zero moment.
+
+    ``state_dict()`` saves ``step`` 0 with zero moments for a param that never stepped,
+    and such a state loads as no state. A non-zero (or NaN) value there, in ``exp_avg``,
+    ``exp_avg_sq``, bitsandbytes' float32 ``state1``/``state2`` or a block scale
+    ``absmax1``/``absmax2`` (8-bit codes hold a non-zero value only where their block's
+    scale is non-zero), would be lost silently; it is refused instead. uint8 codes are
+    not read.
+
+    Raises:
+        ValueError: naming the param and the key.
+    """
+    flat = unwrap_bnb_state(state)
+    for name in _MOMENT_KEYS:
+        value = flat.get(name)
+        if not isinstance(value, torch.Tensor) or value.dtype == torch.uint8:
+            continue
+        if bool(local_tensor(value).ne(0).any()):
+            raise ValueError(
+                f"{where} of the state_dict has step 0 but a non-zero {name}: a param that "
+                "never stepped holds zero moments, and its state loads as none, so these "
+                "values would be lost. Set 'step' to the number of steps the moments have "
+                "seen, or drop the param's state"
+            )
+
+
 def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
     """Load ``state_dict`` into ``opt``: every check and conversion first, then the
     commit, which allocates nothing (see :meth:`LadderOptimizer.load_state_dict`; the
@@ -181,8 +213,10 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
         if st:
             st = from_checkpoint_form(st, p, f"param {pi}")
             check_param_state(st, p, f"param {pi}")
-            if read_step(st) > 0:  # step 0: saved for a param that never stepped
+            if read_step(st) > 0:
                 loaded[key] = st
+            else:  # step 0: saved for a param that never stepped, so its moments are zero
+                _refuse_unstepped_moments(st, f"param {pi}")
     # the groups' values, copied as torch copies them (a tensor lr of the checkpoint's
     # would be shared with every optimizer loaded from it, and a scheduler sets it in place)
     options = [
