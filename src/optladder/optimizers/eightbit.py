@@ -41,7 +41,7 @@ from optladder.dtype_names import dtype_name
 from optladder.oom import is_oom
 from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.migrate import check_step_range
-from optladder.optimizers.stepmemo import grad_of, same_objects
+from optladder.optimizers.stepmemo import grad_of, kind_columns, same_objects
 from optladder.optimizers.steps import MAX_STEP
 from optladder.rungs import BNB_MIN_8BIT_SIZE, param_refusal
 from optladder.sharding import is_dtensor, local_tensor
@@ -476,8 +476,6 @@ _STATE2 = operator.itemgetter("state2")
 _ABSMAX = operator.itemgetter("absmax1", "absmax2")
 _QMAPS = operator.itemgetter("qmap1", "qmap2")
 _DATA_PTR = torch.Tensor.data_ptr
-_DTYPE = operator.attrgetter("dtype")
-_LAYOUT = operator.attrgetter("layout")
 
 
 def _row_bytes(rows: ctypes.Array[Any]) -> torch.Tensor:
@@ -556,7 +554,7 @@ class _KernelPlan:
                 grads[place] = p
         self.missing = list(map(operator.is_, prepared.grads, itertools.repeat(None)))
         has = list(map(operator.is_not, grads, itertools.repeat(None)))
-        columns = map(iter, _kind_columns(list(itertools.compress(grads, has))))
+        columns = map(iter, kind_columns(list(itertools.compress(grads, has))))
         self.kinds = [[next(c) if h else None for h in has] for c in columns]
         self.runs: list[tuple[int, int, int]] = []  # (group, first row, end row)
         for k, (gi, _) in enumerate(places):
@@ -682,10 +680,10 @@ class _KernelPlan:
             if not self.kernel_places.issuperset(changed):
                 return False
         if not any(missing):
-            return _kind_columns(grads) == self.kinds
+            return kind_columns(grads) == self.kinds
         present = list(map(operator.not_, missing))
         want = [list(itertools.compress(column, present)) for column in self.kinds]
-        return _kind_columns(list(itertools.compress(grads, present))) == want
+        return kind_columns(list(itertools.compress(grads, present))) == want
 
     def write_scalars(self, groups: list[dict[str, Any]], steps: list[int]) -> None:
         """Write every row's step scalars for the step after ``steps`` (each row's step
@@ -811,18 +809,6 @@ class _KernelPlan:
             state_seen=state_seen,
             check_steps=steps,
         )
-
-
-def _kind_columns(grads: list[Any]) -> list[list[Any]]:
-    """What routing reads of each grad (no None among them), as columns compared with
-    ``==``: dtypes, contiguity, element counts, devices, layouts (loops in C)."""
-    return [
-        list(map(_DTYPE, grads)),
-        list(map(torch.Tensor.is_contiguous, grads)),
-        list(map(torch.Tensor.numel, grads)),
-        list(map(torch.Tensor.get_device, grads)),
-        list(map(_LAYOUT, grads)),
-    ]
 
 
 def _code_bounds(engine: Any, qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -461,16 +461,27 @@ _DTYPE = operator.attrgetter("dtype")
 _LAYOUT = operator.attrgetter("layout")
 
 
+def kind_columns(grads: Sequence[Any]) -> list[list[Any]]:
+    """What a kernel's routing reads of each grad (no None among them), as columns to
+    compare with ``==``: dtypes, contiguity, element counts, devices, layouts (loops in
+    C)."""
+    return [
+        list(map(_DTYPE, grads)),
+        list(map(torch.Tensor.is_contiguous, grads)),
+        list(map(torch.Tensor.numel, grads)),
+        list(map(torch.Tensor.get_device, grads)),
+        list(map(_LAYOUT, grads)),
+    ]
+
+
 def grad_kinds(grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
     """What a kernel's routing reads of a group's grads, to compare with ``==``: which
-    are None, and the others' dtypes, contiguity, element counts, devices and whether
-    all are dense (loops in C)."""
+    are None, and the others' :func:`kind_columns` but their layouts, and whether all
+    are dense."""
     present = [g for g in grads if g is not None]
+    *columns, layouts = kind_columns(present)
     return (
         list(map(operator.is_, grads, repeat(None))),
-        list(map(_DTYPE, present)),
-        list(map(torch.Tensor.is_contiguous, present)),
-        list(map(torch.Tensor.numel, present)),
-        list(map(torch.Tensor.get_device, present)),
-        all(map(operator.is_, map(_LAYOUT, present), repeat(torch.strided))),
+        *columns,
+        all(map(operator.is_, layouts, repeat(torch.strided))),
     )
