@@ -323,3 +323,54 @@ def test_the_optimizer_commit_allocates_nothing_with_a_tensor_lr() -> None:
         ref.step()
     assert opt.state[p]["step"].item() == 2.0 and opt.state[p]["step"].dtype == torch.float64
     assert torch.equal(p, twin)
+
+
+def test_groups_of_both_formats_launch_as_two_single_format_engines() -> None:
+    """One engine over groups of the fp32 format (``"rung": "fp32"``, float32 moments) and
+    the bf16 format (bfloat16 moments): the Triton launches (one per group, the moments'
+    dtype read from the tensors) write the bits of two single-format engines over the
+    same groups, each param at the same index over all groups (``param_starts``)."""
+    gen = torch.Generator().manual_seed(5)
+    specs = [
+        ("fp32", torch.bfloat16, (300,)),
+        ("bf16", torch.float32, (7, 5)),
+        ("fp32", torch.float32, (33,)),
+    ]
+    base = [torch.randn(shape, generator=gen).to(dt) for _, dt, shape in specs]
+    mixed = [torch.nn.Parameter(t.clone().to(DEVICE)) for t in base]
+    ref = [torch.nn.Parameter(t.clone().to(DEVICE)) for t in base]
+    mixed_opt = LadderAdamW(
+        [{"params": [p], "rung": rung} for p, (rung, _, _) in zip(mixed, specs)],
+        lr=1e-2,
+        seed=SEED,
+        backend="triton",
+    )
+    refs = []
+    for rung, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        picked = [k for k, (r, _, _) in enumerate(specs) if r == rung]
+        engine = LadderAdamW(
+            [{"params": [ref[k]]} for k in picked],
+            lr=1e-2,
+            seed=SEED,
+            backend="triton",
+            moment_dtype=dtype,
+        )
+        engine.param_starts = picked
+        refs.append(engine)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        for a, b in zip(mixed, ref, strict=True):
+            grad = torch.randn(a.shape, generator=g).to(device=DEVICE, dtype=a.dtype)
+            a.grad, b.grad = grad.clone(), grad.clone()
+        mixed_opt.step()
+        for engine in refs:
+            engine.step()
+    assert mixed_opt.eager_reasons == {}
+    ref_state = {p: st for engine in refs for p, st in engine.state.items()}
+    for (rung, _, _), a, b in zip(specs, mixed, ref, strict=True):
+        sa, sb = mixed_opt.state[a], ref_state[b]
+        assert sa["step"].item() == sb["step"].item() == 3
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert sa[name].dtype == (torch.float32 if rung == "fp32" else torch.bfloat16)
+            assert torch.equal(sa[name], sb[name])
+        assert torch.equal(a.detach(), b.detach())

@@ -23,8 +23,10 @@ from typing import Any, Literal, cast
 import torch
 from torch.optim.optimizer import ParamsT
 
+from optladder.columns import PLAIN_TYPES
 from optladder.compilation import run_eagerly
 from optladder.dtype_names import dtype_name
+from optladder.optimizers import torchroute
 from optladder.optimizers.eager import step_scalars
 from optladder.optimizers.rounding import (
     Rounding,
@@ -48,9 +50,23 @@ from optladder.optimizers.steps import (
     STEP_DTYPE,
     refuse_shared_steps,
 )
-from optladder.rungs import FLOAT32_MATH_DTYPES, LADDER_DTYPES
+from optladder.rungs import FLOAT32_MATH_DTYPES, LADDER_DTYPES, RUNG_KEY
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def group_moment_dtype(group: Mapping[str, Any], default: torch.dtype) -> torch.dtype:
+    """The moments' dtype of a param group's state format: its ``"rung"`` key
+    (:data:`optladder.rungs.RUNG_KEY`) ``"fp32"`` -> ``torch.float32``, ``"bf16"`` ->
+    ``torch.bfloat16``; ``default`` (the engine's ``moment_dtype``) for a group without
+    the key or with another rung (whose state another engine keeps)."""
+    rung = group.get(RUNG_KEY)
+    if rung == "fp32":
+        return torch.float32
+    if rung == "bf16":
+        return torch.bfloat16
+    return default
+
 
 Backend = Literal["auto", "eager", "cpu", "triton"]
 """Which code steps the bf16 rung: ``"auto"`` picks the fused kernel of each param's device
@@ -377,13 +393,18 @@ class _GroupPlan:
         start: the index of its first param over all groups.
         routes: backend -> ``(param, index)`` of the params it steps (``"cpu"``: rows of
             the C kernel's table; ``"staged"``: the C kernel on contiguous copies of a
-            param and its grad that are not contiguous; ``"eager"``; ``"triton"``).
+            param and its grad that are not contiguous; ``"eager"``; ``"triton"``;
+            ``"torch_fused"``/``"torch_foreach"``: torch's kernels, for the fp32 format's
+            float32, float64 and complex params, :mod:`~optladder.optimizers.torchroute`).
         reasons: index -> why that param is not on a fused kernel.
         states: the state dicts of the C kernel's params, in table order.
         table: the C kernel's table these params are rows of (one table for all groups,
             :meth:`LadderAdamW.prepare_step`), or None before it is made.
         first: the table row of its first C kernel param.
         table_group: its group number in that table (whose options step its rows).
+        moment_dtype: its state format's moment dtype then (:func:`group_moment_dtype`).
+        torch_buckets: the ``"torch_fused"`` params by (device, dtype), one kernel call
+            each; ``torch_calls``: those calls for this step (:meth:`make_torch_calls`).
     """
 
     def __init__(
@@ -396,8 +417,10 @@ class _GroupPlan:
         reasons: dict[int, str],
         states: list[dict[str, Any]],
         carried: dict[int, tuple[Any, ...]] | None = None,
+        moment_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         self.group = group
+        self.moment_dtype = moment_dtype
         self.params = list(params)
         self.start = start
         self.routes = routes
@@ -416,8 +439,15 @@ class _GroupPlan:
             for k in self._positions
         ]
         self._others = [
-            i - start for name in ("eager", "staged", "triton") for _, i in routes[name]
+            i - start
+            for name in ("eager", "staged", "triton", "torch_fused", "torch_foreach")
+            for _, i in routes[name]
         ]
+        buckets: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
+        for p, i in routes["torch_fused"]:
+            buckets.setdefault((p.device, p.dtype), []).append((p, i))
+        self.torch_buckets = list(buckets.values())
+        self.torch_calls: list[Any] = []
         self._planned = set(self._positions).union(self._others)
         self.cpu_params = [p for p, _ in routes["cpu"]]
         # the grads whose pointers the table holds (it compares their addresses itself)
@@ -453,6 +483,8 @@ class _GroupPlan:
         """
         if group is not self.group or start != self.start:
             return None
+        if group_moment_dtype(group, self.moment_dtype) is not self.moment_dtype:
+            return None  # its state format changed (its "rung" key flipped)
         if not same_objects(group["params"], self.params):
             return None
         written = self.grads_written(grads)
@@ -474,6 +506,8 @@ class _GroupPlan:
         from optladder.optimizers.kernels import cpu
 
         if group is not self.group or not same_objects(params, self.params):
+            return {}
+        if moment_dtype is not self.moment_dtype:
             return {}
         kept = {}
         for k, kind in zip(self._positions, self._row_kinds):
@@ -515,6 +549,32 @@ class _GroupPlan:
         self._grads.record(grads)
         self._grad_ptrs[:] = ptrs  # in place: a new list a step would outlive the step
 
+    def make_torch_calls(self, state: Mapping[torch.Tensor, Any]) -> None:
+        """Make this step's torch fused kernel calls (:func:`~.fusedstep.group_call`, one
+        per bucket, in the last step's containers), reading each param's grad and state
+        tensors now, and allocating the contiguous copies of params that are not dense.
+
+        Raises:
+            Whatever allocating the copies raised (an OOM); nothing is written.
+        """
+        from optladder.optimizers.fusedstep import group_call, nondense_places
+
+        calls = []
+        for k, bucket in enumerate(self.torch_buckets):
+            params = [p for p, _ in bucket]
+            grads = [cast(torch.Tensor, p.grad) for p in params]
+            states = [state[p] for p in params]
+            previous = self.torch_calls[k] if k < len(self.torch_calls) else None
+            nondense = nondense_places(params)
+            calls.append(group_call(self.group, params, grads, states, nondense, False, previous))
+        self.torch_calls[:] = calls
+
+    def release_torch_grads(self) -> None:
+        """Drop the grads and copies the torch calls hold (after the commit)."""
+        from optladder.optimizers.fusedstep import release_grads
+
+        release_grads(self.torch_calls)
+
     def place(self, table: Any, first: int, table_group: int) -> None:
         """Make this plan's C kernel params rows ``first, ...`` of ``table`` (a new table:
         its grads are written at the next :meth:`write_grads`)."""
@@ -546,29 +606,69 @@ def _kernel_moments(st: Mapping[str, Any], p: torch.Tensor, moment_dtype: torch.
     )
 
 
+def _refuse_torch_grad(p: torch.Tensor, grad: torch.Tensor, index: int) -> None:
+    """Refuse a grad torch's AdamW kernels cannot take for ``p`` (the fp32 format's
+    float32/float64/complex params, :mod:`~optladder.optimizers.torchroute`): another
+    dtype, shape or device, or (for a dense param) laid out unlike it, which torch's
+    fused kernel pairs by memory order. Before anything is written.
+
+    Raises:
+        ValueError: naming the param (its index over all groups) and what to do.
+    """
+    from optladder.optimizers.fusedstep import steps_through_copy
+
+    if grad.dtype != p.dtype or grad.shape != p.shape or grad.device != p.device:
+        raise ValueError(
+            f"param {index} has a {grad.dtype} grad of shape {tuple(grad.shape)} on "
+            f"{grad.device}; the param is {p.dtype} of shape {tuple(p.shape)} on {p.device} "
+            "(torch's AdamW, which steps it on the fp32 rung, takes grads of its dtype)"
+        )
+    if (
+        type(p) in PLAIN_TYPES
+        and grad.stride() != p.stride()
+        and p.numel() > 1
+        and not steps_through_copy(p)
+    ):
+        raise ValueError(
+            f"param {index} has a grad with strides {grad.stride()} but the param has "
+            f"{p.stride()}; torch's fused AdamW needs them laid out alike (autograd's grads "
+            "are; set hand-made grads with torch.empty_like(param))"
+        )
+
+
 def _stage_offset(p: torch.Tensor) -> int:
     """Where a staged param's grad copy starts in the stage buffer: after the param's
     copy, rounded up to 64 bytes."""
     return (p.numel() * p.element_size() + 63) // 64 * 64
 
 
-def refuse_ladder_dtypes(params: list[torch.Tensor], moment_dtype: torch.dtype) -> None:
+def refuse_ladder_dtypes(
+    params: list[torch.Tensor], moment_dtype: torch.dtype, torch_kernels: bool = False
+) -> None:
     """Refuse params :class:`LadderAdamW` with ``moment_dtype`` moments cannot step without
     rounding them (what its ``add_param_group`` checks of each group's params).
 
     Args:
         params: one group's params.
         moment_dtype: ``torch.bfloat16`` (takes :data:`optladder.rungs.LADDER_DTYPES`) or
-            ``torch.float32`` (takes :data:`optladder.rungs.FLOAT32_MATH_DTYPES`).
+            ``torch.float32`` (takes :data:`optladder.rungs.FLOAT32_MATH_DTYPES`; with
+            ``torch_kernels`` also float64 and complex params, which torch's kernels step
+            with moments in their own dtype, :mod:`~optladder.optimizers.torchroute`).
+        torch_kernels: the engine steps the fp32 format's float32, float64 and complex
+            params on torch's kernels (``backend="auto"``).
 
     Raises:
         ValueError: naming the param (its place in the group), its dtype and what is
             allowed; complex params first.
     """
-    dtypes = LADDER_DTYPES if moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
+    dtypes: tuple[str, ...] = (
+        LADDER_DTYPES if moment_dtype == torch.bfloat16 else FLOAT32_MATH_DTYPES
+    )
+    if torch_kernels and moment_dtype == torch.float32:
+        dtypes = (*dtypes, "float64", "complex64", "complex128")
     names = set(map(dtype_name, set(map(_DTYPE, params))))
     for i, p in enumerate(params if not names <= set(dtypes) else ()):
-        if p.is_complex():
+        if p.is_complex() and dtype_name(p.dtype) not in dtypes:
             raise ValueError(
                 f"param {i} of the new group is complex ({p.dtype}); the bf16 rung and "
                 "optladder's AdamW take real params only: use the fp32 rung "
@@ -593,6 +693,13 @@ class LadderAdamW(torch.optim.Optimizer):
     and the second moment stops decaying. The random bits are documented in
     :mod:`optladder.optimizers.rounding`.
 
+    Each param group's state format is its own: a group's ``"rung"`` key
+    (:data:`optladder.rungs.RUNG_KEY`) ``"fp32"`` keeps float32 moments, ``"bf16"``
+    bfloat16 moments; a group without the key keeps ``moment_dtype`` moments
+    (:meth:`group_moment_dtype`). One step steps groups of both formats: the C kernel's
+    one table (its options per group carry the moment dtype), a Triton launch per group,
+    or the eager loop.
+
     State per param (as torch names it): ``step`` (0-d float64 tensor on the CPU, the
     number of steps this param took; stepped from counts up to
     :data:`~optladder.optimizers.steps.BF16_MAX_STEP` with either moment dtype, since the
@@ -609,7 +716,8 @@ class LadderAdamW(torch.optim.Optimizer):
         decoupled_weight_decay: True for AdamW (``p *= 1 - lr * wd``), False for Adam
             (``grad += wd * p``).
         maximize: ascend instead of descend.
-        moment_dtype: ``torch.bfloat16`` or ``torch.float32``.
+        moment_dtype: ``torch.bfloat16`` or ``torch.float32``: the moments of groups
+            without a ``"rung"`` key.
         rounding: ``"stochastic"`` or ``"nearest"``; used only for bfloat16 moments.
         param_rounding: how bfloat16/float16 params are written: ``"stochastic"``
             (default; its own stream of the same hash, see
@@ -685,6 +793,8 @@ class LadderAdamW(torch.optim.Optimizer):
         self._state_seen: list[Any] = []  # self.state's values after the last prepare
         self._lr_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}  # Triton's lr
         self._untracked_steps = False  # a plan has params off the C kernel (see prepare)
+        self._fused_devices: tuple[str, ...] | None = None  # torch's fused AdamW's
+        self._torch_counts: Any = None  # fusedstep.StepCounts of the torch fused calls
         # each group's first param's index over all the owning optimizer's groups (its
         # rounding streams' param index, and the index messages name): set by
         # LadderOptimizer when other engines hold some of its groups; None: counted over
@@ -710,7 +820,9 @@ class LadderAdamW(torch.optim.Optimizer):
         check_param_rounding(param_group.get("param_rounding", "stochastic"))
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        refuse_ladder_dtypes(params, self.moment_dtype)
+        refuse_ladder_dtypes(
+            params, self.group_moment_dtype(param_group), torch_kernels=self.backend == "auto"
+        )
         param_group["params"] = params
         super().add_param_group(param_group)
         if hasattr(self, "_group_plans"):  # not while torch's __init__ adds the first groups
@@ -740,24 +852,31 @@ class LadderAdamW(torch.optim.Optimizer):
         for group in self.param_groups:  # checkpoints from before param_rounding existed
             group.setdefault("param_rounding", self.defaults.get("param_rounding", "stochastic"))
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        live = [p for g in self.param_groups for p in g["params"]]
-        for saved_id, p in zip(saved_ids, live):
+        live = [(p, g) for g in self.param_groups for p in g["params"]]
+        for saved_id, (p, group) in zip(saved_ids, live):
             if saved_id not in saved_state:
                 continue
             st = self.state[p]
+            moment_dtype = torchroute.state_moment_dtype(p, self.group_moment_dtype(group))
             for name in moment_keys:
                 if name in saved_state[saved_id]:
                     value = saved_state[saved_id][name]
-                    st[name] = value.to(device=p.device, dtype=self.moment_dtype).contiguous()
+                    st[name] = value.to(device=p.device, dtype=moment_dtype).contiguous()
             if isinstance(st.get("step"), torch.Tensor):  # its own: not the checkpoint's,
                 st["step"] = st["step"].detach().to("cpu", STEP_DTYPE, copy=True)  # nor shared
 
-    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
+    def group_moment_dtype(self, group: Mapping[str, Any]) -> torch.dtype:
+        """The moments' dtype of ``group``'s state format: its ``"rung"`` key's
+        (``"fp32"``: float32, ``"bf16"``: bfloat16), else this engine's ``moment_dtype``
+        (:func:`group_moment_dtype`)."""
+        return group_moment_dtype(group, self.moment_dtype)
+
+    def _init_state(self, p: torch.Tensor, moment_dtype: torch.dtype) -> dict[str, Any]:
         state = self.state[p]
         if len(state) == 0:
             state["step"] = torch.tensor(0.0, dtype=STEP_DTYPE)
-            state["exp_avg"] = torch.zeros(p.shape, dtype=self.moment_dtype, device=p.device)
-            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=self.moment_dtype, device=p.device)
+            state["exp_avg"] = torch.zeros(p.shape, dtype=moment_dtype, device=p.device)
+            state["exp_avg_sq"] = torch.zeros(p.shape, dtype=moment_dtype, device=p.device)
         return cast(dict[str, Any], state)
 
     @run_eagerly
@@ -876,6 +995,7 @@ class LadderAdamW(torch.optim.Optimizer):
             self._write_cpu_steps()
             self._check_steps(plans)
             self._prepare_staged(plans)
+            self._prepare_torch(plans)
             need: dict[torch.device, int] = {}
             for plan in plans:
                 for p, _ in plan.routes["eager"]:
@@ -896,6 +1016,29 @@ class LadderAdamW(torch.optim.Optimizer):
         self._plan = plans
         self.eager_reasons = {i: r for plan in plans for i, r in plan.reasons.items()}
         return created
+
+    def _torch_fused_devices(self) -> tuple[str, ...]:
+        """Device types of torch's fused AdamW kernel (read once per engine)."""
+        if self._fused_devices is None:
+            self._fused_devices = torchroute.fused_devices()
+        return self._fused_devices
+
+    def _prepare_torch(self, plans: list[_GroupPlan]) -> None:
+        """Make this step's torch fused kernel calls of every plan and make ready the
+        count of their step tensors (:class:`~.fusedstep.StepCounts`, which refuses step
+        tensors that params share when they change)."""
+        from optladder.optimizers.fusedstep import StepCounts, plan_steps
+
+        calls = []
+        for plan in plans:
+            if plan.torch_buckets:
+                plan.make_torch_calls(self.state)
+                calls += plan.torch_calls
+        if not calls:
+            return
+        if self._torch_counts is None:
+            self._torch_counts = StepCounts()
+        self._torch_counts.prepare(plan_steps(calls))
 
     def _refuse_shared_steps(self, plans: list[_GroupPlan]) -> None:
         """Refuse step tensors that two stepped params share (see
@@ -949,15 +1092,20 @@ class LadderAdamW(torch.optim.Optimizer):
             "cpu": [],
             "staged": [],
             "triton": [],
+            "torch_fused": [],
+            "torch_foreach": [],
         }
         reasons: dict[int, str] = {}
         # rows of the group's last plan whose param has no grad now stay rows, skipped
         # (a param with a grad at some steps only: an expert, a task's head): a plan
         # then covers every param that had a grad, and steps that change which have
         # one keep it (:meth:`_GroupPlan.check`)
+        moment_dtype = self.group_moment_dtype(group)
+        # the fp32 format's float32/float64/complex params: torch's kernels (torchroute)
+        torch_format = self.backend == "auto" and moment_dtype == torch.float32
         kept = {}
         if previous is not None:
-            kept = previous.rows_to_keep(group, params, self.state, self.moment_dtype)
+            kept = previous.rows_to_keep(group, params, self.state, moment_dtype)
         carried: dict[int, tuple[Any, ...]] = {}
         for k, (p, grad) in enumerate(zip(params, grads)):
             if grad is None:
@@ -970,15 +1118,32 @@ class LadderAdamW(torch.optim.Optimizer):
                 raise ValueError(
                     f"param {start + k} has a sparse grad; optladder's AdamW needs dense grads"
                 )
-            backend, reason = self._route(p, start + k, env)
+            if torch_format and torchroute.torch_steps(p):
+                _refuse_torch_grad(p, grad, start + k)
+                torch_kernel, reason = torchroute.kernel_of(p, self._torch_fused_devices())
+                routes[f"torch_{torch_kernel}"].append((p, start + k))
+                if reason is not None:
+                    reasons[start + k] = reason
+                continue
+            backend, reason = self._route(p, start + k, env, moment_dtype)
             routes[backend].append((p, start + k))
             if reason is not None:
                 reasons[start + k] = reason
-        for items in routes.values():
+        for name in ("torch_fused", "torch_foreach"):
+            for p, i in routes[name]:
+                st = self.state[p]
+                if len(st) == 0:
+                    created.append(p)
+                    st.update(torchroute.init_state(p, name == "torch_fused"))
+                else:
+                    torchroute.ready_state(p, st, name == "torch_fused", f"param {i}")
+        for name, items in routes.items():
+            if name.startswith("torch_"):
+                continue
             for p, _ in items:
                 if len(self.state[p]) == 0:
                     created.append(p)
-                    self._init_state(p)
+                    self._init_state(p, moment_dtype)
                 elif self.state[p]["step"].dtype != STEP_DTYPE:  # state set by hand
                     self.state[p]["step"] = self.state[p]["step"].to(STEP_DTYPE)
         for p, _ in routes["triton"]:
@@ -988,7 +1153,7 @@ class LadderAdamW(torch.optim.Optimizer):
         if routes["staged"]:
             staged = []
             for p, i in routes["staged"]:  # moments the kernel can point at, else eager
-                if _kernel_moments(self.state[p], p, self.moment_dtype):
+                if _kernel_moments(self.state[p], p, moment_dtype):
                     staged.append((p, i))
                 else:
                     routes["eager"].append((p, i))
@@ -1000,7 +1165,9 @@ class LadderAdamW(torch.optim.Optimizer):
                 routes[name] = []
                 carried = {}
         states = [self.state[p] for p, _ in routes["cpu"]]
-        return _GroupPlan(group, params, grads, start, routes, reasons, states, carried)
+        return _GroupPlan(
+            group, params, grads, start, routes, reasons, states, carried, moment_dtype
+        )
 
     def _place_cpu_params(self, plans: list[_GroupPlan]) -> bool:
         """Make the C kernel's one table of every group's C kernel params (rows in group
@@ -1031,6 +1198,7 @@ class LadderAdamW(torch.optim.Optimizer):
             [st["step"] for st in states],
             [i for _, _, _, i in items],
             [g for _, g, _, _ in items],
+            [plan.moment_dtype for plan in with_rows],
         )
         first = 0
         for g, plan in enumerate(with_rows):
@@ -1207,7 +1375,12 @@ class LadderAdamW(torch.optim.Optimizer):
                 )
                 st = self.state[p]
                 table = cpu.KernelTable(
-                    [work], [st["exp_avg"]], [st["exp_avg_sq"]], [st["step"]], [i]
+                    [work],
+                    [st["exp_avg"]],
+                    [st["exp_avg_sq"]],
+                    [st["step"]],
+                    [i],
+                    moment_dtypes=[plan.moment_dtype],
                 )
                 table.set_grads([work_grad])
                 (step,) = table.read_steps()
@@ -1277,7 +1450,10 @@ class LadderAdamW(torch.optim.Optimizer):
         skip_host: bool | None = None
         host_plans: list[_GroupPlan] = []
         for plan in plans:
-            if not (plan.routes["cpu"] or plan.routes["staged"] or plan.routes["eager"]):
+            routes = plan.routes
+            if not (
+                routes["cpu"] or routes["staged"] or routes["eager"] or routes["torch_foreach"]
+            ):
                 continue
             if found_inf is not None and skip_host is None:
                 skip_host = bool(found_inf.item() != 0)  # host backends must sync
@@ -1289,13 +1465,19 @@ class LadderAdamW(torch.optim.Optimizer):
             host_grads = [  # found before the first write (a skipped row's is None)
                 p.grad
                 for plan in host_plans
-                for p, _ in chain(plan.routes["cpu"], plan.routes["staged"], plan.routes["eager"])
+                for p, _ in chain(
+                    plan.routes["cpu"],
+                    plan.routes["staged"],
+                    plan.routes["eager"],
+                    plan.routes["torch_foreach"],
+                )
                 if p.grad is not None
             ]
             unscale = distinct_grads(host_grads)
         for plan in plans:
             if plan.routes["triton"]:
                 self._step_triton(plan.group, plan.routes["triton"], grad_scale, found_inf)
+        self._step_torch_fused(plans, grad_scale, found_inf)
         if grad_scale is not None:
             unscale_grads_(unscale, grad_scale)
         # every group's C kernel params, one call; the table the prepared plans point
@@ -1305,13 +1487,65 @@ class LadderAdamW(torch.optim.Optimizer):
             self._step_cpu(table)
         for plan in host_plans:
             self._step_staged(plan)
+            if plan.routes["torch_foreach"]:
+                torchroute.step_functional(
+                    plan.group, self._torch_lists(plan.routes["torch_foreach"]), fused=False
+                )
             for p, i in plan.routes["eager"]:
                 eager.eager_step(
-                    p, self.state[p], plan.group, i, self.moment_dtype, self._scratch[p.device]
+                    p, self.state[p], plan.group, i, plan.moment_dtype, self._scratch[p.device]
                 )
 
+    def _torch_lists(self, items: list[tuple[torch.Tensor, int]]) -> tuple[list[Any], ...]:
+        """Torch's functional AdamW's lists for ``items``: params, grads, ``exp_avg``,
+        ``exp_avg_sq``, ``max_exp_avg_sq`` (empty), ``step``."""
+        states = [self.state[p] for p, _ in items]
+        return (
+            [p for p, _ in items],
+            [cast(torch.Tensor, p.grad) for p, _ in items],
+            [st["exp_avg"] for st in states],
+            [st["exp_avg_sq"] for st in states],
+            [],
+            [st["step"] for st in states],
+        )
+
+    def _step_torch_fused(
+        self,
+        plans: list[_GroupPlan],
+        grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        """Step the fp32 format's params on torch's fused kernel: the direct calls of
+        :func:`~.fusedstep.run_fused_plan` (all groups' step counts bumped at once), or,
+        with ``grad_scale``/``found_inf`` or a hyperparameter that is not a Python number
+        (a tensor ``lr``), torch's functional fused AdamW per call, which takes them."""
+        from optladder.optimizers.fusedstep import numbers_only, run_fused_plan
+
+        with_calls = [plan for plan in plans if plan.torch_calls]
+        if not with_calls:
+            return
+        direct = grad_scale is None and found_inf is None
+        if direct and all(numbers_only(plan.group) for plan in with_calls):
+            run_fused_plan([c for plan in with_calls for c in plan.torch_calls], self._torch_counts)
+        else:
+            for plan in with_calls:
+                for _, lists, _, (fills, writeback) in plan.torch_calls:
+                    for buffer, source in fills:
+                        buffer.copy_(source)
+                    torchroute.step_functional(
+                        plan.group, lists, fused=True, grad_scale=grad_scale, found_inf=found_inf
+                    )
+                    for param, buffer in writeback:
+                        param.copy_(buffer)
+        for plan in with_calls:
+            plan.release_torch_grads()
+
     def _route(
-        self, p: torch.Tensor, param_index: int, env: dict[str, str | None]
+        self,
+        p: torch.Tensor,
+        param_index: int,
+        env: dict[str, str | None],
+        moment_dtype: torch.dtype,
     ) -> tuple[str, str | None]:
         """Pick the backend of one param: ``(backend, why not fused or None)``.
 
@@ -1319,6 +1553,7 @@ class LadderAdamW(torch.optim.Optimizer):
             p: the param (its grad is not None).
             param_index: its index over all groups, for messages.
             env: per-step memo of why each kernel cannot run here (filled on first use).
+            moment_dtype: its group's moment dtype (:meth:`group_moment_dtype`).
 
         Raises:
             ValueError: if ``backend`` names a kernel that cannot step this param.
@@ -1336,9 +1571,7 @@ class LadderAdamW(torch.optim.Optimizer):
             name = "triton"
             if "triton" not in env:
                 env["triton"] = kernels.triton_unavailable_reason()
-            reason = env["triton"] or kernels.triton_param_unsupported_reason(
-                p, grad, self.moment_dtype
-            )
+            reason = env["triton"] or kernels.triton_param_unsupported_reason(p, grad, moment_dtype)
         elif p.device.type == "cpu":
             name = "cpu"
             if "cpu" not in env:
@@ -1465,7 +1698,8 @@ class LadderAdamW(torch.optim.Optimizer):
             )
 
     def _step_param(self, p: torch.Tensor, group: dict[str, Any], param_index: int) -> None:
-        state = self._init_state(p)
+        moment_dtype = self.group_moment_dtype(group)
+        state = self._init_state(p, moment_dtype)
         lr = float(group["lr"])
         beta1, beta2 = group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
@@ -1491,7 +1725,7 @@ class LadderAdamW(torch.optim.Optimizer):
         denom = (root / bias_correction2_sqrt).add_(eps)
         param.addcdiv_(exp_avg, denom, value=step_size)
         key = element_key(group["seed"], step, param_index)
-        if self.moment_dtype == torch.bfloat16:
+        if moment_dtype == torch.bfloat16:
             new_avg, new_avg_sq = round_moments(exp_avg, exp_avg_sq, key, group["rounding"])
         else:
             new_avg, new_avg_sq = exp_avg, exp_avg_sq

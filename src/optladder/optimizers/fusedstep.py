@@ -40,6 +40,7 @@ from optladder.optimizers.adamw import LadderAdamW
 from optladder.optimizers.migrate import is_bnb_engine
 from optladder.optimizers.stepmemo import same_objects
 from optladder.optimizers.steps import refuse_shared_steps
+from optladder.optimizers.torchroute import state_moment_dtype
 from optladder.sharding import local_numel
 
 _EXP_AVG = operator.itemgetter("exp_avg")
@@ -218,15 +219,16 @@ def _refuse_foreign_layouts(
     was (torch keeps it too), and appended back after the move it was refused by a
     kernel's table (bf16) or failed the commit half-way (8bit)."""
     bnb = is_bnb_engine(engine)
-    moment_dtype = engine.moment_dtype if isinstance(engine, LadderAdamW) else None
-    if bnb:
-        want = "bitsandbytes' 8-bit state (state1, state2)"
-    elif moment_dtype is not None:
-        want = f"{str(moment_dtype).removeprefix('torch.')} exp_avg and exp_avg_sq"
-    else:
-        want = "exp_avg and exp_avg_sq in the param's dtype"
+    ladder = engine if isinstance(engine, LadderAdamW) else None
     state = engine.state
     for gi, group in enumerate(engine.param_groups):
+        moment_dtype = None if ladder is None else ladder.group_moment_dtype(group)
+        if bnb:
+            want = "bitsandbytes' 8-bit state (state1, state2)"
+        elif moment_dtype is not None:
+            want = f"{str(moment_dtype).removeprefix('torch.')} exp_avg and exp_avg_sq"
+        else:
+            want = "exp_avg and exp_avg_sq in the param's dtype"
         for p in group["params"]:
             st = state.get(p)
             if not st:
@@ -234,8 +236,11 @@ def _refuse_foreign_layouts(
             m = st.get("exp_avg")
             if bnb:
                 fits = "state1" in st
+            elif moment_dtype is not None:  # the fp32 format's torch params: their dtype
+                want_dtype = state_moment_dtype(p, moment_dtype)
+                fits = isinstance(m, torch.Tensor) and m.dtype == want_dtype
             else:
-                fits = isinstance(m, torch.Tensor) and m.dtype == (moment_dtype or m.dtype)
+                fits = isinstance(m, torch.Tensor)
             if fits:
                 continue
             raise ValueError(
@@ -302,8 +307,34 @@ def options_fit(group: dict[str, Any]) -> bool:
         return False
     if "decoupled_weight_decay" not in group or "amsgrad" not in group:
         return False
+    return numbers_only(group)
+
+
+def numbers_only(group: Mapping[str, Any]) -> bool:
+    """Whether ``group``'s hyperparameters (``lr``, ``betas``, ``weight_decay``, ``eps``)
+    are Python numbers or numpy float64 scalars, as the direct kernel call takes them."""
     options = (group["lr"], *group["betas"], group["weight_decay"], group["eps"])
     return all(isinstance(v, float) or type(v) is int for v in options)  # numpy's float64 too
+
+
+def laid_out_like(m: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether moment ``m`` is laid out as torch's fused kernel needs for param ``p``: the
+    same strides over the dims of more than one element when ``p`` is dense (so element
+    ``k`` in memory is the same element of both), contiguous when it is not (such a param
+    is stepped through a contiguous copy, see the module's docstring)."""
+    if not dense(p):
+        return m.is_contiguous()
+    return all(a == b for a, b, n in zip(m.stride(), p.stride(), p.shape) if n > 1)
+
+
+def laid_out_copy(m: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A copy of moment ``m`` (of ``p``'s shape) laid out as :func:`laid_out_like` asks:
+    like ``p`` when ``p`` is dense, contiguous when it is not (the values are ``m``'s)."""
+    if dense(p):
+        like = torch.empty_like(p, dtype=m.dtype, memory_format=torch.preserve_format)
+    else:
+        like = torch.empty(p.shape, dtype=m.dtype, device=m.device)
+    return like.copy_(m)
 
 
 def fused_plan(
@@ -354,51 +385,92 @@ def fused_plan(
             params, gs = list(compress(params, present)), list(compress(gs, present))
         if not params:
             continue
-        amsgrad = bool(group["amsgrad"])
-        params = list(params)
-        gs = cast(list[torch.Tensor], list(gs))  # the Nones left out above
-        fills: list[tuple[torch.Tensor, torch.Tensor]] = []
-        writeback: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i in nd:  # contiguous buffers, filled in the commit (after any unscaling)
-            p, g = params[i], gs[i]
-            params[i] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-            fills.append((params[i], p))
-            writeback.append((p, params[i]))
-            if not g.is_contiguous():
-                gs[i] = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-                fills.append((gs[i], g))
-        lists = (
-            params,
-            gs,
-            list(map(_EXP_AVG, sts)),
-            list(map(_EXP_AVG_SQ, sts)),
-            list(map(_MAX_EXP_AVG_SQ, sts)) if amsgrad else [],
-            list(map(_STEP, sts)),
-        )
-        beta1, beta2 = group["betas"]
-        options = {
-            "amsgrad": amsgrad,
-            "lr": group["lr"],
-            "beta1": beta1,
-            "beta2": beta2,
-            "weight_decay": group["weight_decay"],
-            "eps": group["eps"],
-            "maximize": bool(group["maximize"]),
-            "grad_scale": None,
-            "found_inf": None,
-        }
-        kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
         call = previous[len(calls)] if previous is not None and len(calls) < len(previous) else None
-        if call is None or call[0] is not kernel or call[2].keys() != options.keys():
-            call = (kernel, lists, options, (fills, writeback))
-        else:  # the earlier call's containers, filled again
-            for kept, new in zip(call[1], lists, strict=True):
-                kept[:] = new
-            call[2].update(options)
-            call[3][0][:] = fills
-            call[3][1][:] = writeback
-        calls.append(call)
+        calls.append(
+            group_call(
+                group,
+                list(params),
+                cast(list[torch.Tensor], list(gs)),  # the Nones left out above
+                sts,
+                nd,
+                bool(group["amsgrad"]),
+                call,
+            )
+        )
     return calls
+
+
+def group_call(
+    group: Mapping[str, Any],
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: Sequence[Mapping[str, Any]],
+    nondense: Sequence[int],
+    amsgrad: bool = False,
+    previous: FusedCall | None = None,
+) -> FusedCall:
+    """One ``torch._fused_adam(w)_`` call of :func:`fused_plan`: one group's params with a
+    grad (one device, one real dtype), stepped with the group's options.
+
+    Args:
+        group: the group's options (``lr``, ``betas``, ``eps``, ``weight_decay``,
+            ``maximize``, ``decoupled_weight_decay``: Python numbers and bools).
+        params: its params with a grad (this list is changed: see ``nondense``).
+        grads: their grads, in order (changed too).
+        states: their state dicts (``exp_avg``, ``exp_avg_sq``, ``step``, and
+            ``max_exp_avg_sq`` with ``amsgrad``).
+        nondense: places in ``params`` of params that are not dense: each (and its grad,
+            when that is not contiguous) is replaced by a contiguous buffer allocated here,
+            filled before the kernel and written back after it (:func:`run_fused_plan`).
+        amsgrad: the group keeps ``max_exp_avg_sq``.
+        previous: an earlier call whose containers are filled again in place when it has
+            the same kernel and options' keys (see :func:`fused_plan`).
+
+    Returns:
+        The call, ``(kernel, tensor lists, options, copies)``.
+
+    Raises:
+        Whatever allocating the copies raised (an OOM); nothing is written here.
+    """
+    fills: list[tuple[torch.Tensor, torch.Tensor]] = []
+    writeback: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i in nondense:  # contiguous buffers, filled in the commit (after any unscaling)
+        p, g = params[i], grads[i]
+        params[i] = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        fills.append((params[i], p))
+        writeback.append((p, params[i]))
+        if not g.is_contiguous():
+            grads[i] = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+            fills.append((grads[i], g))
+    lists = (
+        params,
+        grads,
+        list(map(_EXP_AVG, states)),
+        list(map(_EXP_AVG_SQ, states)),
+        list(map(_MAX_EXP_AVG_SQ, states)) if amsgrad else [],
+        list(map(_STEP, states)),
+    )
+    beta1, beta2 = group["betas"]
+    options = {
+        "amsgrad": amsgrad,
+        "lr": group["lr"],
+        "beta1": beta1,
+        "beta2": beta2,
+        "weight_decay": group["weight_decay"],
+        "eps": group["eps"],
+        "maximize": bool(group["maximize"]),
+        "grad_scale": None,
+        "found_inf": None,
+    }
+    kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+    if previous is None or previous[0] is not kernel or previous[2].keys() != options.keys():
+        return (kernel, lists, options, (fills, writeback))
+    for kept, new in zip(previous[1], lists, strict=True):  # its containers, filled again
+        kept[:] = new
+    previous[2].update(options)
+    previous[3][0][:] = fills
+    previous[3][1][:] = writeback
+    return previous
 
 
 def release_grads(calls: list[FusedCall]) -> list[FusedCall]:

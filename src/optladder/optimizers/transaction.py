@@ -36,13 +36,15 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from optladder.columns import PLAIN_TYPES, dense
+from optladder.columns import PLAIN_TYPES
 from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
 from optladder.optimizers.build import KERNEL_KEYS
 from optladder.optimizers.fusedstep import (
     FusedCall,
     StepCounts,
     fused_plan,
+    laid_out_copy,
+    laid_out_like,
     nondense_places,
     params_fit,
     plan_steps,
@@ -350,19 +352,9 @@ _STRIDE = torch.Tensor.stride
 _STEP = operator.itemgetter("step")
 
 
-def _laid_out_like(m: torch.Tensor, p: torch.Tensor) -> bool:
-    """Whether moment ``m`` is laid out as torch's fused kernel needs for param ``p``: the
-    same strides over the dims of more than one element when ``p`` is dense (so element
-    ``k`` in memory is the same element of both), contiguous when it is not (such a param
-    is stepped through a contiguous copy, see :mod:`~.fusedstep`)."""
-    if not dense(p):
-        return m.is_contiguous()
-    return all(a == b for a, b, n in zip(m.stride(), p.stride(), p.shape) if n > 1)
-
-
 def _lay_out_moments(engine: torch.optim.Optimizer) -> None:
     """Give each moment of a fused group's param that is laid out unlike the param (see
-    :func:`_laid_out_like`) a copy laid out like it, in its state dict (the values stay
+    :func:`~.fusedstep.laid_out_like`) a copy laid out like it, in its state dict (the values stay
     the same). torch's fused kernel pairs elements by memory order; torch creates
     moments laid out like the param, but a checkpoint load or a move between rungs makes
     them contiguous, which would pair a ``channels_last`` or transposed param's elements
@@ -387,13 +379,9 @@ def _lay_out_moments(engine: torch.optim.Optimizer) -> None:
                 continue  # laid out like their params: the common case, read in C
             for p, m in pairs:
                 plain = type(p) in PLAIN_TYPES and type(m) in PLAIN_TYPES
-                if not plain or m.shape != p.shape or _laid_out_like(m, p):
+                if not plain or m.shape != p.shape or laid_out_like(m, p):
                     continue
-                if dense(p):
-                    like = torch.empty_like(p, dtype=m.dtype, memory_format=torch.preserve_format)
-                else:
-                    like = torch.empty(p.shape, dtype=m.dtype, device=m.device)
-                state[p][key] = like.copy_(m)
+                state[p][key] = laid_out_copy(m, p)
 
 
 class FusedStates(NamedTuple):

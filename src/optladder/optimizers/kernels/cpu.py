@@ -433,12 +433,15 @@ class KernelTable:
     Args:
         params: float32/bfloat16/float16 CPU tensors, contiguous (see
             :func:`param_unsupported_reason`).
-        exp_avgs, exp_avg_sqs: their moments, all float32 or all bfloat16, contiguous,
-            the params' shapes.
+        exp_avgs, exp_avg_sqs: their moments, contiguous, the params' shapes, in their
+            group's moment dtype (``moment_dtypes``).
         steps: their step counts, 0-d float64 CPU tensors (exact to 2**53).
         param_indices: each param's index over all param groups (for the random bits).
         groups: each param's group number in the table, ``0 <= g < n_groups``, whose
             options (:meth:`set_options`) step it; default all 0 (one group).
+        moment_dtypes: each group's moment dtype (float32 or bfloat16; the kernel reads
+            it per group, ``ol_hyper_t.moment_dtype``), one per group number; default
+            ``exp_avgs[0]``'s dtype for every group.
 
     Raises:
         ValueError: naming the row and tensor that is not as described, or a group number
@@ -453,17 +456,28 @@ class KernelTable:
         steps: Sequence[torch.Tensor],
         param_indices: Sequence[int],
         groups: Sequence[int] | None = None,
+        moment_dtypes: Sequence[torch.dtype] | None = None,
     ) -> None:
         n = len(params)
-        moment_dtype = exp_avgs[0].dtype if n else torch.bfloat16
-        if moment_dtype not in MOMENT_DTYPE_CODES:
-            raise ValueError(f"exp_avgs[0] has dtype {moment_dtype}; need float32 or bfloat16")
         if groups is None:
             groups = [0] * n
         if len(groups) != n or any(g < 0 for g in groups):
             raise ValueError(f"groups must hold {n} group numbers >= 0, got {list(groups)!r}")
         self.n_groups = max(groups, default=0) + 1
-        self.moment_dtype = moment_dtype
+        if moment_dtypes is None:
+            moment_dtypes = [exp_avgs[0].dtype if n else torch.bfloat16] * self.n_groups
+        moment_dtypes = list(moment_dtypes)
+        if len(moment_dtypes) != self.n_groups:
+            raise ValueError(
+                f"moment_dtypes must hold one dtype per group ({self.n_groups}), got "
+                f"{len(moment_dtypes)}"
+            )
+        for g, dtype in enumerate(moment_dtypes):
+            if dtype not in MOMENT_DTYPE_CODES:
+                raise ValueError(
+                    f"moment_dtypes[{g}] is {dtype}; the kernel keeps float32 or bfloat16 moments"
+                )
+        self.moment_dtypes = moment_dtypes
         self.rows = (_Param * max(n, 1))()
         self.offsets = (ctypes.c_int64 * (n + 1))()
         self.step_values = (ctypes.c_double * max(n, 1))()
@@ -483,6 +497,7 @@ class KernelTable:
                     f"params[{k}] must be a contiguous float32/bfloat16/float16 CPU tensor, "
                     f"got {p.dtype} on {p.device}"
                 )
+            moment_dtype = moment_dtypes[g]
             for name, t in (("exp_avgs", m), ("exp_avg_sqs", v)):
                 if t.dtype != moment_dtype or not t.is_contiguous() or t.shape != p.shape:
                     raise ValueError(
@@ -695,7 +710,7 @@ class KernelTable:
         hyper.weight_decay = weight_decay if has_wd and not decoupled_weight_decay else 0.0
         hyper.coupled = int(has_wd and not decoupled_weight_decay)
         hyper.maximize = int(maximize)
-        hyper.moment_dtype = MOMENT_DTYPE_CODES[self.moment_dtype]
+        hyper.moment_dtype = MOMENT_DTYPE_CODES[self.moment_dtypes[group]]
         hyper.stochastic = int(stochastic)
         hyper.param_stochastic = int(param_stochastic)
         self._options[group] = key
