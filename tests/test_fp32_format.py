@@ -1,10 +1,10 @@
 """The fp32 format of :class:`LadderAdamW` on torch's kernels: a group of the fp32 format
 (``"rung": "fp32"``, or ``moment_dtype=torch.float32``) steps its float32 and float64
-params with torch's fused AdamW kernel and its complex (and DTensor) params with torch's
-foreach AdamW, so params, ``exp_avg``, ``exp_avg_sq``, ``step`` and ``state_dict()`` are
-bit for bit those of ``torch.optim.AdamW(fused=True)`` / ``(foreach=True)`` (the
-reference here), with ``grad_scale``/``found_inf`` too; its bfloat16/float16 params keep
-float32 moments on optladder's kernels."""
+params (DTensors too) with torch's fused AdamW kernel and its complex params with
+torch's foreach AdamW, so params, ``exp_avg``, ``exp_avg_sq``, ``step`` and
+``state_dict()`` are bit for bit those of ``torch.optim.AdamW(fused=True)`` /
+``(foreach=True)`` (the reference here), with ``grad_scale``/``found_inf`` too; its
+bfloat16/float16 params keep float32 moments on optladder's kernels."""
 
 from __future__ import annotations
 
@@ -251,7 +251,7 @@ def _dtensor_params(make: Callable[[torch.Tensor], Any]) -> list[Any]:
     return [torch.nn.Parameter(make(torch.randn(s, generator=gen))) for s in ((12, 4), (9,))]
 
 
-def test_float32_dtensor_params_step_as_torch_foreach_adamw() -> None:
+def test_float32_dtensor_params_step_as_torch_fused_adamw() -> None:
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or dist.is_initialized():
         pytest.skip("needs torch.distributed, not initialized by another test")
@@ -267,7 +267,7 @@ def test_float32_dtensor_params_step_as_torch_foreach_adamw() -> None:
 
         got, want = _dtensor_params(make), _dtensor_params(make)
         opt = LadderAdamW([{"params": got, "rung": "fp32"}], lr=1e-2, weight_decay=0.1)
-        ref = torch.optim.AdamW(want, lr=1e-2, foreach=True, weight_decay=0.1)
+        ref = torch.optim.AdamW(want, lr=1e-2, fused=True, weight_decay=0.1)
         for step in range(3):
             gen = torch.Generator().manual_seed(step)
             for a, b in zip(got, want, strict=True):
@@ -275,7 +275,7 @@ def test_float32_dtensor_params_step_as_torch_foreach_adamw() -> None:
                 a.grad, b.grad = make(g.clone()), make(g.clone())
             opt.step()
             ref.step()
-        assert "DTensor" in opt.eager_reasons[0]
+        assert opt.eager_reasons == {}
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a.to_local(), b.to_local())
             for name in ("exp_avg", "exp_avg_sq"):

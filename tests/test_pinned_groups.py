@@ -114,9 +114,9 @@ def test_a_pinned_group_runs_its_rung_and_the_rest_runs_the_decision() -> None:
     # the pinned embedding followed torch's fused AdamW (fp32 moments) bit for bit
     assert torch.equal(model.emb.weight, _torch_adamw_emb(3))
     assert opt.state[model.emb.weight]["exp_avg"].dtype == torch.float32
-    assert type(opt.pinned_engines["fp32"]) is torch.optim.AdamW
-    # the rest ran the bf16 rung exactly as an optimizer stepping those params alone
-    assert isinstance(opt.engine, LadderAdamW)
+    # the rest ran the bf16 rung exactly as an optimizer stepping those params alone, on
+    # the same engine: the fp32 and bf16 rungs are two state formats of one LadderAdamW
+    assert isinstance(opt.engine, LadderAdamW) and opt.pinned_engines["fp32"] is opt.engine
     for p, r in zip(model.proj.parameters(), ref_model.proj.parameters()):
         assert torch.equal(p, r)
         assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
@@ -126,9 +126,11 @@ def test_a_pinned_group_runs_its_rung_and_the_rest_runs_the_decision() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     opt.step()
     scheduler.step()  # reaches the pinned engine's group: the dicts are shared
-    assert opt.pinned_engines["fp32"].param_groups[0]["lr"] == 1e-3
-    assert opt.engine.param_groups[0]["lr"] == 5e-4
-    assert "pinned fp32: AdamW (1 groups)" in repr(opt)
+    pinned, decided = opt.param_groups
+    assert any(g is pinned for g in opt.engine.param_groups)  # the engine's own dicts
+    assert pinned["lr"] == 1e-3
+    assert decided["lr"] == 5e-4
+    assert "pinned fp32: LadderAdamW (1 groups)" in repr(opt)
     assert "in groups that pin their rung" in opt.decision.summary()
 
 
@@ -399,7 +401,6 @@ def test_complex_params_in_a_pinned_fp32_group_leave_the_rest_free_to_move() -> 
     opt = choose_optimizer(groups, rung="8bit", free_memory="1GiB")
     assert not opt.decision.footprint.has_complex  # the params that follow are real
     pinned = opt.pinned_engines["fp32"]
-    assert not pinned.defaults["fused"]  # torch's fused AdamW has no complex kernel
     ref_z = torch.nn.Parameter(z.detach().clone())
     ref = torch.optim.AdamW([ref_z], weight_decay=1e-2, foreach=True)
     for s in range(2):
@@ -409,6 +410,7 @@ def test_complex_params_in_a_pinned_fp32_group_leave_the_rest_free_to_move() -> 
         opt.step()
         ref.step()
     assert torch.equal(z, ref_z)
+    assert "real params only" in pinned.eager_reasons[0]  # torch's fused has no complex kernel
     assert "state1" in opt.state[model.proj.weight]
 
 
@@ -446,7 +448,7 @@ def test_each_engine_is_fused_for_its_own_params() -> None:
         rung="fp32",
         free_memory="1GiB",
     )
-    assert opt.decision.fused and opt.engine.defaults["fused"]
+    assert opt.decision.fused and isinstance(opt.engine, LadderAdamW)
     assert opt.decision.footprint.dtypes == ("float32",)
     # bfloat16 params that follow the decision leave a pinned float32 group fused
     mixed = choose_optimizer(
@@ -458,11 +460,12 @@ def test_each_engine_is_fused_for_its_own_params() -> None:
     from optladder.optimizers.kernels import cpu_unavailable_reason
 
     assert mixed.decision.fused is (cpu_unavailable_reason() is None)
-    assert mixed.pinned_engines["fp32"].defaults["fused"]
+    assert mixed.pinned_engines["fp32"] is mixed.engine  # one engine for both groups
     for s in range(3):
         _set_grads([model.emb.weight], s)
         low.grad = torch.ones_like(low)
         mixed.step()
+    assert mixed.engine.eager_reasons == {}  # the float32 param on torch's fused kernel
     assert torch.equal(model.emb.weight, _torch_adamw_emb(3, lr=1e-3))
 
 
@@ -470,12 +473,13 @@ def test_add_param_group_takes_what_choose_optimizer_takes() -> None:
     model = _model()
     z = torch.nn.Parameter(torch.randn(16, dtype=torch.complex64))
     opt = choose_optimizer(list(model.proj.parameters()), free_memory="1GiB")
-    opt.add_param_group({"params": [z], "rung": "fp32"})  # its own engine: foreach, not fused
-    assert not opt.pinned_engines["fp32"].defaults["fused"]
+    opt.add_param_group({"params": [z], "rung": "fp32"})  # foreach for it, not fused
+    assert opt.pinned_engines["fp32"] is opt.engine  # the fp32 format of the same engine
     z.grad = torch.ones_like(z)
     _set_grads(list(model.proj.parameters()), 0)
     opt.step()
     assert opt.state[z]["exp_avg"].dtype == torch.complex64
+    assert "real params only" in opt.engine.eager_reasons[2]
 
 
 def test_step_errors_name_the_users_group_and_change_nothing() -> None:
@@ -575,7 +579,8 @@ def test_groups_pinning_one_rung_share_one_engine_built_for_all_their_params() -
     ]
     opt = choose_optimizer(groups, rung="bf16", free_memory="1GiB")
     engine = opt.pinned_engines["fp32"]
-    assert isinstance(engine, LadderAdamW) and len(engine.param_groups) == 2
+    assert isinstance(engine, LadderAdamW) and engine is opt.engine  # one engine for all
+    assert [opt._group_rung(g) for g in engine.param_groups] == ["bf16", "fp32", "fp32"]
     _set_grads(_params(model), 0)
     low.grad = torch.ones_like(low)
     opt.step()

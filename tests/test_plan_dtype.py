@@ -199,11 +199,12 @@ def test_kernel_routes_follow_the_engines_dispatch() -> None:
     assert routes["bf16"]["float64"].kernel == "the eager path"
     assert "float64 params run the eager path" in (routes["bf16"]["float64"].reason or "")
     assert routes["8bit"]["float64"].kernel == "no engine"
-    # a bf16 param among them: every fp32-rung param is on optladder's AdamW
+    # a bf16 param among them: float32 moments for it on the C kernel, the float32
+    # param on torch's fused kernel (the fp32 state format of optladder's AdamW)
     mixed = kernel_routes("cpu", True, ("bfloat16", "float32"), False)
     assert {d: r.kernel for d, r in mixed["fp32"].items()} == {
         "bfloat16": "the C kernel",
-        "float32": "the C kernel",
+        "float32": "torch's fused AdamW",
     }
     cplx = kernel_routes("cuda", True, ("float32",), True)
     assert cplx["fp32"]["complex64"].kernel == "torch's foreach AdamW"

@@ -117,7 +117,7 @@ def test_adopt_keeps_adam_state_and_coupled_decay() -> None:
         _step(model, user, s)
         _step(ref_model, ref, s)
     opt = adopt(user, free_memory="1GiB")
-    assert opt.rung == "fp32" and type(opt.engine) is torch.optim.Adam
+    assert opt.rung == "fp32" and not opt.engine.defaults["decoupled_weight_decay"]
     assert opt.state[model[0].weight]["step"].item() == 2.0
     for s in range(2, 4):
         _step(model, opt, s)
@@ -270,7 +270,6 @@ def test_add_param_group_mid_run_on_every_rung(rung: str) -> None:
     [
         ("8bit", torch.randn(4, dtype=torch.complex64), "takes real params only"),
         ("bf16", torch.randn(4, dtype=torch.complex64), "takes real params only"),
-        ("fp32", torch.randn(4).bfloat16(), "would keep its moments in that dtype"),
         ("8bit", torch.randn(4, dtype=torch.float64), "float32, bfloat16 or float16"),
     ],
 )
@@ -281,6 +280,19 @@ def test_add_param_group_refuses_what_the_rung_cannot_take(rung: str, param, mat
     with pytest.raises(ValueError, match=match):
         opt.add_param_group({"params": [torch.nn.Parameter(param)]})
     assert len(opt.param_groups) == before
+
+
+def test_add_param_group_on_the_fp32_rung_keeps_float32_moments_for_bfloat16_params() -> None:
+    """The fp32 rung is a state format of optladder's AdamW: a bfloat16 param added to an
+    optimizer of float32 params keeps float32 moments (torch's AdamW, the fp32 rung's
+    engine before, would have kept them in bfloat16 and refused the group)."""
+    model = _model()
+    opt = choose_optimizer(model, free_memory="1GiB", rung="fp32")
+    low = torch.nn.Parameter(torch.randn(4).bfloat16())
+    opt.add_param_group({"params": [low]})
+    low.grad = torch.ones_like(low)
+    opt.step()
+    assert opt.state[low]["exp_avg"].dtype == torch.float32
 
 
 def test_add_param_group_checks_and_updates_the_estimate() -> None:

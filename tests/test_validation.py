@@ -137,8 +137,11 @@ def test_float64_beside_bf16_params_needs_its_own_fp32_group() -> None:
     with pytest.raises(ValueError, match="put the float64 params in a param group"):
         choose_optimizer([wide, low], rung="fp32", free_memory=GiB)
     opt = choose_optimizer([{"params": [wide], "rung": "fp32"}, {"params": [low]}], free_memory=GiB)
-    with pytest.raises(ValueError, match="takes float32, bfloat16, float16 params"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]})
+    # the fp32 format of optladder's AdamW keeps float64 moments for a float64 param on
+    # torch's kernels: one added beside the bfloat16 params is taken (it was refused when
+    # the fp32 rung of bfloat16 params was an engine of float32 moments only)
+    added = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt.add_param_group({"params": [added]})
     ref = torch.nn.Parameter(wide.detach().clone())
     torch_adamw = torch.optim.AdamW([ref], lr=1e-3, weight_decay=1e-2)
     for s in range(3):
@@ -147,6 +150,9 @@ def test_float64_beside_bf16_params_needs_its_own_fp32_group() -> None:
         opt.step()
         torch_adamw.step()
     assert torch.equal(wide.detach(), ref.detach())  # torch's float64 AdamW, bit for bit
+    added.grad = torch.ones(3, dtype=torch.float64)
+    opt.step()
+    assert opt.state[added]["exp_avg"].dtype == torch.float64
 
 
 def test_the_bf16_rung_takes_float64_params_added_or_converted_mid_run() -> None:
@@ -626,17 +632,18 @@ def test_add_param_group_without_params_says_the_key_is_missing() -> None:
     assert len(opt.param_groups) == 1
 
 
-def test_a_complex_param_added_beside_fused_float32_ones_is_told_to_pin_fp32() -> None:
-    """The refusal says what works, and what it says works: a group pinning fp32 gets
-    an engine of its own (torch's foreach AdamW), whose step equals torch's AdamW."""
+@pytest.mark.parametrize("pin", [None, "fp32"])
+def test_a_complex_param_added_beside_fused_float32_ones_steps_as_torch(pin: str | None) -> None:
+    """A complex param added beside fused float32 ones (in a group of its own pinning
+    fp32, or following the fp32 decision: one engine, the fp32 format, steps it on
+    torch's foreach AdamW; it was refused when torch's fused AdamW was the engine)
+    steps as torch's AdamW."""
     opt = choose_optimizer(
         [torch.nn.Parameter(torch.zeros(4))], rung="fp32", free_memory=GiB, environ={}
     )
     z = torch.nn.Parameter(torch.randn(8, dtype=torch.complex64))
-    with pytest.raises(ValueError, match=r"pins the fp32 rung \(\{'params': \.\.\., 'rung'"):
-        opt.add_param_group({"params": [z]})
     start = z.detach().clone()
-    opt.add_param_group({"params": [z], "rung": "fp32"})
+    opt.add_param_group({"params": [z]} if pin is None else {"params": [z], "rung": pin})
     z.grad = torch.full((8,), 1 + 1j, dtype=torch.complex64)
     opt.step()
     ref = torch.nn.Parameter(start)
@@ -1063,7 +1070,6 @@ def test_a_param_resized_under_the_optimizer_is_refused_on_every_rung(
     ("rung", "dtype", "match"),
     [
         ("fp32", torch.float64, r"is torch.float64 but its exp_avg is torch.float32"),
-        ("fp32", torch.bfloat16, r"runs torch's AdamW, which would keep its moments"),
         ("8bit", torch.float64, r"float64"),
     ],
 )

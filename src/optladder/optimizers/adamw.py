@@ -17,7 +17,7 @@ import math
 import numbers
 import operator
 from collections.abc import Callable, Mapping
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 from typing import Any, Literal, cast
 
 import torch
@@ -439,19 +439,31 @@ class _GroupPlan:
             for k in self._positions
         ]
         self._others = [
-            i - start
-            for name in ("eager", "staged", "triton", "torch_fused", "torch_foreach")
-            for _, i in routes[name]
+            i - start for name in ("eager", "staged", "triton") for _, i in routes[name]
+        ]
+        # torch's kernels' params: like the C kernel's rows, one without a grad at a
+        # step is left out of that step's calls (the plan is kept)
+        self._torch_positions = [
+            i - start for name in ("torch_fused", "torch_foreach") for _, i in routes[name]
+        ]
+        self._torch_kinds = [
+            None if grads[k] is None else _kind(cast(torch.Tensor, grads[k]))
+            for k in self._torch_positions
         ]
         buckets: dict[tuple[torch.device, torch.dtype], list[tuple[torch.Tensor, int]]] = {}
         for p, i in routes["torch_fused"]:
             buckets.setdefault((p.device, p.dtype), []).append((p, i))
         self.torch_buckets = list(buckets.values())
-        self.torch_calls: list[Any] = []
-        self._planned = set(self._positions).union(self._others)
+        self.torch_calls: list[Any] = []  # this step's calls
+        self._torch_cache: list[Any] | None = None  # per bucket: items, params, states
+        self._picks: list[bool] = []  # which torch fused params have a grad this step
+        self._bucket_calls: list[Any] = [None] * len(self.torch_buckets)  # their containers
+        self._planned = set(self._positions).union(self._others, self._torch_positions)
         self.cpu_params = [p for p, _ in routes["cpu"]]
-        # the grads whose pointers the table holds (it compares their addresses itself)
-        self._grads = KeptGrads(addresses=False)
+        # the grads whose pointers the table holds (it compares their addresses itself);
+        # without C kernel rows, the grads the kinds were last checked for (at their
+        # addresses: a grad given other memory is checked again)
+        self._grads = KeptGrads(addresses=not routes["cpu"])
         self._grad_ptrs: list[int] = []
         # whether some params step off the C kernel's table (their step tensors are read
         # afresh at every step, so checked at every step)
@@ -519,6 +531,27 @@ class _GroupPlan:
                 kept[k] = kind
         return kept
 
+    def torch_to_keep(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        state: Mapping[torch.Tensor, Any],
+        moment_dtype: torch.dtype,
+    ) -> dict[int, str]:
+        """The params of torch's kernels in this plan that a new plan of ``group`` keeps
+        when they have no grad: place in the group -> route; only for the same group
+        dict, params and format, params that have their state."""
+        if group is not self.group or not same_objects(params, self.params):
+            return {}
+        if moment_dtype is not self.moment_dtype:
+            return {}
+        kept = {}
+        for name in ("torch_fused", "torch_foreach"):
+            for p, i in self.routes[name]:
+                if state.get(p):
+                    kept[i - self.start] = name
+        return kept
+
     def _fits(self, grads: list[torch.Tensor | None]) -> bool:
         """Whether ``grads`` differ from the plan's only in C kernel params that have no
         grad now (their rows are skipped, :meth:`~.kernels.cpu.KernelTable.set_grads`):
@@ -532,7 +565,10 @@ class _GroupPlan:
             return False
         return all(
             grads[k] is None or _kind(cast(torch.Tensor, grads[k])) == kind
-            for k, kind in zip(self._positions, self._row_kinds)
+            for k, kind in chain(
+                zip(self._positions, self._row_kinds),
+                zip(self._torch_positions, self._torch_kinds),
+            )
         )
 
     def write_grads(
@@ -541,7 +577,11 @@ class _GroupPlan:
         """Point the C kernel's table at ``grads`` unless it already does (``written``:
         :meth:`grads_written` of ``grads``; the grads at the kernel's params' places
         must not be None: the grads' kinds are this plan's)."""
-        if self.table is None or written[0]:
+        if written[0]:
+            return
+        if self.table is None:
+            if not self._positions:  # the kinds hold while these grads are kept
+                self._grads.record(grads)
             return
         present = list(map(grads.__getitem__, self._positions))  # None: a skipped row
         ptrs = written[1] if written[1] is not None else _ptrs(present)
@@ -554,20 +594,59 @@ class _GroupPlan:
         per bucket, in the last step's containers), reading each param's grad and state
         tensors now, and allocating the contiguous copies of params that are not dense.
 
+        Each bucket's params, state dicts (the same objects while the plan holds: a new
+        state dict makes the plan again) and params that are not contiguous are read once
+        per plan; at every step, the grads, and the strides of those params' grads (the
+        rest's layouts are in the grads' kinds the plan was checked against).
+        :meth:`torch_steps` then gives every step tensor and which have a grad.
+
         Raises:
+            ValueError: a grad laid out unlike its param (:func:`_refuse_torch_grad`).
             Whatever allocating the copies raised (an OOM); nothing is written.
         """
         from optladder.optimizers.fusedstep import group_call, nondense_places
 
+        if self._torch_cache is None:
+            self._torch_cache = [
+                (
+                    [p for p, _ in bucket],
+                    [state[p] for p, _ in bucket],
+                    [(p, i) for p, i in bucket if not p.is_contiguous()],
+                    nondense_places([p for p, _ in bucket]),
+                )
+                for bucket in self.torch_buckets
+            ]
         calls = []
-        for k, bucket in enumerate(self.torch_buckets):
-            params = [p for p, _ in bucket]
-            grads = [cast(torch.Tensor, p.grad) for p in params]
-            states = [state[p] for p in params]
-            previous = self.torch_calls[k] if k < len(self.torch_calls) else None
-            nondense = nondense_places(params)
-            calls.append(group_call(self.group, params, grads, states, nondense, False, previous))
-        self.torch_calls[:] = calls
+        kept = self._bucket_calls
+        picks: list[bool] = []
+        for k, (params, states, strided, nondense) in enumerate(self._torch_cache):
+            grads = list(map(grad_of, params))
+            absent = list(map(operator.is_, grads, repeat(None)))
+            picks += map(operator.not_, absent)
+            for p, i in strided:
+                if p.grad is not None and p.grad.stride() != p.stride():
+                    _refuse_torch_grad(p, p.grad, i)
+            if any(absent):  # left out of this step
+                params = list(compress(params, map(operator.not_, absent)))
+                states = list(compress(states, map(operator.not_, absent)))
+                grads = [g for g in grads if g is not None]
+                if not params:
+                    continue
+                nondense = nondense_places(params)
+            present = cast(list[torch.Tensor], grads)
+            params = list(params)  # group_call puts the copies' buffers in this list
+            kept[k] = group_call(self.group, params, present, states, nondense, False, kept[k])
+            calls.append(kept[k])
+        self.torch_calls[:] = calls  # in place: new lists a step per group would outlive
+        self._picks[:] = picks  # the step's young collections (see fusedstep.fused_plan)
+
+    def torch_steps(self) -> tuple[list[Any], list[bool]]:
+        """``(step of every torch fused param, whether it has a grad now)``, in the order
+        of :meth:`make_torch_calls`' calls (:meth:`~.fusedstep.StepCounts.prepare`'s
+        ``within``), after :meth:`make_torch_calls`."""
+        assert self._torch_cache is not None
+        every = [st["step"] for _, states, _, _ in self._torch_cache for st in states]
+        return every, self._picks
 
     def release_torch_grads(self) -> None:
         """Drop the grads and copies the torch calls hold (after the commit)."""
@@ -729,6 +808,10 @@ class LadderAdamW(torch.optim.Optimizer):
             match the eager loop bit for bit (params, moments and step counts).
             After each step, ``eager_reasons`` maps the index of every param that
             stepped eagerly to the reason.
+        torch_fused: with ``backend="auto"``, the fp32 format's float32, float64 and
+            complex params step on torch's kernels (:mod:`~optladder.optimizers.torchroute`):
+            its fused kernel where the device has one (True), or its foreach path
+            everywhere (False: a device whose fused kernel did not run).
 
     AMP: like torch's fused AdamW, this optimizer takes ``grad_scale`` and ``found_inf``
     from ``torch.amp.GradScaler`` (``_step_supports_amp_scaling``): grads are unscaled in
@@ -755,6 +838,7 @@ class LadderAdamW(torch.optim.Optimizer):
         param_rounding: Rounding = "stochastic",
         seed: int = 0,
         backend: Backend = "auto",
+        torch_fused: bool = True,
     ) -> None:
         validate_hyperparams(lr, betas, eps, weight_decay)
         if backend not in _BACKENDS:
@@ -779,6 +863,7 @@ class LadderAdamW(torch.optim.Optimizer):
         }
         self.moment_dtype = moment_dtype
         self.backend: Backend = backend
+        self.torch_fused = torch_fused
         self.eager_reasons: dict[int, str] = {}
         self._cpu_kernel_error: str | None = None
         self._plan: Any = None
@@ -793,7 +878,8 @@ class LadderAdamW(torch.optim.Optimizer):
         self._state_seen: list[Any] = []  # self.state's values after the last prepare
         self._lr_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}  # Triton's lr
         self._untracked_steps = False  # a plan has params off the C kernel (see prepare)
-        self._fused_devices: tuple[str, ...] | None = None  # torch's fused AdamW's
+        # torch's fused AdamW's devices (none: every fp32-format param on its foreach path)
+        self._fused_devices: tuple[str, ...] | None = None if torch_fused else ()
         self._torch_counts: Any = None  # fusedstep.StepCounts of the torch fused calls
         # each group's first param's index over all the owning optimizer's groups (its
         # rounding streams' param index, and the index messages name): set by
@@ -824,6 +910,7 @@ class LadderAdamW(torch.optim.Optimizer):
             params, self.group_moment_dtype(param_group), torch_kernels=self.backend == "auto"
         )
         param_group["params"] = params
+        self.format_keys(param_group)
         super().add_param_group(param_group)
         if hasattr(self, "_group_plans"):  # not while torch's __init__ adds the first groups
             self._group_plans.clear()
@@ -864,6 +951,44 @@ class LadderAdamW(torch.optim.Optimizer):
                     st[name] = value.to(device=p.device, dtype=moment_dtype).contiguous()
             if isinstance(st.get("step"), torch.Tensor):  # its own: not the checkpoint's,
                 st["step"] = st["step"].detach().to("cpu", STEP_DTYPE, copy=True)  # nor shared
+
+    def format_keys(self, group: dict[str, Any]) -> None:
+        """Give ``group`` the keys of its state format: an fp32-format group stepped on
+        torch's kernels (``backend="auto"``) holds torch's AdamW group keys
+        (:func:`~.torchroute.torch_group_keys`, those it lacks), a bf16-format group none
+        of them."""
+        if self.backend == "auto" and self.group_moment_dtype(group) == torch.float32:
+            for key, value in torchroute.torch_group_keys(self.torch_fused).items():
+                group.setdefault(key, value)
+        else:
+            for key in torchroute.TORCH_GROUP_KEYS:
+                group.pop(key, None)
+
+    def set_format(self, group: dict[str, Any], rung: str) -> None:
+        """Put ``group`` in the state format of ``rung`` (``"fp32"`` or ``"bf16"``): its
+        ``"rung"`` key and :meth:`format_keys`. Its state is converted by the caller."""
+        group[RUNG_KEY] = rung
+        self.format_keys(group)
+
+    def check_kernel_flags(self, group: Mapping[str, Any]) -> None:
+        """Refuse an fp32-format group whose torch kernel flags (``fused``, ``foreach``,
+        ``capturable``; set by hand after construction) are not the engine's:
+        optladder chooses the kernel.
+
+        Raises:
+            ValueError: naming the key, its value and the engine's.
+        """
+        if self.backend != "auto" or self.group_moment_dtype(group) != torch.float32:
+            return
+        want = torchroute.torch_group_keys(self.torch_fused)
+        for key in ("fused", "foreach", "capturable"):
+            if group.get(key, want[key]) != want[key]:
+                flags = ", ".join(f"{k}={want[k]!r}" for k in ("fused", "foreach", "capturable"))
+                raise ValueError(
+                    f"{key}={group[key]!r}, but optladder chooses each rung's kernel (this "
+                    f"group's engine runs {flags}); set {key}={want[key]!r} back, or leave "
+                    "the kernel flags out of the group"
+                )
 
     def group_moment_dtype(self, group: Mapping[str, Any]) -> torch.dtype:
         """The moments' dtype of ``group``'s state format: its ``"rung"`` key's
@@ -960,6 +1085,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 if checked is None and not self._options_memo.options_unchanged(gi, group):
                     try:
                         self.check_group_options(group)
+                        self.check_kernel_flags(group)
                     except ValueError as exc:
                         raise ValueError(f"param group {gi}: {exc}") from None
                     self._options_memo.record_options(gi, group)
@@ -1029,16 +1155,23 @@ class LadderAdamW(torch.optim.Optimizer):
         tensors that params share when they change)."""
         from optladder.optimizers.fusedstep import StepCounts, plan_steps
 
-        calls = []
+        calls: list[Any] = []
+        every: list[torch.Tensor] = []
+        picks: list[bool] = []
         for plan in plans:
             if plan.torch_buckets:
                 plan.make_torch_calls(self.state)
                 calls += plan.torch_calls
+                steps, having = plan.torch_steps()
+                every += steps
+                picks += having
         if not calls:
             return
         if self._torch_counts is None:
             self._torch_counts = StepCounts()
-        self._torch_counts.prepare(plan_steps(calls))
+        # the cells of every such param's step kept: a step that changes which have a
+        # grad picks among them (experts, a task's head)
+        self._torch_counts.prepare(plan_steps(calls), within=(every, picks))
 
     def _refuse_shared_steps(self, plans: list[_GroupPlan]) -> None:
         """Refuse step tensors that two stepped params share (see
@@ -1104,8 +1237,10 @@ class LadderAdamW(torch.optim.Optimizer):
         # the fp32 format's float32/float64/complex params: torch's kernels (torchroute)
         torch_format = self.backend == "auto" and moment_dtype == torch.float32
         kept = {}
+        torch_kept: dict[int, str] = {}  # torch's kernels' params kept without a grad
         if previous is not None:
             kept = previous.rows_to_keep(group, params, self.state, moment_dtype)
+            torch_kept = previous.torch_to_keep(group, params, self.state, moment_dtype)
         carried: dict[int, tuple[Any, ...]] = {}
         for k, (p, grad) in enumerate(zip(params, grads)):
             if grad is None:
@@ -1113,6 +1248,8 @@ class LadderAdamW(torch.optim.Optimizer):
                 if kind is not None:
                     routes["cpu"].append((p, start + k))
                     carried[k] = kind
+                elif k in torch_kept:
+                    routes[torch_kept[k]].append((p, start + k))
                 continue
             if grad.is_sparse:
                 raise ValueError(
@@ -1499,6 +1636,7 @@ class LadderAdamW(torch.optim.Optimizer):
     def _torch_lists(self, items: list[tuple[torch.Tensor, int]]) -> tuple[list[Any], ...]:
         """Torch's functional AdamW's lists for ``items``: params, grads, ``exp_avg``,
         ``exp_avg_sq``, ``max_exp_avg_sq`` (empty), ``step``."""
+        items = [item for item in items if item[0].grad is not None]
         states = [self.state[p] for p, _ in items]
         return (
             [p for p, _ in items],
@@ -1528,15 +1666,20 @@ class LadderAdamW(torch.optim.Optimizer):
         if direct and all(numbers_only(plan.group) for plan in with_calls):
             run_fused_plan([c for plan in with_calls for c in plan.torch_calls], self._torch_counts)
         else:
-            for plan in with_calls:
-                for _, lists, _, (fills, writeback) in plan.torch_calls:
-                    for buffer, source in fills:
-                        buffer.copy_(source)
-                    torchroute.step_functional(
-                        plan.group, lists, fused=True, grad_scale=grad_scale, found_inf=found_inf
-                    )
-                    for param, buffer in writeback:
-                        param.copy_(buffer)
+            with torch.no_grad():  # the copies of params that are not dense
+                for plan in with_calls:
+                    for _, lists, _, (fills, writeback) in plan.torch_calls:
+                        for buffer, source in fills:
+                            buffer.copy_(source)
+                        torchroute.step_functional(
+                            plan.group,
+                            lists,
+                            fused=True,
+                            grad_scale=grad_scale,
+                            found_inf=found_inf,
+                        )
+                        for param, buffer in writeback:
+                            param.copy_(buffer)
         for plan in with_calls:
             plan.release_torch_grads()
 

@@ -206,6 +206,10 @@ def build_engine(
         _refuse_dtensors(rung, param_groups, fp32_engine)
     clear_engine_keys(param_groups)
     rounding_options = {"seed": seed, "rounding": rounding, "param_rounding": param_rounding}
+    if fp32_engine == "foreach" and any(
+        p.is_complex() for group in param_groups for p in group["params"]
+    ):  # complex params take torch's foreach path anyway: the real ones stay fused
+        fp32_engine = "fused"
     if fp32_engine is not None:
         return _keep_options(
             rounding_options,

@@ -243,6 +243,21 @@ def _refuse_foreign_layouts(
                 fits = isinstance(m, torch.Tensor)
             if fits:
                 continue
+            changed = (  # the fp32 format's moments, of the param's dtype before
+                ladder is not None
+                and isinstance(m, torch.Tensor)
+                and torch.bfloat16 not in (m.dtype, want_dtype)
+                and "state1" not in st
+            )
+            if changed:
+                raise ValueError(  # Adam moments of another dtype: the param's changed
+                    f"{_param_name(group, gi, p, group_names)} is {p.dtype} but its "
+                    f"exp_avg is {m.dtype}, and its group's format keeps {want_dtype} "
+                    "moments for it: the param's dtype changed after its state was made "
+                    "(module.to(dtype)). Build the optimizer after converting the model "
+                    "(and load a checkpoint into it), or drop the param's state (del "
+                    "opt.state[param]) to start it afresh"
+                )
             raise ValueError(
                 f"{_param_name(group, gi, p, group_names)} holds state in another layout "
                 f"({_layout_name(st)}) than its group's engine keeps ({want}): it was out of "

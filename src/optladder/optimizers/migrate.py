@@ -40,6 +40,7 @@ import torch
 from optladder.bnb_overrides import quantized_8bit
 from optladder.optimizers.adamw import LadderAdamW
 from optladder.optimizers.steps import BF16_MAX_STEP, BNB_CUDA_MAX_STEP, MAX_STEP, STEP_DTYPE
+from optladder.optimizers.torchroute import state_moment_dtype, torch_steps
 from optladder.rungs import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE
 from optladder.sharding import is_dtensor, local_numel, local_tensor, shard_like
 
@@ -143,8 +144,9 @@ def state_target(
     Raises:
         TypeError: for an engine of another kind.
     """
-    if isinstance(engine, LadderAdamW):
-        return StateTarget("adam", moment_dtype=engine.moment_dtype)
+    if isinstance(engine, LadderAdamW):  # the group's state format (its "rung" key)
+        format_dtype = engine.group_moment_dtype(group)
+        return StateTarget("adam", moment_dtype=state_moment_dtype(p, format_dtype))
     if is_bnb_engine(engine):
         args = getattr(engine, "args", None)
         quantize = quantized_8bit(
@@ -380,14 +382,26 @@ def _bnb_state(
     return result
 
 
-def step_limit(engine: torch.optim.Optimizer, p: torch.Tensor) -> tuple[int, str]:
+def step_limit(
+    engine: torch.optim.Optimizer, p: torch.Tensor, group: Mapping[str, Any] | None = None
+) -> tuple[int, str]:
     """The largest step count ``engine`` takes for ``p`` before its next step, and why.
+
+    Args:
+        engine: the engine that steps ``p``.
+        p: the param.
+        group: its param group (its state format, on :class:`LadderAdamW`; default the
+            engine's ``moment_dtype``).
 
     Returns:
         ``(limit, reason)``: the limits of :mod:`optladder.optimizers.steps`.
     """
-    if isinstance(engine, LadderAdamW) and engine.moment_dtype == torch.bfloat16:
-        return rung_step_limit("bf16", p.device.type)
+    if isinstance(engine, LadderAdamW):
+        format_dtype = engine.moment_dtype if group is None else engine.group_moment_dtype(group)
+        if format_dtype == torch.bfloat16:
+            return rung_step_limit("bf16", p.device.type)
+        if torch_steps(p) and engine.backend == "auto":  # on torch's kernels
+            return rung_step_limit("fp32", p.device.type)
     if isinstance(engine, LadderAdamW):  # the fp32 rung's bfloat16/float16 params
         return BF16_MAX_STEP, (
             "optladder's AdamW, which steps bfloat16/float16 params on the fp32 rung, keys "
@@ -410,7 +424,13 @@ def rung_step_limit(rung: str, device_type: str) -> tuple[int, str]:
     return MAX_STEP, "step counts are exact up to 2**53 - 1"
 
 
-def check_step_range(step: int, engine: torch.optim.Optimizer, p: torch.Tensor, where: str) -> None:
+def check_step_range(
+    step: int,
+    engine: torch.optim.Optimizer,
+    p: torch.Tensor,
+    where: str,
+    group: Mapping[str, Any] | None = None,
+) -> None:
     """Refuse a step count ``engine`` cannot take another step from.
 
     Args:
@@ -418,11 +438,12 @@ def check_step_range(step: int, engine: torch.optim.Optimizer, p: torch.Tensor, 
         engine: the engine that would step it.
         p: the param.
         where: names the param in messages, e.g. ``"param 3"``.
+        group: its param group (see :func:`step_limit`).
 
     Raises:
         ValueError: naming the param, its step, the limit and why.
     """
-    limit, why = step_limit(engine, p)
+    limit, why = step_limit(engine, p, group)
     if not 0 <= step <= limit:
         raise ValueError(
             f"{where} has step {step}; this rung takes step counts in [0, {limit:,}] ({why})"
@@ -577,12 +598,56 @@ def migrate_engine(
             on the ``optladder`` logger).
         Whatever a conversion raised, otherwise (the state exactly as before).
     """
+    target_groups = _group_of(target)
+    source_groups = _group_of(source)
+    params = [p for g in source.param_groups for p in g["params"]]
+    migrate_states(
+        source,
+        source.state,
+        target.state,
+        params,
+        lambda p: state_target(source, source_groups[id(p)], p),
+        lambda p: state_target(target, target_groups[id(p)], p),
+        keep_source=keep_source,
+    )
+
+
+def migrate_states(
+    source: torch.optim.Optimizer,
+    source_state: Any,
+    target_state: Any,
+    params: list[torch.Tensor],
+    source_spec: Any,
+    target_spec: Any,
+    *,
+    keep_source: bool = False,
+) -> None:
+    """Move the state of ``params`` from ``source_state`` into ``target_state`` (two
+    dicts keyed by param), one param at a time, as :func:`migrate_engine` describes:
+    largest first, each old state dropped once its new one exists (unless
+    ``keep_source``), and on failure every param's state back in ``source_state``.
+
+    A move between the fp32 and bf16 formats of one :class:`LadderAdamW` converts its
+    groups' state in place with it: ``target_state`` a new dict, merged into the
+    engine's state after the move.
+
+    Args:
+        source: the engine that held the state (its kernel tables are released first).
+        source_state: the state dict it is in.
+        target_state: the dict the new states go to (another dict than ``source_state``).
+        params: the params to move, in order over their groups (the indices messages
+            name); those without state are skipped.
+        source_spec: ``p -> StateTarget`` of the state now (for the way back).
+        target_spec: ``p -> StateTarget`` of the new state.
+        keep_source: see :func:`migrate_engine`.
+
+    Raises:
+        See :func:`migrate_engine`.
+    """
     release = getattr(source, "release_tables", None)
     if release is not None:
         release()  # kernel tables hold the old state's tensors: let them go as they drop
-    target_groups = _group_of(target)
-    source_groups = _group_of(source)
-    todo = [p for g in source.param_groups for p in g["params"] if source.state.get(p)]
+    todo = [p for p in params if source_state.get(p)]
     todo.sort(key=local_numel, reverse=True)  # the bytes this rank converts
     done: list[torch.Tensor] = []
     kept: dict[torch.Tensor, Any] = {}
@@ -591,13 +656,13 @@ def migrate_engine(
     try:
         for p in todo:
             current = p
-            spec = state_target(target, target_groups[id(p)], p)
-            old = source.state[p]
+            spec = target_spec(p)
+            old = source_state[p]
             if not keep_source and _splits_exactly(old, p, spec):
-                target.state[p], lows[p] = _split_state(old, p, spec)
+                target_state[p], lows[p] = _split_state(old, p, spec)
             else:
-                target.state[p] = convert_param_state(old, p, spec)
-            old = source.state.pop(p)
+                target_state[p] = convert_param_state(old, p, spec)
+            old = source_state.pop(p)
             if keep_source:
                 kept[p] = old
             del old
@@ -608,31 +673,27 @@ def migrate_engine(
         rounded: list[int] = []
         lost: list[int] = []
         interrupt: BaseException | None = None
-        order = {
-            id(q): i for i, q in enumerate(q for g in source.param_groups for q in g["params"])
-        }
-        if current is not None and not source.state.get(current):  # its way back failed
-            source.state.pop(current, None)
+        order = {id(q): i for i, q in enumerate(params)}
+        if current is not None and not source_state.get(current):  # its way back failed
+            source_state.pop(current, None)
             lost.append(order[id(current)])
         # the last converted first: the memory its conversion freed pays for its way back
         for p in reversed(done):
             try:
                 if p in kept:
-                    source.state[p] = kept.pop(p)
+                    source_state[p] = kept.pop(p)
                 elif p in lows:
-                    state = dict(target.state[p])
+                    state = dict(target_state[p])
                     _unsplit_state(state, lows[p])
-                    spec = state_target(source, source_groups[id(p)], p)
-                    source.state[p] = convert_param_state(state, p, spec)
+                    source_state[p] = convert_param_state(state, p, source_spec(p))
                 else:
-                    spec = state_target(source, source_groups[id(p)], p)
-                    source.state[p] = convert_param_state(target.state[p], p, spec)
+                    source_state[p] = convert_param_state(target_state[p], p, source_spec(p))
                     rounded.append(order[id(p)])
             except BaseException as back:  # out of memory again: p's state is lost
                 lost.append(order[id(p)])
                 if not isinstance(back, Exception):
                     interrupt = back
-            target.state.pop(p, None)
+            target_state.pop(p, None)
             lows.pop(p, None)
         said = ""
         if rounded or lost:

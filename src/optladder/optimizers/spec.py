@@ -151,10 +151,10 @@ def kernel_routes(
 
     The rules are the engines' dispatch (each param is routed by its own dtype):
 
-    - fp32: float32 params on torch's fused AdamW where it runs (its foreach path else,
-      and for complex params); when bfloat16 or float16 params are among them, every
-      param is on optladder's AdamW with float32 moments (:func:`fp32_engine`), whose
-      kernels step float32, bfloat16 and float16 params.
+    - fp32: optladder's AdamW in the fp32 state format
+      (:mod:`optladder.optimizers.torchroute`): float32 and float64 params on torch's
+      fused AdamW kernel where it runs (its foreach path else, and for complex params);
+      bfloat16 and float16 params with float32 moments on optladder's kernels.
     - bf16: optladder's AdamW: its kernel (C on the CPU, Triton on CUDA) for float32,
       bfloat16 and float16 params, the eager path for float64 ones.
     - 8bit: bitsandbytes' kernel on CUDA; optladder's 8-bit C kernel on the CPU where it
@@ -174,19 +174,11 @@ def kernel_routes(
     names = tuple(dict.fromkeys(dtypes))
     if has_complex and not any(d.startswith("complex") for d in names):
         names = (*names, "complex64")
-    low = bool(set(names) & set(LOW_PRECISION_DTYPES))
     routes: dict[Rung, dict[str, KernelRoute]] = {"fp32": {}, "bf16": {}, "8bit": {}}
     for dtype in names:
         complex_param = dtype.startswith("complex")
-        if low and dtype in KERNEL_DTYPES:
+        if dtype in LOW_PRECISION_DTYPES:
             routes["fp32"][dtype] = _ladder_route(device_type, dtype)
-        elif low:
-            lows = ", ".join(sorted(set(names) & set(LOW_PRECISION_DTYPES)))
-            routes["fp32"][dtype] = KernelRoute(
-                kernel="no engine",
-                fused=False,
-                reason=f"optladder's AdamW (for the {lows} params) cannot step {dtype} params",
-            )
         elif device_fused and not complex_param:
             routes["fp32"][dtype] = KernelRoute(kernel="torch's fused AdamW", fused=True)
         else:
@@ -233,7 +225,8 @@ class FusedOptimizerConfig(BaseModel):
         betas: ``(beta1, beta2)``.
         eps: the denominator term.
         weight_decay: the default decay coefficient.
-        use_bf16_moments: the moments are stored in bfloat16 (optladder's bf16 rung).
+        use_bf16_moments: the moments are stored in bfloat16 (optladder's bf16 rung: every
+            group of the engine in the bf16 state format).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -317,7 +310,9 @@ def to_fused_config(
         decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
             d.get("decoupled_weight_decay", False)
         )
-        bf16 = isinstance(optimizer, LadderAdamW) and optimizer.moment_dtype == torch.bfloat16
+        bf16 = isinstance(optimizer, LadderAdamW) and all(  # every group's state format
+            optimizer.group_moment_dtype(g) == torch.bfloat16 for g in optimizer.param_groups
+        )
         return (
             FusedOptimizerConfig(
                 kind="adamw" if decoupled else "adam",

@@ -10,9 +10,13 @@ kernels, so the rung's bits are ``torch.optim.AdamW``'s:
   (:func:`~.fusedstep.group_call`, :func:`~.fusedstep.run_fused_plan`: bit for bit
   ``torch.optim.AdamW(fused=True)``), or torch's functional ``adam(fused=True)`` when the
   step carries ``grad_scale``/``found_inf`` or a tensor ``lr``;
-- complex params, DTensor (and other subclass) params, and params on a device without a
-  fused kernel: torch's functional ``adam(foreach=True)`` (it views complex params as
-  real and takes DTensors), as ``torch.optim.AdamW(foreach=True)`` steps them.
+- complex params, and params on a device without a fused kernel: torch's functional
+  ``adam(foreach=True)`` (it views complex params as real), as
+  ``torch.optim.AdamW(foreach=True)`` steps them.
+
+DTensor params (FSDP2) take the same kernels (torch's fused and foreach ops take
+DTensors, their moments DTensors laid out like them), as ``torch.optim.AdamW(fused=True)``
+steps them.
 
 bfloat16/float16 params on the fp32 format keep float32 moments on optladder's kernels.
 
@@ -32,6 +36,25 @@ import torch
 from optladder.columns import PLAIN_TYPES
 from optladder.dtype_names import dtype_name
 from optladder.optimizers.steps import STEP_DTYPE
+
+TORCH_GROUP_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused")
+"""The group keys ``torch.optim.AdamW`` writes that :class:`LadderAdamW` has no option
+for; the fp32 format's groups hold them as torch's AdamW on the same kernel holds them
+(:func:`torch_group_keys`), so its ``state_dict()`` continues in ``torch.optim.AdamW``
+on that kernel and its ``repr`` reads as torch's."""
+
+
+def torch_group_keys(fused: bool) -> dict[str, Any]:
+    """:data:`TORCH_GROUP_KEYS` as ``torch.optim.AdamW(fused=True)`` (``fused``) or
+    ``(foreach=True)`` writes them in each group."""
+    return {
+        "amsgrad": False,
+        "foreach": None if fused else True,
+        "capturable": False,
+        "differentiable": False,
+        "fused": True if fused else None,
+    }
+
 
 TORCH_REAL_DTYPES = (torch.float32, torch.float64)
 """Real param dtypes the fp32 format steps on torch's kernels (moments in their dtype)."""
@@ -69,11 +92,6 @@ def kernel_of(p: torch.Tensor, devices: tuple[str, ...]) -> tuple[str, str | Non
     """
     from optladder.optimizers.spec import fp32_fused_miss
 
-    if type(p) not in PLAIN_TYPES:
-        return "foreach", (
-            f"a {type(p).__name__} param: torch's functional foreach AdamW steps it (the "
-            "direct fused call takes plain tensors)"
-        )
     on_device = p.device.type in devices
     if p.is_complex() or not on_device:
         why = fp32_fused_miss(on_device, str(p.device), (dtype_name(p.dtype),), p.is_complex())
@@ -153,24 +171,25 @@ def step_functional(
     lr = group["lr"]
     if not fused and isinstance(lr, torch.Tensor):
         lr = float(lr.item())
-    adam(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        [],
-        steps,
-        foreach=not fused,
-        fused=fused,
-        grad_scale=grad_scale if fused else None,
-        found_inf=found_inf if fused else None,
-        has_complex=any(p.is_complex() for p in params),
-        decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
-        amsgrad=False,
-        beta1=beta1,
-        beta2=beta2,
-        lr=lr,
-        weight_decay=group["weight_decay"],
-        eps=group["eps"],
-        maximize=bool(group["maximize"]),
-    )
+    with torch.no_grad():  # as torch's step: the update is not recorded
+        adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=not fused,
+            fused=fused,
+            grad_scale=grad_scale if fused else None,
+            found_inf=found_inf if fused else None,
+            has_complex=any(p.is_complex() for p in params),
+            decoupled_weight_decay=bool(group["decoupled_weight_decay"]),
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=lr,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=bool(group["maximize"]),
+        )

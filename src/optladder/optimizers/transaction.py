@@ -132,6 +132,7 @@ def check_step_inputs(
                     _check_kernel_flags(engine, group)
                 if ladder:
                     LadderAdamW.check_group_options(group)
+                    cast(LadderAdamW, engine).check_kernel_flags(group)
             except ValueError as exc:
                 raise ValueError(f"param {names.get(id(group), f'group {gi}')}: {exc}") from None
             if memo is not None:

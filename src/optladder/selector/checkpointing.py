@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,7 +49,14 @@ from optladder.optimizers.migrate import (
 from optladder.optimizers.transaction import deferred_interrupts
 from optladder.rungs import GROUP_PIN_ORIGIN, ORIGIN_KEY, REASON_KEY, RUNG_KEY, RUNGS, Rung
 from optladder.selector.checks import check_checkpoint_groups, decoupled_mode
-from optladder.selector.escalation import move_refused, restore_groups, switch
+from optladder.selector.escalation import (
+    leave,
+    move_refused,
+    nothing,
+    restore_groups,
+    switch,
+    target_engine,
+)
 from optladder.sharding import is_dtensor, local_tensor
 from optladder.units import format_bytes
 
@@ -102,7 +109,7 @@ def checkpoint_states(opt: LadderOptimizer, states: dict[Any, Any]) -> dict[Any,
     same keys."""
     if not states:
         return states
-    owner = {id(g): e for e in opt._engines() for g in e.param_groups}
+    owner = opt._owners()
     out: dict[Any, Any] = {}
     index = 0
     for group in opt.param_groups:
@@ -199,7 +206,7 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
             f"{sorted(map(repr, unknown))[:5]}{hint}"
         )
     loaded: dict[Any, dict[str, Any]] = {}  # key -> state in a layout convert reads
-    live_owner = {id(g): e for e in opt._engines() for g in e.param_groups}
+    live_owner = opt._owners()
     live_groups_of = [g for g in opt.param_groups for _ in g["params"]]
     for pi, (key, p) in enumerate(pairs):
         if key not in saved_state:
@@ -228,13 +235,14 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
         for saved in groups
     ]
     move_to = checkpoint_rung(opt, groups)
-    engine = opt.engine
+    old = engine = opt.engine
+    following = opt._following_groups()
     saved_groups = [dict(g) for g in live_groups]
+    undo: Callable[[], None] = nothing
     try:
         if move_to is not None:  # the live state is replaced below: nothing to migrate
-            fused = opt._decision.capabilities.fused[move_to]
-            engine = opt._rebuild(move_to, engine.param_groups, fused)
-        owner = {id(g): e for e in opt._engines(engine) for g in e.param_groups}
+            engine, undo = target_engine(opt, move_to, following)
+        owner = opt._owners(engine)
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
         group_of_param = [g for g in live_groups for _ in g["params"]]
         for pi, ((key, p), group) in enumerate(zip(pairs, group_of_param)):
@@ -243,11 +251,12 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
                 flat = unwrap_bnb_state(saved_param_state)
                 if "step" in flat:
                     where = f"param {pi} of the state_dict"
-                    check_step_range(read_step(flat), owner[id(group)], p, where)
+                    check_step_range(read_step(flat), owner[id(group)], p, where, group)
                 target = state_target(owner[id(group)], group, p)
                 new_state[p] = convert_param_state(saved_param_state, p, target, copy=True)
                 _refuse_overflow(new_state[p], flat, f"param {pi} of the state_dict")
     except BaseException:
+        undo()
         restore_groups(live_groups, saved_groups)
         raise
     # Commit: nothing below allocates; Ctrl-C waits until it is whole.
@@ -262,6 +271,7 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
         opt.state.clear()
         opt.state.update(new_state)
         if move_to is not None:
+            leave(opt, old, engine, following)
             switch(opt, engine, move_to, checkpoint_reason(opt, move_to), "checkpoint")
 
 

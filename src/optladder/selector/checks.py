@@ -17,8 +17,6 @@ from optladder.optimizers.migrate import foreign_group_reason
 from optladder.policies.decision import Decision, allowed_rungs
 from optladder.policies.footprint import normalize_param_groups
 from optladder.rungs import (
-    FLOAT32_MATH_DTYPES,
-    FP32_WIDE_DTYPES,
     PARAM_DTYPES,
     RUNG_ACCEPTS,
     Rung,
@@ -379,14 +377,6 @@ def check_params_for_rung(
             raise ValueError(f"{name} {kind}; {refusal}")
         if engine is None:
             continue
-        ladder_fp32 = rung == "fp32" and isinstance(engine, LadderAdamW)
-        if ladder_fp32 and dtype_name(p.dtype) in FP32_WIDE_DTYPES:
-            raise ValueError(
-                f"{where}: this fp32 rung runs optladder's AdamW (float32 moments and math "
-                f"for bfloat16/float16 params), which takes {', '.join(FLOAT32_MATH_DTYPES)} "
-                "params; put these params in a param group that pins the fp32 rung "
-                "({'params': ..., 'rung': 'fp32'}), or create the optimizer with them"
-            )
         torch_engine = rung == "fp32" and not isinstance(engine, LadderAdamW)
         if torch_engine and p.dtype in (torch.bfloat16, torch.float16):
             raise ValueError(
@@ -419,8 +409,8 @@ def _rung_takes(columns: ParamColumns, rung: Rung, engine: torch.optim.Optimizer
         return False
     if engine is None:
         return True
-    if isinstance(engine, LadderAdamW):  # the bf16 rung's takes what the rung takes
-        return rung != "fp32" or not names & set(FP32_WIDE_DTYPES)
+    if isinstance(engine, LadderAdamW):  # takes what the rung takes (its fp32 format
+        return True  # steps float64 and complex params on torch's kernels)
     if rung == "fp32":
         if names & {"bfloat16", "float16"}:
             return False

@@ -2,12 +2,16 @@
 
 An escalation moves them one rung cheaper after an out-of-memory step
 (:func:`escalate`); a checkpoint load may move them to the rung the checkpoint had
-reached (:mod:`optladder.selector.checkpointing`). A move (:func:`migrate`) builds the
-target rung's engine over the same group dicts, converts every param's state onto it
-(:func:`optladder.optimizers.migrate.migrate_engine`), and records why in the decision
-(:func:`switch`); the optimizer object, its group dicts and its ``state`` dict stay the
-same. Groups that pin their rung never move. What the user's word forbids (a rung fixed
-by ``rung=``, a disabled or unavailable rung) is :func:`move_refused`.
+reached (:mod:`optladder.selector.checkpointing`). The fp32 and bf16 rungs are two state
+formats of one engine (:class:`~optladder.optimizers.adamw.LadderAdamW`): a move between
+them flips the groups' ``"rung"`` and converts their state in place, largest param
+first, building nothing. A move to or from 8bit (:func:`migrate`) builds the target
+rung's engine over the same group dicts (or joins the fp32/bf16 engine of pinned
+groups) and converts every param's state onto it
+(:func:`optladder.optimizers.migrate.migrate_states`); each move records why in the
+decision (:func:`switch`). The optimizer object, its group dicts and its ``state`` dict
+stay the same. Groups that pin their rung never move. What the user's word forbids (a
+rung fixed by ``rung=``, a disabled or unavailable rung) is :func:`move_refused`.
 
 These functions carry out the moves of
 :class:`~optladder.selector.optimizer.LadderOptimizer`, whose methods ``escalate`` and
@@ -18,13 +22,15 @@ its decision, engine and escalations.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from optladder.oom import describe_error, is_oom
-from optladder.optimizers.migrate import migrate_engine, read_step, rung_step_limit
+from optladder.optimizers.build import clear_engine_keys
+from optladder.optimizers.migrate import migrate_states, read_step, rung_step_limit, state_target
 from optladder.optimizers.transaction import deferred_interrupts
 from optladder.policies.decision import (
     Decision,
@@ -39,6 +45,9 @@ if TYPE_CHECKING:
     from optladder.selector.optimizer import LadderOptimizer
 
 logger = logging.getLogger("optladder")
+
+LADDER_FORMATS: tuple[Rung, ...] = ("fp32", "bf16")
+"""The rungs that are state formats of one engine (:class:`LadderAdamW`)."""
 
 __all__ = [
     "Escalation",
@@ -159,26 +168,106 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
         if why is not None:
             raise ValueError(f"cannot move to {rung}: {why} (pass force=True to move anyway)")
     old = opt.engine
-    following = {id(g) for g in old.param_groups}
+    following = opt._following_groups()
+    ids = {id(g) for g in following}
     for gi, group in enumerate(opt.param_groups):
-        if id(group) in following:  # named by its place among all groups
+        if id(group) in ids:  # named by its place among all groups
             check_params_for_rung(group["params"], rung, None, f"group {gi}")
     refusal = steps_refusal(opt, rung)
     if refusal is not None:
         raise ValueError(f"cannot move to {rung}: {refusal}")
-    saved_groups = [dict(g) for g in old.param_groups]
+    saved_groups = [dict(g) for g in following]
     opt._memos.clear()  # they hold the state dicts the move drops
+    params = [p for g in following for p in g["params"]]
+    source_specs = {id(p): state_target(old, g, p) for g in following for p in g["params"]}
     # Ctrl-C waits until the move is done: between the conversion and the handover below,
     # the state is only on the new engine, which an interrupt there would drop
     with deferred_interrupts():
+        undo: Callable[[], None] = nothing
         try:
-            fused = opt._decision.capabilities.fused[rung]
-            new = opt._rebuild(rung, old.param_groups, fused)
-            migrate_engine(old, new, keep_source=RUNGS.index(rung) < RUNGS.index(opt.rung))
+            new, undo = target_engine(opt, rung, following)
+            group_of = {id(p): g for g in following for p in g["params"]}
+            # a move within one engine (fp32 <-> bf16) converts into a dict of its own
+            converted: Any = {} if new.state is opt.state else new.state
+            migrate_states(
+                old,
+                opt.state,
+                converted,
+                params,
+                lambda p: source_specs[id(p)],
+                lambda p: state_target(new, group_of[id(p)], p),
+                keep_source=RUNGS.index(rung) < RUNGS.index(opt.rung),
+            )
         except BaseException:
-            restore_groups(old.param_groups, saved_groups)
+            undo()
+            restore_groups(following, saved_groups)
             raise
+        if converted is not new.state:
+            opt.state.update(converted)
+        leave(opt, old, new, following)
         switch(opt, new, rung, reason, origin)
+
+
+def nothing() -> None:
+    """No undo."""
+
+
+def target_engine(
+    opt: LadderOptimizer, rung: Rung, following: list[dict[str, Any]]
+) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
+    """The engine the groups that follow the decision (``following``) move to on
+    ``rung``, and how to undo what making it ready changed (before their state moves).
+
+    The fp32 and bf16 rungs are two state formats of one engine
+    (:class:`~optladder.optimizers.adamw.LadderAdamW`): a move to one of them when that
+    engine exists (the groups' own, or the engine of groups that pin fp32 or bf16) keeps
+    it and flips the groups' ``"rung"`` (their state format; the groups join the engine
+    when they were on another); nothing is built. Otherwise the rung's engine is built
+    over the groups (fused when the decision found the rung fused here).
+
+    The caller restores the groups' items on failure (:func:`restore_groups`); the undo
+    takes the groups back out of an engine they joined.
+    """
+    ladder = opt._ladder_engine()
+    if rung in LADDER_FORMATS and ladder is not None:
+        for group in following:
+            ladder.set_format(group, rung)  # the state format the conversion targets
+        if ladder is opt.engine:
+            return ladder, lambda: None
+        held = len(ladder.param_groups)
+        clear_engine_keys(following)  # the 8-bit engine's; the ladder's defaults fill in
+        try:
+            for group in following:
+                ladder.add_param_group(group)
+        except BaseException:
+            del ladder.param_groups[held:]
+            raise
+
+        def undo() -> None:
+            del ladder.param_groups[held:]
+            ladder.release_tables()
+
+        return ladder, undo
+    fused = opt._decision.capabilities.fused[rung]
+    return opt._rebuild(rung, following, fused), lambda: None
+
+
+def leave(
+    opt: LadderOptimizer,
+    old: torch.optim.Optimizer,
+    new: torch.optim.Optimizer,
+    following: list[dict[str, Any]],
+) -> None:
+    """After a move of ``following`` from ``old`` to ``new``: take the groups out of
+    ``old`` when it stays as the engine of pinned groups (the fp32/bf16 engine, when the
+    groups moved to the 8bit rung)."""
+    if old is new or not any(old is e for e in opt._pinned.values()):
+        return
+    ids = {id(g) for g in following}
+    old.param_groups[:] = [g for g in old.param_groups if id(g) not in ids]
+    release = getattr(old, "release_tables", None)
+    if release is not None:
+        release()
 
 
 def steps_refusal(opt: LadderOptimizer, rung: Rung) -> str | None:
@@ -187,7 +276,7 @@ def steps_refusal(opt: LadderOptimizer, rung: Rung) -> str | None:
     (:func:`optladder.optimizers.migrate.rung_step_limit`), named by its place; or None.
     """
     place = {id(g): gi for gi, g in enumerate(opt.param_groups)}
-    for group in opt.engine.param_groups:
+    for group in opt._following_groups():
         for pi, p in enumerate(group["params"]):
             st = opt.state.get(p)
             if not st or "step" not in st:
@@ -218,7 +307,7 @@ def switch(
             "unfused_reason": None if fused else caps.unfused_reasons.get(rung),
         }
     )
-    opt._mark_groups(new.param_groups, opt._decision)
+    opt._mark_groups(opt._following_groups(), opt._decision)
     opt._attach(new)
     opt._warn_unfused()
     _empty_cache(opt.device)

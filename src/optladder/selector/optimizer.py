@@ -30,7 +30,7 @@ import torch
 
 from optladder.compilation import run_eagerly
 from optladder.oom import describe_error, is_oom
-from optladder.optimizers.adamw import distinct_grads, unscale_grads_
+from optladder.optimizers.adamw import LadderAdamW, distinct_grads, unscale_grads_
 from optladder.optimizers.build import dtype_names
 from optladder.optimizers.capabilities import probe_capabilities
 from optladder.optimizers.fusedstep import refuse_resized
@@ -194,10 +194,14 @@ class LadderOptimizer(torch.optim.Optimizer):
 
     Param groups that pin their own rung (``{"params": emb, "rung": "fp32"}``, as
     bitsandbytes users keep embeddings in 32-bit state; see
-    :func:`optladder.rungs.group_pin`) run on an engine of that rung and never move: an
-    out-of-memory step escalates the other groups, those that follow the decision.
-    ``rung``, ``engine`` and ``decision`` describe those; the decision's state bytes
-    include the pinned groups'.
+    :func:`optladder.rungs.group_pin`) keep their state in that rung's format and never
+    move: an out-of-memory step escalates the other groups, those that follow the
+    decision. The fp32 and bf16 rungs are two state formats of one engine
+    (:class:`~optladder.optimizers.adamw.LadderAdamW`): a group pinning one of them is a
+    group of that engine whatever the others are on; an 8bit pin gets bitsandbytes'
+    engine. ``rung``, ``engine`` and ``decision`` describe the groups that follow the
+    decision (``engine`` may hold pinned groups too); the decision's state bytes include
+    the pinned groups'.
 
     Args:
         engine: the optimizer of the groups that follow the decision (built by
@@ -225,7 +229,8 @@ class LadderOptimizer(torch.optim.Optimizer):
         decision: the decision behind the current rung.
         rung: the current rung of the groups that follow the decision.
         engine: their optimizer.
-        pinned_engines: per pinned rung, the optimizer of the groups that pin it.
+        pinned_engines: per pinned rung, the optimizer of the groups that pin it (the
+            engine itself for a pin of fp32 or bf16 beside groups on the other).
         escalations: the moves made so far.
         last_step_skipped: whether the last ``torch.amp.GradScaler.step(opt)`` skipped
             the step for an inf/NaN grad (keep an LR scheduler in step with
@@ -284,6 +289,8 @@ class LadderOptimizer(torch.optim.Optimizer):
         check_max_retries(max_retries)
         self._engine: torch.optim.Optimizer | None = None
         self._pinned: dict[Rung, torch.optim.Optimizer] = {}
+        # id(group) -> the rung it pins, for every group that pins one
+        self._pin_rungs: dict[int, Rung] = {}
         self._pinned_misses: dict[Rung, str] = {}  # why a pinned engine is not fused
         self._decision = decision
         self._rebuild = rebuild
@@ -349,6 +356,8 @@ class LadderOptimizer(torch.optim.Optimizer):
                 take a group's params; nothing is changed then.
         """
         engine = self._pinned.get(rung)
+        if engine is None and rung in escalation.LADDER_FORMATS:
+            engine = self._ladder_engine()  # one engine for the fp32 and bf16 formats
         groups = [group for _, group in indexed]
         for gi, group in indexed:
             try:
@@ -366,7 +375,10 @@ class LadderOptimizer(torch.optim.Optimizer):
             if engine is not None:
                 for group in groups:
                     engine.add_param_group(group)
-                return engine.param_groups[-len(groups) :]
+                held = engine.param_groups[-len(groups) :]
+                self._pinned[rung] = engine
+                self._pin_rungs.update((id(group), rung) for group in held)
+                return held
             caps = probe_capabilities(
                 self.device,
                 dtype_names(groups),
@@ -378,12 +390,40 @@ class LadderOptimizer(torch.optim.Optimizer):
         if not caps.fused[rung]:  # set: the engine was built above
             self._pinned_misses[rung] = caps.unfused_reasons.get(rung, "no fused kernel here")
         self._pinned[rung] = engine
+        self._pin_rungs.update((id(group), rung) for group in engine.param_groups)
         self._share_state(engine)
         return list(engine.param_groups)
 
     def _engines(self, engine: torch.optim.Optimizer | None = None) -> list[torch.optim.Optimizer]:
-        """The engine of the groups that follow the decision, then the pinned engines."""
-        return [self.engine if engine is None else engine, *self._pinned.values()]
+        """The engine of the groups that follow the decision, then the pinned engines
+        (each once: the fp32 and bf16 rungs share one engine)."""
+        engines = [self.engine if engine is None else engine, *self._pinned.values()]
+        return list({id(e): e for e in engines}.values())
+
+    def _owners(self, engine: torch.optim.Optimizer | None = None) -> dict[int, Any]:
+        """``id(group) -> the engine whose format its state is in``: the groups that
+        follow the decision ``engine``'s (default the current engine's), each pinned
+        group its rung's engine."""
+        main = self.engine if engine is None else engine
+        pins, pinned = self._pin_rungs, self._pinned
+        return {id(g): pinned[pins[id(g)]] if id(g) in pins else main for g in self.param_groups}
+
+    def _ladder_engine(self) -> LadderAdamW | None:
+        """The engine of the fp32 and bf16 state formats (a :class:`LadderAdamW`), when
+        one of the engines is."""
+        for engine in self._engines():
+            if isinstance(engine, LadderAdamW):
+                return engine
+        return None
+
+    def _following_groups(self) -> list[dict[str, Any]]:
+        """The groups that follow the decision (those that pin no rung), in order."""
+        pins = self._pin_rungs
+        return [g for g in self.param_groups if id(g) not in pins]
+
+    def _group_rung(self, group: Mapping[str, Any]) -> Rung:
+        """The rung ``group``'s state is on: the rung it pins, or the decision's."""
+        return self._pin_rungs.get(id(group), self._decision.rung)
 
     def _share_state(self, engine: torch.optim.Optimizer) -> None:
         """Move ``engine``'s state into this optimizer's ``state`` dict and make that its
@@ -619,22 +659,21 @@ class LadderOptimizer(torch.optim.Optimizer):
         Raises:
             ValueError: naming the group, the value found and the rung its state is on.
         """
-        for rung, engine in [(self.rung, self.engine), *self._pinned.items()]:
-            groups = engine.param_groups
-            if all(g.get(RUNG_KEY) == rung for g in groups):  # the common case
-                continue
-            for group in groups:
-                found = group.get(RUNG_KEY)
-                if found != rung:
-                    gi = next(i for i, g in enumerate(self.param_groups) if g is group)
-                    raise ValueError(
-                        f"param group {gi} has rung={found!r}, but its state is on the "
-                        f"{rung} rung: a group's rung is not edited by hand. Give a group "
-                        "its own rung when it is added ({'params': ..., 'rung': 'fp32'} to "
-                        "choose_optimizer or add_param_group), or move every group that "
-                        f"follows the decision with opt.migrate_to(rung, reason); set "
-                        f"param_groups[{gi}]['rung'] = {rung!r} back to go on"
-                    )
+        groups = self.param_groups
+        if not self._pin_rungs and all(g.get(RUNG_KEY) == self.rung for g in groups):
+            return  # the common case
+        for gi, group in enumerate(groups):
+            rung = self._group_rung(group)
+            found = group.get(RUNG_KEY)
+            if found != rung:
+                raise ValueError(
+                    f"param group {gi} has rung={found!r}, but its state is on the "
+                    f"{rung} rung: a group's rung is not edited by hand. Give a group "
+                    "its own rung when it is added ({'params': ..., 'rung': 'fp32'} to "
+                    "choose_optimizer or add_param_group), or move every group that "
+                    f"follows the decision with opt.migrate_to(rung, reason); set "
+                    f"param_groups[{gi}]['rung'] = {rung!r} back to go on"
+                )
 
     def _check_params(self) -> None:
         """Construction's param checks again when the params changed since they last
@@ -671,9 +710,10 @@ class LadderOptimizer(torch.optim.Optimizer):
             decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
             check_groups(self.param_groups, decoupled)
             refuse_meta_params(self.param_groups)
-            for rung, engine in [(self.rung, self.engine), *self._pinned.items()]:
+            for engine in self._engines():
                 for group in engine.param_groups:
                     where = f"group {place[id(group)]}"
+                    rung = self._group_rung(group)
                     check_params_for_rung(group["params"], rung, engine, where)
                 grads = [list(map(grad_of, g["params"])) for g in engine.param_groups]
                 refuse_resized(
@@ -705,7 +745,8 @@ class LadderOptimizer(torch.optim.Optimizer):
         """Whether each param is contiguous, where an engine is torch's AdamW (whose
         fused kernel pairs a param's elements with its moments' by memory order; the
         other engines step any layout): empty otherwise."""
-        if not any(isinstance(e, _TORCH_ADAM) for e in self._engines()):
+        fp32 = self.rung == "fp32" or "fp32" in self._pinned  # torch's kernels, in LadderAdamW
+        if not fp32 and not any(isinstance(e, _TORCH_ADAM) for e in self._engines()):
             return []
         return list(map(_IS_CONTIGUOUS, flat))
 
@@ -808,10 +849,13 @@ class LadderOptimizer(torch.optim.Optimizer):
         stream (keyed by its index over all groups, :mod:`optladder.optimizers.rounding`)
         is its own when pinned groups live in other engines (each engine had counted
         from 0, so a pinned group's first param shared the first decided param's
-        stream). With one engine its own count is that index already."""
-        if len(engines) == 1:
-            return
+        stream). With one engine holding the groups in their order (no pin, or none
+        added after construction) its own count is that index already."""
         groups = self.param_groups
+        if len(engines) == 1 and same_objects(engines[0].param_groups, groups):
+            if getattr(engines[0], "param_starts", None) is not None:
+                engines[0].param_starts = None  # type: ignore[attr-defined]
+            return
         key = (
             tuple(map(id, groups)),
             tuple(len(g["params"]) for g in groups),
@@ -910,6 +954,8 @@ class LadderOptimizer(torch.optim.Optimizer):
         for rung, engine in [(self.rung, self.engine), *self._pinned.items()]:
             if engine is not self.engine and rung in self._pinned_misses:
                 reasons.append((rung, self._pinned_misses[rung]))
+            if engine is self.engine and rung != self.rung:
+                continue  # a pin on the decision's engine: its reasons are listed once
             eager = getattr(engine, "eager_reasons", {}).values()
             reasons += [(rung, reason) for reason in sorted(set(eager))]
         for rung, reason in reasons:
@@ -933,9 +979,13 @@ class LadderOptimizer(torch.optim.Optimizer):
     def migrate_to(
         self, rung: Rung, reason: str, origin: str = "escalated", *, force: bool = False
     ) -> None:
-        """Rebuild on ``rung`` and move every param's state there, keeping this object,
-        the param-group dicts (per-group hyperparameters, a tensor lr included), param
-        order and per-param step counts. Groups that pin their rung stay where they are.
+        """Move the groups that follow the decision to ``rung`` and convert their params'
+        state there, keeping this object, the param-group dicts (per-group
+        hyperparameters, a tensor lr included), param order and per-param step counts.
+        Between fp32 and bf16 (two state formats of one engine) the state is converted
+        in place and no engine is built; to or from 8bit the rung's engine is built (or
+        the fp32/bf16 engine of pinned groups joined). Groups that pin their rung stay
+        where they are.
 
         On failure (an OOM while converting) the groups are put back and every param gets
         its state back, and the error is re-raised. Moving up (to a wider format) keeps
@@ -1091,7 +1141,8 @@ class LadderOptimizer(torch.optim.Optimizer):
         fused = "fused" if self.decision.fused else "not fused"
         engine = type(self.engine).__name__
         pinned = "".join(
-            f", pinned {rung}: {type(e).__name__} ({len(e.param_groups)} groups)"
+            f", pinned {rung}: {type(e).__name__} "
+            f"({sum(self._pin_rungs.get(id(g)) == rung for g in e.param_groups)} groups)"
             for rung, e in self._pinned.items()
         )
         name = type(self).__name__

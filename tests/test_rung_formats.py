@@ -1,0 +1,213 @@
+"""The fp32 and bf16 rungs are two state formats of one engine (issue 9's first slice):
+one :class:`LadderAdamW` holds the groups of both, a group pinning one while the others
+follow the other is a group of that engine, and a move fp32 -> bf16 converts the state
+of the groups that follow the decision in place, building nothing."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from optladder import choose_optimizer
+from optladder.optimizers.adamw import LadderAdamW
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 80), nn.Linear(80, 8))
+    model[2].to(torch.bfloat16)  # a bfloat16 layer beside float32 ones
+    return model
+
+
+def _groups(model: nn.Module, pin: str | None) -> list[dict[str, Any]]:
+    first: dict[str, Any] = {"params": list(model[0].parameters())}
+    if pin is not None:
+        first["rung"] = pin
+    return [first, {"params": [*model[1].parameters(), *model[2].parameters()]}]
+
+
+def _grads(model: nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+CASES = [("fp32", None), ("bf16", None), ("fp32", "bf16"), ("bf16", "fp32")]
+
+
+@pytest.mark.parametrize(("rung", "pin"), CASES, ids=["fp32", "bf16", "fp32+bf16", "bf16+fp32"])
+def test_global_step_hooks_run_once_per_step(rung: str, pin: str | None) -> None:
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    model = _model()
+    opt = choose_optimizer(_groups(model, pin), rung=rung, free_memory="1GiB")
+    calls: list[tuple[str, Any]] = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("pre", o))),
+        register_optimizer_step_post_hook(lambda o, a, k: calls.append(("post", o))),
+    ]
+    try:
+        for s in range(3):
+            _grads(model, s)
+            opt.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == [("pre", opt), ("post", opt)] * 3
+
+
+@pytest.mark.parametrize(("rung", "pin"), CASES, ids=["fp32", "bf16", "fp32+bf16", "bf16+fp32"])
+def test_the_fp32_and_bf16_groups_share_one_engine(rung: str, pin: str | None) -> None:
+    model = _model()
+    opt = choose_optimizer(_groups(model, pin), rung=rung, free_memory="1GiB")
+    assert isinstance(opt.engine, LadderAdamW)
+    assert opt._engines() == [opt.engine]
+    if pin is not None:
+        assert opt.pinned_engines[pin] is opt.engine  # not an engine of its own
+    _grads(model, 0)
+    opt.step()
+    moments = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    want = [moments[pin or rung], moments[rung]]
+    for group, dtype in zip(opt.param_groups, want, strict=True):
+        for p in group["params"]:
+            assert opt.state[p]["exp_avg"].dtype == dtype
+
+
+@pytest.mark.parametrize("pin", [None, "fp32"], ids=["no-pin", "fp32-pin"])
+def test_defaults_do_not_change_across_a_move_from_fp32_to_bf16(pin: str | None) -> None:
+    model = _model()
+    opt = choose_optimizer(_groups(model, pin), rung=None, free_memory="1GiB", environ={})
+    assert opt.rung == "fp32"
+    before = copy.deepcopy(opt.defaults)
+    _grads(model, 0)
+    opt.step()
+    opt.escalate("test")
+    assert opt.rung == "bf16"
+    assert opt.defaults == before
+
+
+@pytest.mark.parametrize("pin", [None, "fp32"], ids=["no-pin", "fp32-pin"])
+def test_escalating_fp32_to_bf16_converts_in_place_as_a_fresh_bf16_load(pin: str | None) -> None:
+    """The move builds no engine (the same object before and after) and gives, bit for
+    bit, the state (and the next steps) of a fresh bf16 optimizer that loads the fp32
+    checkpoint; a pinned fp32 group's state is untouched."""
+    model, fresh_model = _model(), _model()
+    opt = choose_optimizer(_groups(model, pin), rung=None, free_memory="1GiB", environ={})
+    for s in range(3):
+        _grads(model, s)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    pinned_before = {
+        id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in model[0].parameters()
+    }
+    engine = opt.engine
+    opt.escalate("test")
+    assert opt.engine is engine and opt.rung == "bf16"
+    assert [g["rung"] for g in opt.param_groups] == [pin or "bf16", "bf16"]
+    fresh = choose_optimizer(_groups(fresh_model, pin), rung="bf16", free_memory="1GiB")
+    with torch.no_grad():
+        for a, b in zip(fresh_model.parameters(), model.parameters(), strict=True):
+            a.copy_(b)
+    fresh.load_state_dict(saved)
+    for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        sa, sb = opt.state[a], fresh.state[b]
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert sa[name].dtype == sb[name].dtype
+            assert torch.equal(_bits(sa[name]), _bits(sb[name])), name
+        assert float(sa["step"]) == float(sb["step"]) == 3
+    if pin is not None:  # the pinned group stays on fp32, its state as it was
+        for p in model[0].parameters():
+            for k, v in pinned_before[id(p)].items():
+                assert torch.equal(opt.state[p][k], v)
+    for s in range(3, 5):
+        _grads(model, s)
+        _grads(fresh_model, s)
+        opt.step()
+        fresh.step()
+    for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(_bits(opt.state[a][name]), _bits(fresh.state[b][name]))
+
+
+def test_one_checkpoint_layout_with_and_without_a_pin() -> None:
+    """A pinned fp32 group saves as the same group following an fp32 decision does:
+    the same state keys, dtypes and values, and the same group keys but those that say
+    how the rung was reached."""
+    runs = []
+    for pin in (None, "fp32"):
+        model = _model()
+        opt = choose_optimizer(_groups(model, pin), rung="fp32", free_memory="1GiB")
+        for s in range(2):
+            _grads(model, s)
+            opt.step()
+        runs.append(opt.state_dict())
+    plain, pinned = runs
+    assert plain["state"].keys() == pinned["state"].keys()
+    for k, st in plain["state"].items():
+        assert st.keys() == pinned["state"][k].keys()
+        for name, value in st.items():
+            other = pinned["state"][k][name]
+            assert value.dtype == other.dtype and torch.equal(value, other), (k, name)
+    for a, b in zip(plain["param_groups"], pinned["param_groups"], strict=True):
+        ignore = {"rung_origin", "rung_reason"}
+        assert {k: v for k, v in a.items() if k not in ignore} == {
+            k: v for k, v in b.items() if k not in ignore
+        }
+
+
+def test_a_param_converted_to_bfloat16_after_its_fp32_state_steps_on_with_float32_moments() -> None:
+    """``module.to(torch.bfloat16)`` after the fp32 rung made float32 state: the fp32
+    format keeps float32 moments for bfloat16 params, so the state fits and the next
+    step is the oracle's (torch's AdamW, the engine before, kept moments in the param's
+    dtype and refused it)."""
+    torch.manual_seed(0)
+    model = nn.Linear(32, 16)
+    opt = choose_optimizer(model, lr=1e-2, rung="fp32", free_memory="64GiB", environ={})
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    model.to(torch.bfloat16)
+    oracle = LadderAdamW(
+        [{"params": [nn.Parameter(p.detach().clone()) for p in model.parameters()]}],
+        lr=1e-2,
+        moment_dtype=torch.float32,
+    )
+    for p, q in zip(model.parameters(), oracle.param_groups[0]["params"], strict=True):
+        oracle.state[q] = {k: v.clone() for k, v in opt.state[p].items()}
+    _grads(model, 7)
+    opt.step()
+    with torch.no_grad():
+        for i, (p, q) in enumerate(
+            zip(model.parameters(), oracle.param_groups[0]["params"], strict=True)
+        ):
+            q.grad = p.grad.clone()
+            oracle._step_param(q, oracle.param_groups[0], i)
+    for p, q in zip(model.parameters(), oracle.param_groups[0]["params"], strict=True):
+        assert opt.state[p]["exp_avg"].dtype == torch.float32
+        assert torch.equal(_bits(p), _bits(q))
+        assert torch.equal(opt.state[p]["exp_avg"], oracle.state[q]["exp_avg"])
+
+
+def test_the_fused_config_follows_the_groups_format_across_a_move() -> None:
+    from optladder.optimizers.spec import to_fused_config
+
+    model = _model()
+    opt = choose_optimizer(_groups(model, None), free_memory="1GiB", environ={})
+    assert opt.rung == "fp32"
+    config, _ = to_fused_config(opt)
+    assert config is not None and not config.use_bf16_moments
+    opt.escalate("test")  # the same engine, its groups now in the bf16 format
+    config, _ = to_fused_config(opt)
+    assert config is not None and config.use_bf16_moments
