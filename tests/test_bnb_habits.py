@@ -263,13 +263,23 @@ def test_foreign_code_books_are_decoded_then_requantized_on_8bit() -> None:
 
 def test_each_engine_owns_bitsandbytes_code_books() -> None:
     """The 8bit engine's code books are bitsandbytes' own (``create_dynamic_map``, what
-    plain ``AdamW8bit`` holds), and two engines do not share the tensors."""
+    plain ``AdamW8bit`` holds), and two engines do not share the tensors. They are made
+    when the first state is (as bitsandbytes' ``init_state`` makes them when missing),
+    not in construction, which allocates no tensor."""
     ctl = bnb.optim.AdamW8bit(_model().parameters(), lr=1e-3)
-    first, second = _choose(_model()).engine, _choose(_model()).engine
-    for name, signed in (("dynamic", True), ("udynamic", False)):
+    models = [_model(), _model()]
+    opts = [_choose(m) for m in models]
+    first, second = (opt.engine for opt in opts)
+    assert "dynamic" not in first.name2qmap and "udynamic" not in first.name2qmap
+    for model, opt in zip(models, opts):
+        model(torch.randn(4, LIN[0])).sum().backward()
+        opt.step()
+    for i, (name, signed) in enumerate((("dynamic", True), ("udynamic", False)), start=1):
         want = F.create_dynamic_map(signed=signed)
         assert torch.equal(ctl.name2qmap[name], want)
         assert torch.equal(first.name2qmap[name], want)
+        held = first.state[models[0].weight][f"qmap{i}"]
+        assert held is first.name2qmap[name]
         assert first.name2qmap[name].data_ptr() != second.name2qmap[name].data_ptr()
 
 

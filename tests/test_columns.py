@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -39,27 +40,32 @@ def test_columns_hold_each_params_attributes_in_order() -> None:
     assert cols.group(0).requires_grad == [True, True]
 
 
-def test_columns_over_several_chunks_match_each_params_own_attributes() -> None:
-    """More params than one chunk of reading (:data:`optladder.columns._CHUNK`): the
-    columns are each param's own attributes, read one by one here."""
-    from optladder.columns import _CHUNK
-
-    count = 2 * _CHUNK + 7
+@pytest.mark.parametrize("first", [torch.float32, torch.bfloat16])
+def test_columns_of_many_params_match_each_params_own_attributes(first: torch.dtype) -> None:
+    """Over a thousand params of mixed sizes, dtypes (the first param's own or another)
+    and ``requires_grad``: the columns are each param's own attributes, read one by one
+    here."""
+    count = 1031
     params = [torch.nn.Parameter(torch.zeros(1 + i % 5)) for i in range(count)]
+    params[0] = torch.nn.Parameter(torch.zeros(3, dtype=first))
     params[3].requires_grad_(False)
-    params[_CHUNK + 1] = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+    params[517] = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
     cols = ParamColumns.of(params)
-    assert cols.plain and cols.leaves and cols.contiguous
+    assert cols.plain and cols.leaves and cols.contiguous and cols.dense
     assert cols.data_ptrs == [p.data_ptr() for p in params]
     assert cols.nbytes == [p.numel() * p.element_size() for p in params]
     assert cols.numels == [p.numel() for p in params]
     assert cols.requires_grad == [p.requires_grad for p in params]
     assert cols.dtypes == [p.dtype for p in params]
-    assert cols.dtype_set == {torch.float32, torch.bfloat16}
+    assert cols.dtype_set == {p.dtype for p in params}
     assert cols.devices == {torch.device("cpu")}
     w = torch.nn.Parameter(torch.zeros(3))
-    late = [*params[:-1], w * 2]  # a non-leaf in the last chunk
+    late = [*params[:-1], w * 2]  # a non-leaf, last
     assert not ParamColumns.of(late).leaves
+    transposed = [*params[:-1], torch.zeros(3, 2).t()]  # dense, not contiguous, last
+    cols = ParamColumns.of(transposed)
+    assert not cols.contiguous and cols.dense
+    assert ParamColumns.of([]).dtype_set == set() and ParamColumns.of([]).devices == set()
 
 
 def test_disjoint_params_and_disjoint_views_of_one_buffer() -> None:
@@ -201,3 +207,104 @@ def test_subclasses_other_than_parameter_are_not_plain() -> None:
     t = torch.zeros(3).as_subclass(Tagged)
     assert not ParamColumns.of([t]).plain
     assert not ParamColumns.of([t]).disjoint
+
+
+def _per_param_message(groups: list[dict[str, Any]]) -> str | None:
+    """What the per-param checks of ``check_groups`` say of ``groups``, reached without
+    the columns (their ``plain`` cleared, as for DTensors): None when they pass."""
+    from optladder.selector.checks import check_groups
+
+    unread = ParamColumns(groups)
+    unread.plain = False
+    try:
+        check_groups(groups, True, unread)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _bulk_message(groups: list[dict[str, Any]]) -> tuple[bool, str | None]:
+    """Whether the bulk pass over the columns takes ``groups``, and what ``check_groups``
+    says of them with the columns read (the bulk pass first)."""
+    from optladder.selector.checks import _params_pass, check_groups
+
+    cols = ParamColumns(groups)
+    taken = _params_pass(cols)
+    try:
+        check_groups(groups, True, cols)
+    except ValueError as exc:
+        return taken, str(exc)
+    return taken, None
+
+
+_MANY = 600  # the odd param sits among many plain ones, late in the list
+
+
+def _case(name: str, at: int) -> list[dict[str, Any]]:
+    params: list[torch.Tensor] = [torch.nn.Parameter(torch.randn(4)) for _ in range(_MANY)]
+    buf = torch.zeros(10)
+    w = torch.nn.Parameter(torch.zeros(3))
+    odd: dict[str, list[torch.Tensor]] = {
+        "fine": [],
+        "listed twice": [params[7]],
+        "overlapping slices": [buf[:6], buf[4:]],
+        "a view of another param": [params[11].view(2, 2)],
+        "expanded": [torch.zeros(3, 1).expand(3, 4)],
+        "every other column": [torch.zeros(3, 4)[:, ::2]],
+        "transposed": [torch.zeros(3, 4).t()],
+        "non-leaf": [w * 2],
+        "float8": [torch.zeros(4, dtype=torch.float8_e4m3fn)],
+        "int": [torch.zeros(4, dtype=torch.int32)],
+        "bfloat16": [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))],
+        "frozen": [torch.nn.Parameter(torch.zeros(4), requires_grad=False)],
+        "empty": [torch.zeros(0)],
+    }[name]
+    return [{"params": params[:at] + odd + params[at:]}]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fine",
+        "listed twice",
+        "overlapping slices",
+        "a view of another param",
+        "expanded",
+        "every other column",
+        "transposed",
+        "non-leaf",
+        "float8",
+        "int",
+        "bfloat16",
+        "frozen",
+        "empty",
+    ],
+)
+@pytest.mark.parametrize("at", [0, _MANY - 5])
+def test_the_bulk_pass_refuses_exactly_what_the_per_param_checks_refuse(name: str, at: int) -> None:
+    """The columns' one pass (dtypes kept as the first param's and the others, flags
+    for leaves, contiguity and devices) with the memory check over them: construction's
+    checks refuse exactly the params the per-param checks refuse, with their message
+    (the bulk pass never refuses: it passes what it can prove fine, and leaves the rest
+    to the per-param checks, which name the param). The odd param comes first (its
+    dtype is the one the pass compares the others with) or late."""
+    groups = _case(name, at)
+    want = _per_param_message(groups)
+    taken, got = _bulk_message(groups)
+    assert got == want
+    if want is not None:
+        assert not taken  # nothing refused is passed in bulk
+        assert "of group 0" in want
+    expected_refused = {
+        "listed twice",
+        "overlapping slices",
+        "a view of another param",
+        "expanded",
+        "non-leaf",
+        "float8",
+        "int",
+    }
+    assert (want is not None) == (name in expected_refused)
+    # what the bulk pass takes, as proven by hand: plain dense non-empty leaves of
+    # allowed dtypes whose byte ranges are pairwise disjoint
+    assert taken == (name in ("fine", "transposed", "bfloat16", "frozen"))

@@ -584,12 +584,10 @@ def test_probe_cpu_complex_params_miss_the_fused_fp32() -> None:
 
 
 def test_probe_runs_a_step_rather_than_assuming(monkeypatch: pytest.MonkeyPatch) -> None:
-    import optladder.optimizers.capabilities as capabilities
-
     def no_fused_adamw(*args: object, **kwargs: object) -> None:
         raise RuntimeError("fused=True is not supported here (test)")
 
-    monkeypatch.setattr(capabilities, "adamw", no_fused_adamw)  # the kernel the probe runs
+    monkeypatch.setattr(torch, "_fused_adamw_", no_fused_adamw)  # the kernel the probe runs
     c = probe_capabilities("cpu")
     assert c.fused["fp32"] is False
     assert "no fused AdamW kernel on cpu" in c.unfused_reasons["fp32"]

@@ -172,15 +172,32 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             # non-contiguous param -> (contiguous copy, contiguous grad or None), made in
             # prepare_contiguous and dropped after the step or by release_scratch
             self._contiguous: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]] = {}
-            super().__init__(*args, **kwargs)
+            self._books_on_first_use = True  # fill_qmap below: none made in construction
+            try:
+                super().__init__(*args, **kwargs)
+            finally:
+                self._books_on_first_use = False
 
         def fill_qmap(self) -> None:
             # bitsandbytes' two code books, made from their values computed once per
             # process (its own fill_qmap computes them anew, ~0.3 ms a construction) the
-            # way it makes them (torch.tensor of the values); each engine owns its pair
+            # way it makes them (torch.tensor of the values); each engine owns its pair.
+            # Made when first needed, not in construction (Optimizer8bit.__init__ calls
+            # this): every reader fills them when "dynamic" is missing (bitsandbytes'
+            # init_state, migrate.bnb_qmaps), as a state is first made. Two tensor
+            # factories cost ~0.1-0.25 ms of a construction after a garbage collection
+            # (measured: torch's whole AdamW construction over 2,000 params is ~1.5 ms).
+            # Both are made before either is kept: the first state may be made in a
+            # step's prepare phase, where an allocation can fail (out of memory) between
+            # the two, and readers take "dynamic" present to mean both are.
+            if self._books_on_first_use:
+                return
             signed, unsigned = _code_book_values()
-            self.name2qmap["dynamic"] = torch.tensor(signed, dtype=torch.float32)
-            self.name2qmap["udynamic"] = torch.tensor(unsigned, dtype=torch.float32)
+            books = (
+                torch.tensor(signed, dtype=torch.float32),
+                torch.tensor(unsigned, dtype=torch.float32),
+            )
+            self.name2qmap["dynamic"], self.name2qmap["udynamic"] = books
 
         def get_state_buffer(self, p: torch.Tensor, dtype: torch.dtype = torch.float32) -> Any:
             # bitsandbytes' zeros_like keeps a non-contiguous param's strides, while its

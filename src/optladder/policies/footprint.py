@@ -433,6 +433,7 @@ def _disjoint_footprint(columns: ParamColumns) -> Footprint:
     state bytes are counted once per distinct (elements, dtype)."""
     trainable = columns.requires_grad
     every = all(trainable)  # then nothing to pick out (the common case)
+    counts: dict[tuple[int, torch.dtype], int]
     if len(columns.dtype_set) == 1:  # one dtype: count the byte sizes alone
         dtype = next(iter(columns.dtype_set))
         size = dtype.itemsize
@@ -440,7 +441,7 @@ def _disjoint_footprint(columns: ParamColumns) -> Footprint:
         if not nbytes:
             raise ValueError(_NO_TRAINABLE)
         per_size = columns.size_counts if every else Counter(nbytes)
-        counts = Counter({(b // size, dtype): k for b, k in per_size.items()})
+        counts = {(b // size, dtype): k for b, k in per_size.items()}
         elements = sum(nbytes) // size  # each a whole number of elements
         frozen = 0 if every else sum(columns.nbytes) // size - elements
     else:

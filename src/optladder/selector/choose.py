@@ -192,10 +192,11 @@ def decide_and_build(
     refuse_meta_params(groups, columns=columns)
     footprint = groups_footprint(groups, columns)
     overrides = read_overrides(rung, environ)
+    pins = [group_pin(g, f"param group {gi}") for gi, g in enumerate(groups)]  # checked above
     asked = overrides.fixed or overrides.forced
     if asked is not None:  # name the first param the asked rung cannot take, and who asked
         for gi, g in enumerate(groups):
-            if group_pin(g, f"param group {gi}") is None:
+            if pins[gi] is None:
                 try:
                     check_params_for_rung(
                         g["params"], asked, None, f"group {gi}", columns.group(gi)
@@ -252,10 +253,11 @@ def decide_and_build(
 
     following = []  # the groups that follow the decision; LadderOptimizer builds the pinned
     for gi, g in enumerate(groups):
-        if group_pin(g, f"param group {gi}") is None:
-            check_params_for_rung(
-                g["params"], decision.rung, None, f"group {gi}", columns.group(gi)
-            )
+        if pins[gi] is None:
+            if decision.rung != asked:  # (the asked rung's checks ran above)
+                check_params_for_rung(
+                    g["params"], decision.rung, None, f"group {gi}", columns.group(gi)
+                )
             following.append(g)
     engine = build_engine(  # the columns when they are those of the following groups
         decision.rung,
