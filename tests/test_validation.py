@@ -123,33 +123,39 @@ def test_float64_params_are_never_rounded_to_float32() -> None:
         choose_optimizer([p], free_memory=GiB, environ={"OPTLADDER_8BIT_ADAM": "1"})
 
 
-def test_float64_beside_bf16_params_needs_its_own_fp32_group() -> None:
-    """The fp32 rung of bfloat16 params runs optladder's AdamW (float32 moments): float64
-    params beside them would lose their float64 moments, so they are refused there and
-    run exactly in a group pinned to fp32 (torch's AdamW)."""
+def test_float64_beside_bf16_params_on_one_fp32_engine() -> None:
+    """The fp32 rung steps float64 params beside bfloat16 ones in one engine (the fp32
+    format: float64 moments on torch's kernels for the one, float32 moments on optladder's
+    kernels for the other). It was refused ("put the float64 params in a param group of
+    their own"), and the policy passed over fp32 for such a model; now each param steps
+    as it would alone: float64 bit for bit as torch's AdamW, bfloat16 as the fp32 rung
+    over bfloat16 params alone."""
     wide = torch.nn.Parameter(torch.full((64,), 1.0 + 1e-12, dtype=torch.float64))
     low = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
-    # one engine cannot keep float64 moments for one and float32 for the other: the
-    # policy passes over fp32 to bf16, which steps both without rounding the params
-    mixed = choose_optimizer([wide, low], free_memory=GiB)
-    assert mixed.rung == "bf16"
-    assert any("fp32 steps float64 params with torch's AdamW" in r for r in mixed.decision.reasons)
-    with pytest.raises(ValueError, match="put the float64 params in a param group"):
-        choose_optimizer([wide, low], rung="fp32", free_memory=GiB)
-    opt = choose_optimizer([{"params": [wide], "rung": "fp32"}, {"params": [low]}], free_memory=GiB)
-    # the fp32 format of optladder's AdamW keeps float64 moments for a float64 param on
-    # torch's kernels: one added beside the bfloat16 params is taken (it was refused when
-    # the fp32 rung of bfloat16 params was an engine of float32 moments only)
+    assert choose_optimizer([wide, low], free_memory=GiB).rung == "fp32"  # no refusal
+    # nearest param writes: stochastic ones draw bits keyed by the param's place
+    # (lr 1e-2: a step past half a bfloat16 ulp of 1.0, so the nearest writes move)
+    kw = {"rung": "fp32", "free_memory": GiB, "param_rounding": "nearest", "lr": 1e-2}
+    opt = choose_optimizer([wide, low], **kw)
+    ref = torch.nn.Parameter(wide.detach().clone())
+    torch_adamw = torch.optim.AdamW([ref], lr=1e-2, weight_decay=1e-2)
+    alone = torch.nn.Parameter(low.detach().clone())
+    low_opt = choose_optimizer([alone], **kw)
+    # float64 params added beside them are taken too, with float64 moments
     added = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
     opt.add_param_group({"params": [added]})
-    ref = torch.nn.Parameter(wide.detach().clone())
-    torch_adamw = torch.optim.AdamW([ref], lr=1e-3, weight_decay=1e-2)
     for s in range(3):
         _grads([wide, low], s)
-        ref.grad = wide.grad.clone()
+        ref.grad, alone.grad = wide.grad.clone(), low.grad.clone()
         opt.step()
         torch_adamw.step()
+        low_opt.step()
     assert torch.equal(wide.detach(), ref.detach())  # torch's float64 AdamW, bit for bit
+    assert torch.equal(opt.state[wide]["exp_avg_sq"], torch_adamw.state[ref]["exp_avg_sq"])
+    assert torch.equal(low.detach(), alone.detach())
+    assert not torch.equal(low.detach(), torch.ones(64, dtype=torch.bfloat16))  # it moved
+    assert opt.state[low]["exp_avg"].dtype == torch.float32
+    assert torch.equal(opt.state[low]["exp_avg"], low_opt.state[alone]["exp_avg"])
     added.grad = torch.ones(3, dtype=torch.float64)
     opt.step()
     assert opt.state[added]["exp_avg"].dtype == torch.float64

@@ -137,11 +137,8 @@ class RungAccepts:
     engine: str = ""
 
 
-FP32_WIDE_DTYPES = ("float64", "complex64", "complex128")
-"""Dtypes the fp32 rung steps with torch's AdamW only (moments and math in the param's
-dtype): optladder's AdamW computes in float32 and takes real params."""
 LOW_PRECISION_DTYPES = ("bfloat16", "float16")
-"""Dtypes the fp32 rung steps with optladder's AdamW (float32 moments and math), because
+"""Dtypes the fp32 rung steps on optladder's kernels (float32 moments and math), because
 torch's AdamW would keep their moments in their own dtype."""
 
 RUNG_ACCEPTS: dict[Rung, RungAccepts] = {
@@ -150,9 +147,10 @@ RUNG_ACCEPTS: dict[Rung, RungAccepts] = {
         complex=True,
         sharded=True,
         engine=(
-            "torch.optim.AdamW for float32, float64 and complex params (math and moments in "
-            "the param's dtype); optladder's AdamW (float32 moments and math) when bfloat16 "
-            "or float16 params are among them, which then cannot take float64 or complex ones"
+            "optladder's LadderAdamW, fp32 format: float32, float64 and complex params on "
+            "torch's AdamW kernels (fused; foreach for complex params or where the device "
+            "has no fused kernel), math and moments in the param's dtype; bfloat16 and "
+            "float16 params on optladder's kernels, float32 moments and math"
         ),
     ),
     "bf16": RungAccepts(
@@ -232,11 +230,13 @@ def param_refusal(rung: Rung, dtype: str, *, sharded: bool = False) -> str | Non
 
 
 def rung_refusal(rung: Rung, dtypes: Iterable[str], *, sharded: bool = False) -> str | None:
-    """Why ``rung`` cannot step params of ``dtypes`` together (one engine), or None.
+    """Why ``rung`` cannot step params of ``dtypes`` together (one engine), or None: the
+    rung's table (:data:`RUNG_ACCEPTS`: dtypes, complex, sharded).
 
-    Besides each param's own rule (:func:`param_refusal`), the fp32 rung cannot mix
-    float64/complex params (torch's AdamW) with bfloat16/float16 ones (optladder's AdamW,
-    float32 math): one engine steps the groups that follow the decision.
+    One engine steps every format (:class:`optladder.optimizers.adamw.LadderAdamW`): on
+    the fp32 rung float64 and complex params keep their own dtype's moments on torch's
+    kernels beside bfloat16/float16 params with float32 moments, so no mix of dtypes the
+    rung takes is refused.
 
     Args:
         rung: the rung.
@@ -252,15 +252,6 @@ def rung_refusal(rung: Rung, dtypes: Iterable[str], *, sharded: bool = False) ->
         return (
             f"{rung} takes {', '.join(accepts.dtypes)} params and the model has "
             f"{', '.join(other)} params"
-        )
-    wide = [d for d in names if d in FP32_WIDE_DTYPES]
-    low = [d for d in names if d in LOW_PRECISION_DTYPES]
-    if rung == "fp32" and wide and low:
-        return (
-            f"fp32 steps {', '.join(wide)} params with torch's AdamW and {', '.join(low)} "
-            f"params with optladder's AdamW (float32 math), and the model has both among "
-            f"the params that follow the decision; put the {', '.join(wide)} params in a "
-            "param group of their own that pins the fp32 rung ({'params': ..., 'rung': 'fp32'})"
         )
     if sharded and not accepts.sharded:
         return accepts.sharded_reason
