@@ -459,10 +459,6 @@ def same_code_book(saved: torch.Tensor, engine_book: torch.Tensor) -> bool:
     )
 
 
-def _group_of(engine: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
-    return {id(p): g for g in engine.param_groups for p in g["params"]}
-
-
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _HALF = 0x8000  # half of bfloat16's last place, in float32 bits
 
@@ -551,22 +547,27 @@ def _unsplit_state(state: dict[str, Any], lows: dict[str, torch.Tensor]) -> None
         state[name] = _join_moment(state[name], low)
 
 
-def migrate_engine(
+def migrate_states(
     source: torch.optim.Optimizer,
-    target: torch.optim.Optimizer,
+    source_state: Any,
+    target_state: Any,
+    params: list[torch.Tensor],
+    source_spec: Any,
+    target_spec: Any,
     *,
     keep_source: bool = False,
 ) -> None:
-    """Move every param's state from ``source`` into ``target``, one param at a time.
+    """Move the state of ``params`` from ``source_state`` into ``target_state`` (two
+    dicts keyed by param), one param at a time.
 
-    Both engines must optimize the same params. Params are converted largest first, and
-    each param's old state is dropped as soon as its new state exists, so when escalating
-    (the target's state per param is at most half the source's) the extra memory peaks at
-    the new state of the largest param: every later conversion fits in what the earlier
-    ones freed. ``source`` ends with no state.
+    Params are converted largest first, and each param's old state is dropped as soon as
+    its new state exists, so when escalating (the target's state per param is at most half
+    the source's) the extra memory peaks at the new state of the largest param: every
+    later conversion fits in what the earlier ones freed. ``source_state`` ends without
+    the moved params' state.
 
-    If a conversion fails (an OOM), the error is re-raised after the source gets every
-    param's state back:
+    If a conversion fails (an OOM), the error is re-raised after ``source_state`` gets
+    every param's state back:
 
     - with ``keep_source``, the old state itself (exact);
     - float32 moments narrowed to bfloat16 (fp32 -> bf16): exact too, within the bound
@@ -582,51 +583,6 @@ def migrate_engine(
     convert back get no state rather than a state in the other format, and
     :class:`MigrationRoundedError` names them (``lost``).
 
-    Args:
-        source: the engine holding the state.
-        target: the new engine, over the same params, with empty state.
-        keep_source: keep each param's old state until every param is converted, so a
-            failure restores it exactly; the extra memory then peaks at the old state
-            plus the new. For moves to a wider format (the new state is the larger one,
-            so the bound above does not hold anyway).
-
-    Raises:
-        MigrationRoundedError: a conversion failed and params were rounded on the way back,
-            or lost their state there (the original error chained).
-        KeyboardInterrupt: Ctrl-C during the move, after the way back (as it came, never
-            reported as running out of memory; the rounded params are named in a warning
-            on the ``optladder`` logger).
-        Whatever a conversion raised, otherwise (the state exactly as before).
-    """
-    target_groups = _group_of(target)
-    source_groups = _group_of(source)
-    params = [p for g in source.param_groups for p in g["params"]]
-    migrate_states(
-        source,
-        source.state,
-        target.state,
-        params,
-        lambda p: state_target(source, source_groups[id(p)], p),
-        lambda p: state_target(target, target_groups[id(p)], p),
-        keep_source=keep_source,
-    )
-
-
-def migrate_states(
-    source: torch.optim.Optimizer,
-    source_state: Any,
-    target_state: Any,
-    params: list[torch.Tensor],
-    source_spec: Any,
-    target_spec: Any,
-    *,
-    keep_source: bool = False,
-) -> None:
-    """Move the state of ``params`` from ``source_state`` into ``target_state`` (two
-    dicts keyed by param), one param at a time, as :func:`migrate_engine` describes:
-    largest first, each old state dropped once its new one exists (unless
-    ``keep_source``), and on failure every param's state back in ``source_state``.
-
     A move between the fp32 and bf16 formats of one :class:`LadderAdamW` converts its
     groups' state in place with it: ``target_state`` a new dict, merged into the
     engine's state after the move.
@@ -639,10 +595,18 @@ def migrate_states(
             name); those without state are skipped.
         source_spec: ``p -> StateTarget`` of the state now (for the way back).
         target_spec: ``p -> StateTarget`` of the new state.
-        keep_source: see :func:`migrate_engine`.
+        keep_source: keep each param's old state until every param is converted, so a
+            failure restores it exactly; the extra memory then peaks at the old state
+            plus the new. For moves to a wider format (the new state is the larger one,
+            so the bound above does not hold anyway).
 
     Raises:
-        See :func:`migrate_engine`.
+        MigrationRoundedError: a conversion failed and params were rounded on the way back,
+            or lost their state there (the original error chained).
+        KeyboardInterrupt: Ctrl-C during the move, after the way back (as it came, never
+            reported as running out of memory; the rounded params are named in a warning
+            on the ``optladder`` logger).
+        Whatever a conversion raised, otherwise (the state exactly as before).
     """
     release = getattr(source, "release_tables", None)
     if release is not None:

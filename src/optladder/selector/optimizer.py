@@ -993,7 +993,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         frees each param's old state as soon as its new one exists, to need at most one
         param's new state in extra memory, so the params converted before the failure
         are converted back and keep the narrower format's rounding (see
-        :func:`optladder.optimizers.migrate.migrate_engine`).
+        :func:`optladder.optimizers.migrate.migrate_states`).
 
         Args:
             rung: the target rung.
