@@ -459,6 +459,16 @@ class _GroupPlan:
         self._picks: list[bool] = []  # which torch fused params have a grad this step
         self._bucket_calls: list[Any] = [None] * len(self.torch_buckets)  # their containers
         self._planned = set(self._positions).union(self._others, self._torch_positions)
+        self._torch_items = routes["torch_fused"] + routes["torch_foreach"]
+        self._torch_params = [p for p, _ in self._torch_items]
+        # the torch routes' grads, their addresses (None: not read) and state tensors at
+        # the last step (:meth:`ready_torch`)
+        self._torch_grads: list[Any] = []
+        self._torch_ptrs: list[int] | None = None
+        self._torch_state: list[Any] = []
+        self._other_kinds = [
+            None if grads[k] is None else _kind(cast(torch.Tensor, grads[k])) for k in self._others
+        ]
         self.cpu_params = [p for p, _ in routes["cpu"]]
         # the grads whose pointers the table holds (it compares their addresses itself);
         # without C kernel rows, the grads the kinds were last checked for (at their
@@ -557,9 +567,12 @@ class _GroupPlan:
         grad now (their rows are skipped, :meth:`~.kernels.cpu.KernelTable.set_grads`):
         every param of the other routes has its grad, and every grad is a planned
         param's, of the kind it had (a step where some experts or heads got no grad,
-        which made the whole table again)."""
+        which made the whole table again); the other routes' grads of the kinds they
+        had."""
         if any(grads[k] is None for k in self._others):
             return False
+        if [_kind(cast(torch.Tensor, grads[k])) for k in self._others] != self._other_kinds:
+            return False  # another route's grad of another kind: its checks run again
         present = [k for k, g in enumerate(grads) if g is not None]
         if not self._planned.issuperset(present):
             return False
@@ -588,6 +601,38 @@ class _GroupPlan:
         self.table.set_grads(present, ptrs, self.first)
         self._grads.record(grads)
         self._grad_ptrs[:] = ptrs  # in place: a new list a step would outlive the step
+
+    def ready_torch(self, state: Mapping[torch.Tensor, Any]) -> None:
+        """Check the torch routes' state and grads where a kept plan would not see a
+        change: make a param's state ready (:func:`~.torchroute.ready_state`, which
+        refuses moments of another format) when a state tensor was replaced, and check a
+        grad (:func:`_refuse_torch_grad`) that is the same tensor as at the last step
+        but was given other memory (``grad.data = ...``; a new grad tensor is checked
+        by :meth:`check`'s kinds). torch's kernels bump the step counts before they read
+        the rest, so what they would refuse is refused here, before anything is written.
+
+        Raises:
+            ValueError: from those checks, before anything is written.
+        """
+        items = self._torch_items
+        if not items:
+            return
+        sts = list(map(state.__getitem__, self._torch_params))
+        grads = list(map(_GRAD, self._torch_params))
+        same = same_objects(grads, self._torch_grads)
+        ptrs = _ptrs(grads) if same else None  # read only for the same grads again
+        moved = same and ptrs != self._torch_ptrs
+        tensors = [*map(_GET_AVG, sts), *map(_GET_AVG_SQ, sts), *map(_GET_STEP, sts)]
+        replaced = not same_objects(tensors, self._torch_state)
+        if moved or replaced:
+            fused = len(self.routes["torch_fused"])
+            for k, ((p, i), st, grad) in enumerate(zip(items, sts, grads)):
+                if moved and grad is not None:
+                    _refuse_torch_grad(p, grad, i)
+                if replaced and st:  # a param that never had a grad has no state yet
+                    torchroute.ready_state(p, st, k < fused, f"param {i}")
+            tensors = [*map(_GET_AVG, sts), *map(_GET_AVG_SQ, sts), *map(_GET_STEP, sts)]
+        self._torch_grads, self._torch_ptrs, self._torch_state = grads, ptrs, tensors
 
     def make_torch_calls(self, state: Mapping[torch.Tensor, Any]) -> None:
         """Make this step's torch fused kernel calls (:func:`~.fusedstep.group_call`, one
@@ -664,6 +709,12 @@ class _GroupPlan:
 def _kind(g: torch.Tensor) -> tuple[Any, ...]:
     """What routing reads of one grad (as :func:`~.stepmemo.grad_kinds` of a group)."""
     return (g.dtype, g.is_contiguous(), g.numel(), g.get_device(), g.layout)
+
+
+_GRAD = operator.attrgetter("grad")
+_GET_AVG = operator.methodcaller("get", "exp_avg")
+_GET_AVG_SQ = operator.methodcaller("get", "exp_avg_sq")
+_GET_STEP = operator.methodcaller("get", "step")
 
 
 def _ptrs(grads: list[torch.Tensor | None]) -> list[int]:
@@ -867,6 +918,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self.eager_reasons: dict[int, str] = {}
         self._cpu_kernel_error: str | None = None
         self._plan: Any = None
+        self._created: list[torch.Tensor] = []  # the state the last prepare created
         self._scratch: dict[torch.device, Any] = {}
         self._stage: dict[torch.device, torch.Tensor] = {}  # staged params' copies (bytes)
         self._cpu_table: Any = None  # cpu.KernelTable of every group's C kernel params
@@ -934,8 +986,12 @@ class LadderAdamW(torch.optim.Optimizer):
                 for k, s in saved_state.items()
             },
         }
+        live_groups = [dict(g) for g in self.param_groups]
         super().load_state_dict(stripped)
         self._group_plans.clear()
+        for group, before in zip(self.param_groups, live_groups):  # keys the checkpoint
+            for key, value in before.items():  # lacks (torch's AdamW saves no "rung",
+                group.setdefault(key, value)  # "seed", "rounding"): the live group's
         for group in self.param_groups:  # checkpoints from before param_rounding existed
             group.setdefault("param_rounding", self.defaults.get("param_rounding", "stochastic"))
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
@@ -1132,16 +1188,22 @@ class LadderAdamW(torch.optim.Optimizer):
                     self._scratch.pop(device, None)
                     self._scratch[device] = eager.EagerScratch.allocate(length, device)
         except BaseException:
-            for p in created:
-                self.state.pop(p, None)
-            self._group_plans.clear()  # they may point at the state just dropped
-            self._cpu_table, self._table_plans = None, []
-            self._table_held, self._table_ptrs = [], []
+            self._drop_created(created)
             raise
         self._state_seen = list(self.state.values())
         self._plan = plans
+        self._created = created
         self.eager_reasons = {i: r for plan in plans for i, r in plan.reasons.items()}
         return created
+
+    def _drop_created(self, created: list[torch.Tensor]) -> None:
+        """Drop the state a step's prepare created (nothing was written to it) and the
+        plans, which may point at it."""
+        for p in created:
+            self.state.pop(p, None)
+        self._group_plans.clear()
+        self._cpu_table, self._table_plans = None, []
+        self._table_held, self._table_ptrs = [], []
 
     def _torch_fused_devices(self) -> tuple[str, ...]:
         """Device types of torch's fused AdamW kernel (read once per engine)."""
@@ -1159,6 +1221,7 @@ class LadderAdamW(torch.optim.Optimizer):
         every: list[torch.Tensor] = []
         picks: list[bool] = []
         for plan in plans:
+            plan.ready_torch(self.state)
             if plan.torch_buckets:
                 plan.make_torch_calls(self.state)
                 calls += plan.torch_calls
@@ -1201,6 +1264,11 @@ class LadderAdamW(torch.optim.Optimizer):
         for flag in ("decoupled_weight_decay", "maximize"):
             if not isinstance(group.get(flag, False), bool):
                 raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
+        if group.get("amsgrad"):  # torch's key: no route keeps max_exp_avg_sq
+            raise ValueError(
+                f"amsgrad={group['amsgrad']!r} is not supported by optladder's AdamW: set "
+                f"amsgrad=False or leave it out ({_GROUP_FLAG_INSTEAD['amsgrad']})"
+            )
 
     def _plan_group(
         self,
@@ -1281,8 +1349,14 @@ class LadderAdamW(torch.optim.Optimizer):
                 if len(self.state[p]) == 0:
                     created.append(p)
                     self._init_state(p, moment_dtype)
-                elif self.state[p]["step"].dtype != STEP_DTYPE:  # state set by hand
-                    self.state[p]["step"] = self.state[p]["step"].to(STEP_DTYPE)
+                    continue
+                st = self.state[p]
+                if st["step"].dtype != STEP_DTYPE:  # state set by hand
+                    st["step"] = st["step"].to(STEP_DTYPE)
+                for key in ("exp_avg", "exp_avg_sq"):  # torch's layout (the fp32 format's,
+                    m = st.get(key)  # flipped): contiguous copies, as a load makes them
+                    if type(m) in PLAIN_TYPES and m.shape == p.shape and not m.is_contiguous():
+                        st[key] = m.contiguous()
         for p, _ in routes["triton"]:
             st = self.state[p]
             if st["step"].device != p.device:
@@ -1611,6 +1685,18 @@ class LadderAdamW(torch.optim.Optimizer):
                 if p.grad is not None
             ]
             unscale = distinct_grads(host_grads)
+        # torch's foreach AdamW allocates as it steps (its sqrt, its complex views): it
+        # steps copies first, before anything is written, which are copied back below
+        created, self._created = self._created, []
+        try:
+            foreach = {
+                id(plan): self._step_foreach_copies(plan, grad_scale)
+                for plan in host_plans
+                if plan.routes["torch_foreach"]
+            }
+        except BaseException:  # nothing written yet: as before the prepare
+            self._drop_created(created)
+            raise
         for plan in plans:
             if plan.routes["triton"]:
                 self._step_triton(plan.group, plan.routes["triton"], grad_scale, found_inf)
@@ -1625,13 +1711,33 @@ class LadderAdamW(torch.optim.Optimizer):
         for plan in host_plans:
             self._step_staged(plan)
             if plan.routes["torch_foreach"]:
-                torchroute.step_functional(
-                    plan.group, self._torch_lists(plan.routes["torch_foreach"]), fused=False
-                )
+                live, stepped = self._torch_lists(plan.routes["torch_foreach"]), foreach[id(plan)]
+                for k in (0, 2, 3, 5):  # params, exp_avg, exp_avg_sq, step (not the grads)
+                    for dst, src in zip(live[k], stepped[k]):
+                        dst.copy_(src)
             for p, i in plan.routes["eager"]:
                 eager.eager_step(
                     p, self.state[p], plan.group, i, plan.moment_dtype, self._scratch[p.device]
                 )
+
+    def _step_foreach_copies(
+        self, plan: _GroupPlan, grad_scale: torch.Tensor | None
+    ) -> tuple[list[Any], ...]:
+        """Step copies of ``plan``'s ``"torch_foreach"`` params, grads (unscaled as
+        :func:`unscale_grads_` unscales the grads) and state with torch's functional
+        foreach AdamW (:func:`~.torchroute.step_functional`), leaving the live tensors
+        as they are: torch's foreach AdamW allocates as it steps, so an OOM there loses
+        nothing. The copies' lists (params, grads, ``exp_avg``, ``exp_avg_sq``, (empty),
+        ``step``) are copied back in the commit, after every other route stepped.
+
+        Raises:
+            Whatever allocating raised (an OOM); nothing live is written."""
+        lists = self._torch_lists(plan.routes["torch_foreach"])
+        copies = tuple([t.clone() for t in ts] for ts in lists)
+        if grad_scale is not None:
+            unscale_grads_(copies[1], grad_scale)
+        torchroute.step_functional(plan.group, copies, fused=False)
+        return copies
 
     def _torch_lists(self, items: list[tuple[torch.Tensor, int]]) -> tuple[list[Any], ...]:
         """Torch's functional AdamW's lists for ``items``: params, grads, ``exp_avg``,
