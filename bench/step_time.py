@@ -152,6 +152,10 @@ def implementations(
         impls[f"optladder-fp32-{fused_backend}"] = lambda ps: LadderAdamW(
             ps, lr=1e-3, backend=fused_backend, moment_dtype=torch.float32
         )
+    else:  # the fp32 rung of float32 params: torch's fused kernel inside LadderAdamW
+        impls["optladder-fp32-torch"] = lambda ps: LadderAdamW(
+            ps, lr=1e-3, moment_dtype=torch.float32
+        )
     impls[f"optladder-bf16-{fused_backend}"] = lambda ps: LadderAdamW(
         ps, lr=1e-3, backend=fused_backend
     )

@@ -43,6 +43,7 @@ from optladder.optimizers.stepmemo import (
     StepMemo,
     grad_kinds,
     grad_of,
+    same_grads,
     same_objects,
 )
 from optladder.optimizers.steps import (
@@ -463,8 +464,7 @@ class _GroupPlan:
         self._torch_params = [p for p, _ in self._torch_items]
         # the torch routes' grads, their addresses (None: not read) and state tensors at
         # the last step (:meth:`ready_torch`)
-        self._torch_grads: list[Any] = []
-        self._torch_ptrs: list[int] | None = None
+        self._torch_grads = KeptGrads()  # weak references, with their addresses
         self._torch_state: list[Any] = []
         self._other_kinds = [
             None if grads[k] is None else _kind(cast(torch.Tensor, grads[k])) for k in self._others
@@ -619,9 +619,9 @@ class _GroupPlan:
             return
         sts = list(map(state.__getitem__, self._torch_params))
         grads = list(map(_GRAD, self._torch_params))
-        same = same_objects(grads, self._torch_grads)
-        ptrs = _ptrs(grads) if same else None  # read only for the same grads again
-        moved = same and ptrs != self._torch_ptrs
+        kept = self._torch_grads
+        # the same grad tensors over other memory (new ones: check()'s kinds)
+        moved = not kept.same(grads) and same_grads(kept.refs, grads)
         tensors = [*map(_GET_AVG, sts), *map(_GET_AVG_SQ, sts), *map(_GET_STEP, sts)]
         replaced = not same_objects(tensors, self._torch_state)
         if moved or replaced:
@@ -632,7 +632,8 @@ class _GroupPlan:
                 if replaced and st:  # a param that never had a grad has no state yet
                     torchroute.ready_state(p, st, k < fused, f"param {i}")
             tensors = [*map(_GET_AVG, sts), *map(_GET_AVG_SQ, sts), *map(_GET_STEP, sts)]
-        self._torch_grads, self._torch_ptrs, self._torch_state = grads, ptrs, tensors
+        kept.record(grads)
+        self._torch_state[:] = tensors  # in place: a new list a step would outlive it
 
     def make_torch_calls(self, state: Mapping[torch.Tensor, Any]) -> None:
         """Make this step's torch fused kernel calls (:func:`~.fusedstep.group_call`, one
@@ -1712,9 +1713,10 @@ class LadderAdamW(torch.optim.Optimizer):
             self._step_staged(plan)
             if plan.routes["torch_foreach"]:
                 live, stepped = self._torch_lists(plan.routes["torch_foreach"]), foreach[id(plan)]
-                for k in (0, 2, 3, 5):  # params, exp_avg, exp_avg_sq, step (not the grads)
-                    for dst, src in zip(live[k], stepped[k]):
-                        dst.copy_(src)
+                with torch.no_grad():  # as torch's step: the update is not recorded
+                    for k in (0, 2, 3, 5):  # params, exp_avg, exp_avg_sq, step (not grads)
+                        for dst, src in zip(live[k], stepped[k]):
+                            dst.copy_(src)
             for p, i in plan.routes["eager"]:
                 eager.eager_step(
                     p, self.state[p], plan.group, i, plan.moment_dtype, self._scratch[p.device]
@@ -1733,7 +1735,7 @@ class LadderAdamW(torch.optim.Optimizer):
         Raises:
             Whatever allocating raised (an OOM); nothing live is written."""
         lists = self._torch_lists(plan.routes["torch_foreach"])
-        copies = tuple([t.clone() for t in ts] for ts in lists)
+        copies = tuple([t.detach().clone() for t in ts] for ts in lists)
         if grad_scale is not None:
             unscale_grads_(copies[1], grad_scale)
         torchroute.step_functional(plan.group, copies, fused=False)
