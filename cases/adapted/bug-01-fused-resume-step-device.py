@@ -90,7 +90,12 @@ for src, flavour in sources:
         label = f"{src}->{dst}"
         engine = opt_b.engine
         if dst == "fp32":
-            if not (engine.param_groups[0].get("fused") is True and engine.defaults.get("fused") is True):
+            # adapted: the fp32 rung is a state format of optladder's one engine (LadderAdamW,
+            # issue 9), which holds bf16-format groups too: torch's flags are the fp32 groups'
+            # keys (as torch.optim.AdamW keeps them per group), not the engine's defaults; the
+            # group must stay fused and the load must leave the engine's default as it was
+            if not (engine.param_groups[0].get("fused") is True
+                    and engine.defaults.get("fused") == fused_before):
                 problems.append(f"{label}: fp32 engine fused flag now {engine.param_groups[0].get('fused')}"
                                 f" (was {fused_before})")
             if engine.param_groups[0].get("foreach"):
