@@ -103,3 +103,12 @@ def assert_steps_as_torch(
                 assert float(a[key]) == float(b[key]), f"param {i}"
             else:
                 assert torch.equal(a[key], b[key]), f"param {i} {key}"
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits: dtype, shape and values (complex
+    tensors compared as their real views, so a NaN part compares by torch.equal's rule)."""
+    a, b = a.detach(), b.detach()
+    if a.is_complex():
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

@@ -23,6 +23,7 @@ from torch.optim.optimizer import (
 
 from memtools import FailNthAllocation
 from optladder.optimizers.adamw import LadderAdamW
+from snapshots import same_bits
 
 Snap = tuple[list[torch.Tensor], dict[Any, Any]]
 
@@ -59,20 +60,13 @@ def _set_grads(*lists: list[torch.Tensor], step: int) -> None:
             p.grad = g.clone()
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.detach(), b.detach()
-    if a.is_complex():
-        a, b = torch.view_as_real(a), torch.view_as_real(b)
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-
-
 def _assert_like_torch(
     opt: LadderAdamW, ref: torch.optim.Optimizer, got: list[Any], want: list[Any]
 ) -> None:
     for a, b in zip(got, want, strict=True):
-        assert _same(a, b)
+        assert same_bits(a, b)
         for name in ("exp_avg", "exp_avg_sq"):
-            assert _same(opt.state[a][name], ref.state[b][name]), name
+            assert same_bits(opt.state[a][name], ref.state[b][name]), name
         assert float(opt.state[a]["step"]) == float(ref.state[b]["step"])
 
 
@@ -83,12 +77,12 @@ def _snap(opt: LadderAdamW, params: list[torch.Tensor]) -> Snap:
 def _assert_unchanged(before: Snap, opt: LadderAdamW, params: list[torch.Tensor]) -> None:
     after = _snap(opt, params)
     for a, b in zip(before[0], after[0], strict=True):
-        assert _same(a, b)
+        assert same_bits(a, b)
     assert before[1]["state"].keys() == after[1]["state"].keys()
     for k, st in before[1]["state"].items():
         assert st.keys() == after[1]["state"][k].keys()
         for name, value in st.items():
-            assert _same(value, after[1]["state"][k][name]), (k, name)
+            assert same_bits(value, after[1]["state"][k][name]), (k, name)
 
 
 def _mixed(seed: int) -> tuple[LadderAdamW, list[torch.nn.Parameter]]:
@@ -129,7 +123,7 @@ def test_amsgrad_is_refused_not_ignored() -> None:
     before = p.detach().clone()
     with pytest.raises(ValueError, match=r"param group 0: amsgrad=True is not supported"):
         opt.step()
-    assert _same(p, before) and len(opt.state) == 0
+    assert same_bits(p, before) and len(opt.state) == 0
     opt.param_groups[0]["amsgrad"] = False  # then it steps as torch's AdamW
     q = torch.nn.Parameter(before.clone())
     ref = torch.optim.AdamW([q], lr=1e-2, fused=True)
@@ -288,9 +282,9 @@ def test_a_flip_to_bf16_of_a_channels_last_param_steps_as_the_oracle() -> None:
         opt.step()
         with torch.no_grad():
             oracle._step_param(q, oracle.param_groups[0], 0)
-    assert _same(p, q)
+    assert same_bits(p, q)
     for name in ("exp_avg", "exp_avg_sq"):
-        assert _same(st[name], oracle.state[q][name].contiguous())
+        assert same_bits(st[name], oracle.state[q][name].contiguous())
     assert float(st["step"]) == float(oracle.state[q]["step"]) == 4.0
 
 
@@ -380,9 +374,9 @@ def test_a_mixed_engine_round_trips_its_state_dict() -> None:
         ref.step()
     _assert_like_torch(opt, ref, fused, want)
     for a, b in zip(params, twin_params, strict=True):
-        assert _same(a, b)
+        assert same_bits(a, b)
         for name in ("exp_avg", "exp_avg_sq", "step"):
-            assert _same(opt.state[a][name], twin.state[b][name])
+            assert same_bits(opt.state[a][name], twin.state[b][name])
 
 
 def test_hooks_run_once_per_step_of_a_mixed_engine() -> None:

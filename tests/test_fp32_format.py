@@ -16,6 +16,7 @@ import torch
 
 from optladder.optimizers import torchroute
 from optladder.optimizers.adamw import LadderAdamW
+from snapshots import same_bits
 
 
 def _params(seed: int, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
@@ -55,27 +56,20 @@ def _grads(params: list[torch.Tensor], step: int, scale: float = 1.0) -> list[to
     return out
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.detach(), b.detach()
-    if a.is_complex():
-        a, b = torch.view_as_real(a), torch.view_as_real(b)
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-
-
 def _assert_like_torch(
     opt: LadderAdamW, ref: torch.optim.Optimizer, got: list[Any], want: list[Any]
 ) -> None:
     for a, b in zip(got, want, strict=True):
-        assert _same_bits(a, b)
+        assert same_bits(a, b)
         sa, sb = opt.state[a], ref.state[b]
         for name in ("exp_avg", "exp_avg_sq"):
-            assert _same_bits(sa[name], sb[name]), name
+            assert same_bits(sa[name], sb[name]), name
         assert float(sa["step"]) == float(sb["step"])
     saved, ref_saved = opt.state_dict(), ref.state_dict()
     assert saved["state"].keys() == ref_saved["state"].keys()
     for k, st in saved["state"].items():
         for name in ("exp_avg", "exp_avg_sq"):
-            assert _same_bits(st[name], ref_saved["state"][k][name])
+            assert same_bits(st[name], ref_saved["state"][k][name])
         assert float(st["step"]) == float(ref_saved["state"][k]["step"])
     for g, rg in zip(saved["param_groups"], ref_saved["param_groups"], strict=True):
         for key in ("lr", "betas", "eps", "weight_decay", "maximize", "params"):
@@ -141,7 +135,7 @@ def test_grad_scale_and_found_inf_as_torch_fused_adamw() -> None:
         opt.step()
         ref.step()
         for a, b in zip(got, want, strict=True):
-            assert _same_bits(a.grad, b.grad)  # unscaled alike
+            assert same_bits(a.grad, b.grad)  # unscaled alike
     _assert_like_torch(opt, ref, got, want)
     assert float(opt.state[got[0]]["step"]) == 3.0
 
@@ -217,10 +211,10 @@ def test_low_precision_params_of_the_fp32_format_keep_float32_moments_on_the_ker
             for i, b in enumerate(oracle_params[:2]):
                 oracle._step_param(b, oracle.param_groups[0], i)
     for a, b in zip(got[:2], oracle_params[:2], strict=True):
-        assert _same_bits(a, b)
+        assert same_bits(a, b)
         for name in ("exp_avg", "exp_avg_sq"):
             assert opt.state[a][name].dtype == torch.float32
-            assert _same_bits(opt.state[a][name], oracle.state[b][name])
+            assert same_bits(opt.state[a][name], oracle.state[b][name])
     assert opt.state[got[2]]["exp_avg"].dtype == torch.float32
     assert len(opt._group_plans[0].routes["torch_fused"]) == 1
 
