@@ -4,18 +4,21 @@ An out-of-memory error in :func:`prepare_step` is rolled back (the state it crea
 dropped), so params, moments and step counts stay exactly as they were. The commit of
 each engine allocates nothing that the dispatcher sees:
 
-- ``torch.optim.AdamW(fused=True)``: state is created in prepare as torch creates it;
-  the fused kernel updates in place. Prepare also makes the kernel's lists, so the
-  commit is torch's kernel calls alone (:mod:`optladder.optimizers.fusedstep`).
-- :class:`LadderAdamW`: state and its scratch buffers are allocated in prepare
-  (:meth:`LadderAdamW.prepare_step`); its kernels and its eager loop write in place.
+- :class:`LadderAdamW` (the fp32 and bf16 rungs, two state formats of one engine):
+  state and its scratch buffers are allocated in prepare
+  (:meth:`LadderAdamW.prepare_step`), and so are the lists of torch's fused kernel calls
+  for the fp32 format's float32/float64 params (:mod:`optladder.optimizers.fusedstep`);
+  its kernels and its eager loop write in place. torch's foreach AdamW (complex params)
+  allocates as it steps, so it steps copies first, before anything is written.
 - bitsandbytes ``AdamW8bit``: state is created in prepare with bitsandbytes' own
   ``init_state``; its CUDA kernel updates in place, and so does optladder's 8-bit CPU
   kernel, whose tables are written in prepare (``prepare_kernel_step``). bitsandbytes'
   CPU fallback (no C compiler) allocates inside the update op, so there a real OOM can
   still leave one param half-written.
-- ``torch.optim.AdamW(foreach=True)`` (complex params): the foreach ops allocate
-  between in-place writes; no two-phase guarantee.
+- ``torch.optim.AdamW(fused=True)`` passed in as an engine (no rung builds one since the
+  fp32 format): state is created in prepare as torch creates it, and the commit is
+  torch's kernel calls alone; with ``foreach=True`` the foreach ops allocate between
+  in-place writes (no two-phase guarantee).
 
 The checks of a step run once per change, not once per step: with a
 :class:`~optladder.optimizers.stepmemo.StepMemo`, group options with the same values and
