@@ -514,6 +514,18 @@ class _GroupPlan:
             return None
         return written
 
+    def plans_alike(
+        self, group: dict[str, Any], params: list[torch.Tensor], moment_dtype: torch.dtype
+    ) -> bool:
+        """Whether a new plan of ``group`` over ``params`` in ``moment_dtype`` is of this
+        plan's group dict, params (the same objects) and state format, so the rows and
+        torch routes of this plan may be kept in it."""
+        return (
+            group is self.group
+            and same_objects(params, self.params)
+            and moment_dtype is self.moment_dtype
+        )
+
     def rows_to_keep(
         self,
         group: dict[str, Any],
@@ -527,9 +539,7 @@ class _GroupPlan:
         dtype) whose state holds moments it can point at."""
         from optladder.optimizers.kernels import cpu
 
-        if group is not self.group or not same_objects(params, self.params):
-            return {}
-        if moment_dtype is not self.moment_dtype:
+        if not self.plans_alike(group, params, moment_dtype):
             return {}
         kept = {}
         for k, kind in zip(self._positions, self._row_kinds):
@@ -551,9 +561,7 @@ class _GroupPlan:
         """The params of torch's kernels in this plan that a new plan of ``group`` keeps
         when they have no grad: place in the group -> route; only for the same group
         dict, params and format, params that have their state."""
-        if group is not self.group or not same_objects(params, self.params):
-            return {}
-        if moment_dtype is not self.moment_dtype:
+        if not self.plans_alike(group, params, moment_dtype):
             return {}
         kept = {}
         for name in ("torch_fused", "torch_foreach"):
