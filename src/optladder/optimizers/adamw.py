@@ -822,6 +822,86 @@ def refuse_ladder_dtypes(
             )
 
 
+BNB_GROUP_KEYS: dict[str, Any] = {"alpha": 0.0, "t_alpha": None, "t_beta3": None}
+"""The group keys bitsandbytes' ``AdamW8bit`` gives its groups beyond Adam's (its
+AdEMAMix options, at the values that make it Adam): an 8bit-format group holds them, so
+its ``state_dict`` is the one ``AdamW8bit`` saves."""
+
+
+def refuse_8bit_params(params: list[torch.Tensor]) -> None:
+    """Refuse params the 8bit format cannot take (:data:`optladder.rungs.RUNG_ACCEPTS`:
+    real float32, bfloat16 or float16) or whose bitsandbytes override it would fail on
+    (:func:`optladder.bnb_overrides.quantized_8bit`).
+
+    Raises:
+        ValueError: naming the param (its place in the new group), its dtype and what is
+            allowed.
+    """
+    from optladder.bnb_overrides import quantized_8bit
+    from optladder.optimizers.eightbit import check_8bit_param
+
+    for i, p in enumerate(params):
+        check_8bit_param(p, f"param {i} of the new group")
+        quantized_8bit(p, f"param {i} of the new group")
+
+
+def _wrap_8bit_hook(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """:meth:`LadderAdamW._wrap_8bit_state` as a state-dict post hook."""
+    cast(LadderAdamW, opt)._wrap_8bit_state(state_dict)
+
+
+def _saved_8bit_ids(
+    saved_groups: list[dict[str, Any]], live_groups: list[dict[str, Any]]
+) -> frozenset[Any]:
+    """The checkpoint's param ids of the groups that are 8bit once loaded: the saved
+    group's ``"rung"``, else the live group's (a checkpoint of bitsandbytes'
+    ``AdamW8bit`` or torch's AdamW saves none)."""
+    ids: set[Any] = set()
+    for saved, live in zip(saved_groups, live_groups):
+        if saved.get(RUNG_KEY, live.get(RUNG_KEY)) == "8bit":
+            ids.update(saved["params"])
+    return frozenset(ids)
+
+
+def _loaded_8bit_state(
+    saved: Mapping[str, Any], p: torch.Tensor, copies: dict[int, torch.Tensor]
+) -> dict[str, Any]:
+    """One 8bit param's loaded state, as bitsandbytes' ``Optimizer8bit.load_state_dict``
+    makes it: unwrapped (:func:`~.migrate.unwrap_bnb_state`), a copy of every tensor
+    (one per checkpoint tensor, so the code books the checkpoint shares stay shared),
+    its quantization tensors on the param's device, other floating tensors but uint8
+    ones cast to the param's dtype."""
+    from optladder.optimizers.migrate import BNB_WRAPPED_KEYS, unwrap_bnb_state
+
+    out: dict[str, Any] = {}
+    for key, value in unwrap_bnb_state(saved).items():
+        if isinstance(value, torch.Tensor):
+            copy = copies.get(id(value))
+            if copy is None:
+                copy = value.detach().clone()
+                copies[id(value)] = copy
+            value = copy
+            if key in BNB_WRAPPED_KEYS:
+                value = value.to(p.device)
+            elif p.is_floating_point() and value.dtype != torch.uint8:
+                value = value.to(p.dtype)
+        out[key] = value
+    return out
+
+
+def _global_indices(eight: Any, starts: list[int]) -> dict[int, str]:
+    """``eight.eager_reasons`` (param index over the 8bit groups) by param index over
+    every group (``starts``: each 8bit group's first param's index over every group)."""
+    out: dict[int, str] = {}
+    index = 0
+    for start, group in zip(starts, eight.param_groups):
+        for pi in range(len(group["params"])):
+            if index in eight.eager_reasons:
+                out[start + pi] = eight.eager_reasons[index]
+            index += 1
+    return out
+
+
 class LadderAdamW(torch.optim.Optimizer):
     """AdamW whose moments ``exp_avg`` and ``exp_avg_sq`` are stored in ``moment_dtype``.
 
@@ -947,7 +1027,10 @@ class LadderAdamW(torch.optim.Optimizer):
         # LadderOptimizer when other engines hold some of its groups; None: counted over
         # this engine's own groups
         self.param_starts: list[int] | None = None
+        self._eightbit: Any = None  # eightbit.EightBitGroups, made with the first 8bit group
+        self._eight_prepared = False  # the last prepare prepared the 8bit groups' step
         super().__init__(params, defaults)
+        self.register_state_dict_post_hook(_wrap_8bit_hook, prepend=True)
 
     _step_supports_amp_scaling = True
 
@@ -967,9 +1050,12 @@ class LadderAdamW(torch.optim.Optimizer):
         check_param_rounding(param_group.get("param_rounding", "stochastic"))
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        refuse_ladder_dtypes(
-            params, self.group_moment_dtype(param_group), torch_kernels=self.backend == "auto"
-        )
+        if param_group.get(RUNG_KEY) == "8bit":
+            refuse_8bit_params(params)
+        else:
+            refuse_ladder_dtypes(
+                params, self.group_moment_dtype(param_group), torch_kernels=self.backend == "auto"
+            )
         param_group["params"] = params
         self.format_keys(param_group)
         super().add_param_group(param_group)
@@ -988,16 +1074,20 @@ class LadderAdamW(torch.optim.Optimizer):
         """
         moment_keys = ("exp_avg", "exp_avg_sq")
         saved_state = state_dict["state"]
+        eight_ids = _saved_8bit_ids(state_dict["param_groups"], self.param_groups)
         stripped = {
             **state_dict,
             "state": {
                 k: {n: v for n, v in s.items() if n not in moment_keys}
                 for k, s in saved_state.items()
+                if k not in eight_ids
             },
         }
         live_groups = [dict(g) for g in self.param_groups]
         super().load_state_dict(stripped)
         self._group_plans.clear()
+        if self._eightbit is not None:
+            self._eightbit.release_tables()
         for group, before in zip(self.param_groups, live_groups):  # keys the checkpoint
             for key, value in before.items():  # lacks (torch's AdamW saves no "rung",
                 group.setdefault(key, value)  # "seed", "rounding"): the live group's
@@ -1005,8 +1095,12 @@ class LadderAdamW(torch.optim.Optimizer):
             group.setdefault("param_rounding", self.defaults.get("param_rounding", "stochastic"))
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         live = [(p, g) for g in self.param_groups for p in g["params"]]
+        copies: dict[int, torch.Tensor] = {}  # a tensor the checkpoint shares, copied once
         for saved_id, (p, group) in zip(saved_ids, live):
             if saved_id not in saved_state:
+                continue
+            if saved_id in eight_ids:
+                self.state[p] = _loaded_8bit_state(saved_state[saved_id], p, copies)
                 continue
             st = self.state[p]
             moment_dtype = torchroute.state_moment_dtype(p, self.group_moment_dtype(group))
@@ -1017,11 +1111,36 @@ class LadderAdamW(torch.optim.Optimizer):
             if isinstance(st.get("step"), torch.Tensor):  # its own: not the checkpoint's,
                 st["step"] = st["step"].detach().to("cpu", STEP_DTYPE, copy=True)  # nor shared
 
+    def _wrap_8bit_state(self, state_dict: dict[str, Any]) -> None:
+        """State-dict post hook: the 8bit groups' state as bitsandbytes' ``AdamW8bit``
+        saves it (its ``state_dict`` moves the quantization tensors under
+        ``"__bnb_optimizer_quant_state__"``, :func:`~.migrate.wrap_bnb_state`)."""
+        from optladder.optimizers.migrate import wrap_bnb_state
+
+        index = 0
+        saved = state_dict["state"]
+        for group in self.param_groups:
+            n = len(group["params"])
+            if group.get(RUNG_KEY) == "8bit":
+                for k in range(index, index + n):
+                    if k in saved:
+                        saved[k] = wrap_bnb_state(saved[k])
+            index += n
+
     def format_keys(self, group: dict[str, Any]) -> None:
         """Give ``group`` the keys of its state format: an fp32-format group stepped on
         torch's kernels (``backend="auto"``) holds torch's AdamW group keys
         (:func:`~.torchroute.torch_group_keys`, those it lacks), a bf16-format group none
-        of them."""
+        of them, an 8bit-format group none of them and bitsandbytes' ``AdamW8bit`` group
+        keys (:data:`BNB_GROUP_KEYS`, those it lacks)."""
+        if group.get(RUNG_KEY) == "8bit":
+            for key in torchroute.TORCH_GROUP_KEYS:
+                group.pop(key, None)
+            for key, value in BNB_GROUP_KEYS.items():
+                group.setdefault(key, value)
+            return
+        for key in BNB_GROUP_KEYS:
+            group.pop(key, None)
         if self.backend == "auto" and self.group_moment_dtype(group) == torch.float32:
             for key, value in torchroute.torch_group_keys(self.torch_fused).items():
                 group.setdefault(key, value)
@@ -1030,10 +1149,12 @@ class LadderAdamW(torch.optim.Optimizer):
                 group.pop(key, None)
 
     def set_format(self, group: dict[str, Any], rung: str) -> None:
-        """Put ``group`` in the state format of ``rung`` (``"fp32"`` or ``"bf16"``): its
-        ``"rung"`` key and :meth:`format_keys`. Its state is converted by the caller."""
+        """Put ``group`` in the state format of ``rung`` (``"fp32"``, ``"bf16"`` or
+        ``"8bit"``): its ``"rung"`` key and :meth:`format_keys`. Its state is converted by
+        the caller."""
         group[RUNG_KEY] = rung
         self.format_keys(group)
+        self.release_tables()
 
     def check_kernel_flags(self, group: Mapping[str, Any]) -> None:
         """Refuse an fp32-format group whose torch kernel flags (``fused``, ``foreach``,
@@ -1131,6 +1252,7 @@ class LadderAdamW(torch.optim.Optimizer):
 
         env: dict[str, str | None] = {}
         plans: list[_GroupPlan] = []
+        eight_starts: list[int] = []  # each 8bit group's first param's index
         writes: list[tuple[list[torch.Tensor | None], tuple[bool, list[int] | None]]] = []
         created: list[torch.Tensor] = []
         replanned = False  # whether a plan or the C kernel's table was made again
@@ -1151,10 +1273,16 @@ class LadderAdamW(torch.optim.Optimizer):
                     try:
                         self.check_group_options(group)
                         self.check_kernel_flags(group)
+                        self.check_8bit_options(group)
                     except ValueError as exc:
                         raise ValueError(f"param group {gi}: {exc}") from None
                     self._options_memo.record_options(gi, group)
                 params = group["params"]
+                if group.get(RUNG_KEY) == "8bit":  # stepped by self._eightbit, below
+                    self._group_plans.pop(gi, None)
+                    eight_starts.append(start)
+                    start += len(params)
+                    continue
                 grads = list(map(grad_of, params)) if checked is None else checked[gi]
                 plan = self._group_plans.get(gi)
                 written = None
@@ -1168,7 +1296,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 plans.append(plan)
                 writes.append((grads, written))
                 start += len(params)
-            for gi in [gi for gi in self._group_plans if gi >= len(plans)]:
+            for gi in [gi for gi in self._group_plans if gi >= len(self.param_groups)]:
                 del self._group_plans[gi]
             if self._place_cpu_params(plans):  # a new table: every grad pointer written
                 writes = [(grads, (False, written[1])) for grads, written in writes]
@@ -1196,20 +1324,63 @@ class LadderAdamW(torch.optim.Optimizer):
                 if have is None or have.length < length:
                     self._scratch.pop(device, None)
                     self._scratch[device] = eager.EagerScratch.allocate(length, device)
+            eight = None
+            if eight_starts:  # the 8bit groups: their state, copies and kernel tables
+                eight = self._eight()
+                created += eight.prepare()
         except BaseException:
             self._drop_created(created)
             raise
         self._state_seen = list(self.state.values())
         self._plan = plans
+        self._eight_prepared = eight is not None
         self._created = created
         self.eager_reasons = {i: r for plan in plans for i, r in plan.reasons.items()}
+        if eight is not None and eight.eager_reasons:
+            self.eager_reasons.update(_global_indices(eight, eight_starts))
         return created
+
+    def _eight(self) -> Any:
+        """The :class:`~optladder.optimizers.eightbit.EightBitGroups` of this optimizer's
+        8bit groups (made when first needed: bitsandbytes is imported then)."""
+        if self._eightbit is None:
+            from optladder.optimizers.eightbit import EightBitGroups
+
+            self._eightbit = EightBitGroups(self)
+        return self._eightbit
+
+    def check_8bit_options(self, group: Mapping[str, Any]) -> None:
+        """Refuse an 8bit-format group's options bitsandbytes' update does not take:
+        ``maximize``, and a ``decoupled_weight_decay`` other than the optimizer's (the
+        8bit groups decay one way, the ``defaults``').
+
+        Raises:
+            ValueError: naming the option, its value and what is allowed.
+        """
+        if group.get(RUNG_KEY) != "8bit":
+            return
+        if group.get("maximize", False):
+            raise ValueError(
+                "maximize=True is not supported on the 8bit rung (bitsandbytes' update "
+                "descends): set maximize=False, or give the group rung='fp32'"
+            )
+        want = bool(self.defaults.get("decoupled_weight_decay", True))
+        if bool(group.get("decoupled_weight_decay", want)) != want:
+            raise ValueError(
+                f"decoupled_weight_decay={group['decoupled_weight_decay']!r} on an 8bit "
+                f"group, but the optimizer's is {want!r}: its 8bit groups decay one way"
+            )
 
     def _drop_created(self, created: list[torch.Tensor]) -> None:
         """Drop the state a step's prepare created (nothing was written to it) and the
         plans, which may point at it."""
         for p in created:
             self.state.pop(p, None)
+        if self._eightbit is not None:
+            self._eightbit.drop_kernel_step()
+            self._eightbit.release_scratch()
+            self._eightbit.release_tables()
+        self._eight_prepared = False
         self._group_plans.clear()
         self._cpu_table, self._table_plans = None, []
         self._table_held, self._table_ptrs = [], []
@@ -1470,6 +1641,11 @@ class LadderAdamW(torch.optim.Optimizer):
         self._table_held, self._table_ptrs = [], []
         self._group_plans.clear()
         self._lr_tensors.clear()
+        self._eight_prepared = False
+        if self._eightbit is not None:
+            self._eightbit.drop_kernel_step()
+            self._eightbit.release_scratch()
+            self._eightbit.release_tables()
 
     def release_tables(self) -> None:
         """Drop the kept plans and kernel tables (they hold the state's tensors): before
@@ -1479,6 +1655,8 @@ class LadderAdamW(torch.optim.Optimizer):
         self._cpu_table, self._table_plans = None, []
         self._table_held, self._table_ptrs = [], []
         self._state_seen = []
+        if self._eightbit is not None:
+            self._eightbit.release_tables()
 
     def _write_cpu_steps(self) -> None:
         """Read the step counts of every C kernel param (one call), refuse those out of
@@ -1680,9 +1858,23 @@ class LadderAdamW(torch.optim.Optimizer):
             if skip_host:
                 continue
             host_plans.append(plan)
+        eight = self._eightbit if self._eight_prepared else None
+        self._eight_prepared = False
+        if eight is not None and found_inf is not None:
+            if skip_host is None:
+                skip_host = bool(found_inf.item() != 0)  # bitsandbytes' ops take no flag
+            if skip_host:
+                eight.drop_kernel_step()
+                eight.release_scratch()
+                eight = None
+        eight_grads: list[torch.Tensor] = []
+        if eight is not None and grad_scale is not None:
+            eight_grads = [
+                p.grad for g in eight.param_groups for p in g["params"] if p.grad is not None
+            ]
         unscale: list[torch.Tensor] = []
-        if grad_scale is not None and host_plans:  # each grad once, also one held twice,
-            host_grads = [  # found before the first write (a skipped row's is None)
+        if grad_scale is not None and (host_plans or eight_grads):  # each grad once, also
+            host_grads = eight_grads + [  # one held twice, found before the first write
                 p.grad
                 for plan in host_plans
                 for p, _ in chain(
@@ -1717,6 +1909,8 @@ class LadderAdamW(torch.optim.Optimizer):
         table = next((plan.table for plan in host_plans if plan.table is not None), None)
         if table is not None:
             self._step_cpu(table)
+        if eight is not None:
+            eight.commit_step()  # the 8bit groups: their kernel table, bitsandbytes' ops
         for plan in host_plans:
             self._step_staged(plan)
             if plan.routes["torch_foreach"]:

@@ -16,7 +16,7 @@ from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.eightbit import build_8bit
 from optladder.optimizers.fp32 import build_fp32
 from optladder.optimizers.rounding import Rounding
-from optladder.rungs import LADDER_DTYPES, RUNG_ACCEPTS, Capabilities, Rung
+from optladder.rungs import LADDER_DTYPES, RUNG_ACCEPTS, RUNG_KEY, Capabilities, Rung
 from optladder.sharding import is_dtensor
 
 ENGINE_KEYS = (
@@ -205,6 +205,9 @@ def build_engine(
     if columns is None:  # plain columns: no DTensor among the params
         _refuse_dtensors(rung, param_groups, fp32_engine)
     clear_engine_keys(param_groups)
+    if rung in ("fp32", "bf16"):
+        for group in param_groups:  # their state format in LadderAdamW (a group moving
+            group[RUNG_KEY] = rung  # here from 8bit still says "8bit")
     rounding_options = {"seed": seed, "rounding": rounding, "param_rounding": param_rounding}
     if fp32_engine == "foreach" and any(
         p.is_complex() for group in param_groups for p in group["params"]

@@ -43,7 +43,7 @@ from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.migrate import check_step_range
 from optladder.optimizers.stepmemo import grad_of, kind_columns, same_objects
 from optladder.optimizers.steps import MAX_STEP
-from optladder.rungs import BNB_MIN_8BIT_SIZE, param_refusal
+from optladder.rungs import BNB_MIN_8BIT_SIZE, RUNG_KEY, param_refusal
 from optladder.sharding import is_dtensor, local_tensor
 
 _NOISY_LOGGER = "bitsandbytes.backends.cpu.ops"
@@ -147,9 +147,8 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
         ImportError: if bitsandbytes does not import.
     """
     bnb = import_bitsandbytes()
-    sync_gpu = importlib.import_module("bitsandbytes.utils").sync_gpu
 
-    class LadderAdamW8bit(bnb.optim.AdamW8bit):  # type: ignore[name-defined]
+    class LadderAdamW8bit(EightBitMethods, bnb.optim.AdamW8bit):  # type: ignore[name-defined]
         """``AdamW8bit`` stepping DTensor params on their local shards, and decaying
         the Adam way when ``coupled_weight_decay``; see
         :func:`optladder.optimizers.eightbit.ladder_adamw8bit_class`."""
@@ -163,99 +162,20 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
         ) -> None:
             self.coupled_weight_decay = coupled_weight_decay
             self.cpu_kernel = cpu_kernel
-            self.eager_reasons: dict[int, str] = {}
-            self._kernel_error: str | None = None
-            self._prepared: _PreparedStep | None = None
-            self._kernel_plan: _KernelPlan | None = None  # the table kept between steps
-            self._bounds: dict[int, tuple[torch.Tensor, int, Any]] = {}
-            self._books: list[tuple[torch.Tensor, Any]] = []
+            self.eager_reasons = {}
+            self._kernel_error = None
+            self._prepared = None
+            self._kernel_plan = None  # the table kept between steps
+            self._bounds = {}
+            self._books = []
             # non-contiguous param -> (contiguous copy, contiguous grad or None), made in
             # prepare_contiguous and dropped after the step or by release_scratch
-            self._contiguous: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]] = {}
+            self._contiguous = {}
             self._books_on_first_use = True  # fill_qmap below: none made in construction
             try:
                 super().__init__(*args, **kwargs)
             finally:
                 self._books_on_first_use = False
-
-        def fill_qmap(self) -> None:
-            # bitsandbytes' two code books, made from their values computed once per
-            # process (its own fill_qmap computes them anew, ~0.3 ms a construction) the
-            # way it makes them (torch.tensor of the values); each engine owns its pair.
-            # Made when first needed, not in construction (Optimizer8bit.__init__ calls
-            # this): every reader fills them when "dynamic" is missing (bitsandbytes'
-            # init_state, migrate.bnb_qmaps), as a state is first made. Two tensor
-            # factories cost ~0.1-0.25 ms of a construction after a garbage collection
-            # (measured: torch's whole AdamW construction over 2,000 params is ~1.5 ms).
-            # Both are made before either is kept: the first state may be made in a
-            # step's prepare phase, where an allocation can fail (out of memory) between
-            # the two, and readers take "dynamic" present to mean both are.
-            if self._books_on_first_use:
-                return
-            signed, unsigned = _code_book_values()
-            books = (
-                torch.tensor(signed, dtype=torch.float32),
-                torch.tensor(unsigned, dtype=torch.float32),
-            )
-            self.name2qmap["dynamic"], self.name2qmap["udynamic"] = books
-
-        def get_state_buffer(self, p: torch.Tensor, dtype: torch.dtype = torch.float32) -> Any:
-            # bitsandbytes' zeros_like keeps a non-contiguous param's strides, while its
-            # kernels index state by memory order: keep the state in the param's logical
-            # (row-major) order, as the contiguous copy is stepped.
-            if not p.is_contiguous() and not self.is_paged:
-                return torch.zeros(p.shape, dtype=dtype, device=p.device)
-            return super().get_state_buffer(p, dtype=dtype)
-
-        def prepare_contiguous(self) -> None:
-            """Allocate a contiguous copy of every non-contiguous plain param that has a
-            grad (and of its grad when that is not contiguous), for the next step; the
-            commit then allocates nothing for them. On failure (an OOM) nothing is kept.
-            """
-            try:
-                for group in self.param_groups:
-                    if all(map(torch.Tensor.is_contiguous, group["params"])):
-                        continue  # the common case, checked in C
-                    for p in group["params"]:
-                        if p.grad is None or is_dtensor(p) or p in self._contiguous:
-                            continue
-                        if p.is_contiguous():
-                            continue
-                        work = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-                        grad = None
-                        if not p.grad.is_contiguous():
-                            grad = torch.empty(p.shape, dtype=p.grad.dtype, device=p.device)
-                        self._contiguous[p] = (work, grad)
-            except BaseException:
-                self.release_scratch()
-                raise
-
-        def release_scratch(self) -> None:
-            """Drop the contiguous copies :meth:`prepare_contiguous` made."""
-            self._contiguous.clear()
-
-        def prepare_kernel_step(self) -> None:
-            """Prepare the CPU kernel's tables for the next :meth:`step` (the prepare
-            phase of a two-phase step; the state of stepping params must exist, as
-            bitsandbytes' ``init_state`` makes it). The next ``step`` uses them if the
-            params' grads and state are still the same tensors, else prepares again.
-
-            Raises:
-                ValueError: from :func:`optladder.optimizers.kernels.cpu8bit.prepare_table`
-                    (state of the wrong layout); nothing changes.
-            """
-            self._prepared = None
-            self._prepared = _prepare_step(self)
-
-        def release_tables(self) -> None:
-            """Drop the kept kernel table (it holds the state's tensors): before the
-            state moves to another format or is replaced; the next step makes it again."""
-            self._kernel_plan = None
-            self._prepared = None
-
-        def drop_kernel_step(self) -> None:
-            """Forget the tables :meth:`prepare_kernel_step` made (a rolled-back step)."""
-            self._prepared = None
 
         @torch.no_grad()
         def step(self, closure: Any = None) -> Any:
@@ -264,171 +184,385 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
             finally:
                 self.release_scratch()
 
-        @torch.no_grad()
-        def commit_step(self) -> None:
-            """The commit of a two-phase step (:mod:`optladder.optimizers.transaction`):
-            the step :meth:`prepare_kernel_step` prepared, run without checking again that
-            its grads and state are the ones prepared (nothing ran in between but the
-            grads' unscaling, in place). Runs no step hooks, as the optladder optimizer's
-            own ``step`` ran them."""
-            try:
-                self._step(None, just_prepared=True)
-            finally:
-                self.release_scratch()
-
-        def _step(self, closure: Any, just_prepared: bool = False) -> Any:
-            """One step, as bitsandbytes' ``Optimizer8bit.step``, with every CPU param the
-            8-bit CPU kernel can take stepped by one kernel call (see
-            :func:`ladder_adamw8bit_class`); the rest through bitsandbytes' ``update_step``.
-            """
-            loss = None
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-            if not getattr(self, "initialized", False):  # as bitsandbytes' step begins
-                self.check_overrides()
-                self.to_gpu()
-                self.initialized = True
-            prepared, self._prepared = self._prepared, None
-            if prepared is None or not (just_prepared or prepared.still_valid(self)):
-                self.prepare_contiguous()
-                for gindex, group in enumerate(self.param_groups):
-                    for pindex, p in enumerate(group["params"]):
-                        if p.grad is not None and len(self.state[p]) == 0:
-                            self.init_state(group, p, gindex, pindex)
-                prepared = _prepare_step(self)
-            for group, p, gindex, pindex in prepared.others:
-                self.prefetch_state(p)
-                self.update_step(group, p, gindex, pindex)
-                sync_gpu(p)
-            from optladder.optimizers.kernels import cpu8bit
-
-            for p, job, st in prepared.late:  # DTensor grads laid out unlike their param
-                grad = cast(torch.Tensor, p.grad)
-                grad = grad.redistribute(p.device_mesh, tuple(p.placements))  # type: ignore[attr-defined]
-                local = local_tensor(grad).detach().contiguous()
-                late = cpu8bit.prepare_table([dataclasses.replace(job, grad=local)])
-                cpu8bit.run_table(late, prepared.library)
-                st["step"] += 1
-            if prepared.table is not None:
-                for p, work, work_grad in prepared.staged:
-                    work.copy_(p)
-                    if work_grad is not None:
-                        work_grad.copy_(cast(torch.Tensor, p.grad))
-                cpu8bit.run_table(prepared.table, prepared.library)
-                for p, work, _ in prepared.staged:
-                    p.copy_(work)
-                for st in prepared.states:
-                    st["step"] += 1
-            return loss
-
-        def get_config(self, gindex: int, pindex: int, group: dict[str, Any]) -> dict[str, Any]:
-            config: dict[str, Any] = super().get_config(gindex, pindex, group)
-            if self.coupled_weight_decay:
-                config["weight_decay"] = 0.0  # folded into the grad in update_step
-            p = self.param_groups[gindex]["params"][pindex]
-            # bitsandbytes compares the tensor it is handed (for a DTensor, the local
-            # shard) with min_8bit_size: state the shared rule's answer outright.
-            quantize = quantized_8bit(
-                p,
-                f"param {pindex} of group {gindex}",
-                optim_bits=self.args.optim_bits,
-                min_8bit_size=self.args.min_8bit_size,
-            )
-            config["optim_bits"] = 8 if quantize else 32
-            config["min_8bit_size"] = 0
-            return config
-
-        @contextlib.contextmanager
-        def _on_shard(self, p: torch.Tensor, with_grad: bool) -> Iterator[torch.Tensor]:
-            """Lend bitsandbytes the local shard of ``p``, sharing ``p``'s state dict
-            for the duration; ``with_grad``: with the grad's local shard as ``.grad``.
-
-            A grad laid out unlike its param (e.g. ``Partial``, not yet reduced) is
-            redistributed to the param's placements first: a collective, so it is done
-            only in the update, which every rank runs after agreeing to commit, never in
-            ``init_state`` (the prepare phase, where a rank may stop early on OOM).
-            """
-            shard = local_tensor(p)
-            if not shard.is_contiguous():
-                raise ValueError(
-                    "the 8bit rung steps a DTensor param on its local shard, which must be "
-                    f"contiguous; this rank's shard has shape {tuple(shard.shape)} and "
-                    f"stride {shard.stride()}"
-                )
-            grad = p.grad if with_grad else None
-            if grad is not None and is_dtensor(grad):
-                placements = tuple(p.placements)  # type: ignore[attr-defined]
-                if tuple(grad.placements) != placements:  # type: ignore[attr-defined]
-                    grad = grad.redistribute(p.device_mesh, placements)  # type: ignore[attr-defined]
-                grad = local_tensor(grad)
-            shard.grad = grad
-            self.state[shard] = self.state[p]
-            try:
-                yield shard
-            finally:
-                del self.state[shard]
-                shard.grad = None
-
-        @torch.no_grad()
-        def init_state(
-            self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int
-        ) -> None:
-            if not is_dtensor(p):
-                super().init_state(group, p, gindex, pindex)
-                return
-            with self._on_shard(p, with_grad=False) as shard:
-                super().init_state(group, shard, gindex, pindex)
-
-        @torch.no_grad()
-        def update_step(
-            self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int
-        ) -> None:
-            wd = group["weight_decay"] if self.coupled_weight_decay else 0.0
-            if not is_dtensor(p) and not p.is_contiguous():
-                self._update_noncontiguous(group, p, gindex, pindex, wd)
-                return
-            if not is_dtensor(p):
-                if wd:
-                    cast(torch.Tensor, p.grad).add_(p, alpha=wd)
-                super().update_step(group, p, gindex, pindex)
-                return
-            with self._on_shard(p, with_grad=True) as shard:
-                if wd:
-                    cast(torch.Tensor, shard.grad).add_(shard, alpha=wd)
-                super().update_step(group, shard, gindex, pindex)
-
-        def _update_noncontiguous(
-            self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int, wd: float
-        ) -> None:
-            """Step a non-contiguous param through a contiguous copy, written back in
-            place: bitsandbytes would otherwise run ``p.data = p.data.contiguous()`` and
-            move the param to new storage, untying every tensor that views it."""
-            grad = cast(torch.Tensor, p.grad)
-            prepared = self._contiguous.pop(p) if p in self._contiguous else None
-            work, work_grad = prepared or (  # stepped without prepare_contiguous: made here
-                torch.empty(p.shape, dtype=p.dtype, device=p.device),
-                None
-                if grad.is_contiguous()
-                else torch.empty_like(grad, memory_format=torch.contiguous_format),
-            )
-            work.copy_(p)
-            if work_grad is not None:
-                work_grad.copy_(grad)
-            else:
-                work_grad = grad
-            if wd:
-                work_grad.add_(work, alpha=wd)
-            work.grad = work_grad
-            self.state[work] = self.state[p]
-            try:
-                super().update_step(group, work, gindex, pindex)
-            finally:
-                del self.state[work]
-                work.grad = None
-            p.copy_(work)
-
     return LadderAdamW8bit
+
+
+@functools.cache
+def _bnb_optimizer() -> ModuleType:
+    """bitsandbytes' ``optim.optimizer`` module (``Optimizer8bit``, ``Optimizer2State``)."""
+    import_bitsandbytes()
+    return importlib.import_module("bitsandbytes.optim.optimizer")
+
+
+@functools.cache
+def _sync_gpu() -> Any:
+    """bitsandbytes' ``utils.sync_gpu``."""
+    import_bitsandbytes()
+    return importlib.import_module("bitsandbytes.utils").sync_gpu
+
+
+class EightBitMethods:
+    """The 8-bit state format's methods (see :func:`ladder_adamw8bit_class`), shared by
+    bitsandbytes' ``AdamW8bit`` subclass and :class:`EightBitGroups` (the 8bit groups of a
+    :class:`~optladder.optimizers.adamw.LadderAdamW`). bitsandbytes' own methods
+    (``Optimizer8bit.get_config``, ``Optimizer2State.init_state``/``update_step``, ...)
+    are called with the object itself, which holds the attributes they read
+    (``param_groups``, ``state``, ``args``, ``mng``, ``name2qmap``, ``is_paged``,
+    ``optimizer_name``)."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any
+    name2qmap: dict[str, torch.Tensor]
+    is_paged: bool
+    args: Any
+    mng: Any
+    initialized: bool
+    coupled_weight_decay: bool
+    cpu_kernel: bool
+    eager_reasons: dict[int, str]
+    _kernel_error: str | None
+    _prepared: _PreparedStep | None
+    _kernel_plan: _KernelPlan | None
+    _bounds: dict[int, tuple[torch.Tensor, int, Any]]
+    _books: list[tuple[torch.Tensor, Any]]
+    _contiguous: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]
+    _books_on_first_use: bool
+
+    def fill_qmap(self) -> None:
+        # bitsandbytes' two code books, made from their values computed once per
+        # process (its own fill_qmap computes them anew, ~0.3 ms a construction) the
+        # way it makes them (torch.tensor of the values); each engine owns its pair.
+        # Made when first needed, not in construction (Optimizer8bit.__init__ calls
+        # this): every reader fills them when "dynamic" is missing (bitsandbytes'
+        # init_state, migrate.bnb_qmaps), as a state is first made. Two tensor
+        # factories cost ~0.1-0.25 ms of a construction after a garbage collection
+        # (measured: torch's whole AdamW construction over 2,000 params is ~1.5 ms).
+        # Both are made before either is kept: the first state may be made in a
+        # step's prepare phase, where an allocation can fail (out of memory) between
+        # the two, and readers take "dynamic" present to mean both are.
+        if self._books_on_first_use:
+            return
+        signed, unsigned = _code_book_values()
+        books = (
+            torch.tensor(signed, dtype=torch.float32),
+            torch.tensor(unsigned, dtype=torch.float32),
+        )
+        self.name2qmap["dynamic"], self.name2qmap["udynamic"] = books
+
+    def get_state_buffer(self, p: torch.Tensor, dtype: torch.dtype = torch.float32) -> Any:
+        # bitsandbytes' zeros_like keeps a non-contiguous param's strides, while its
+        # kernels index state by memory order: keep the state in the param's logical
+        # (row-major) order, as the contiguous copy is stepped.
+        if not p.is_contiguous() and not self.is_paged:
+            return torch.zeros(p.shape, dtype=dtype, device=p.device)
+        return _bnb_optimizer().Optimizer8bit.get_state_buffer(self, p, dtype=dtype)
+
+    def prepare_contiguous(self) -> None:
+        """Allocate a contiguous copy of every non-contiguous plain param that has a
+        grad (and of its grad when that is not contiguous), for the next step; the
+        commit then allocates nothing for them. On failure (an OOM) nothing is kept.
+        """
+        try:
+            for group in self.param_groups:
+                if all(map(torch.Tensor.is_contiguous, group["params"])):
+                    continue  # the common case, checked in C
+                for p in group["params"]:
+                    if p.grad is None or is_dtensor(p) or p in self._contiguous:
+                        continue
+                    if p.is_contiguous():
+                        continue
+                    work = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                    grad = None
+                    if not p.grad.is_contiguous():
+                        grad = torch.empty(p.shape, dtype=p.grad.dtype, device=p.device)
+                    self._contiguous[p] = (work, grad)
+        except BaseException:
+            self.release_scratch()
+            raise
+
+    def release_scratch(self) -> None:
+        """Drop the contiguous copies :meth:`prepare_contiguous` made."""
+        self._contiguous.clear()
+
+    def prepare_kernel_step(self) -> None:
+        """Prepare the CPU kernel's tables for the next :meth:`step` (the prepare
+        phase of a two-phase step; the state of stepping params must exist, as
+        bitsandbytes' ``init_state`` makes it). The next ``step`` uses them if the
+        params' grads and state are still the same tensors, else prepares again.
+
+        Raises:
+            ValueError: from :func:`optladder.optimizers.kernels.cpu8bit.prepare_table`
+                (state of the wrong layout); nothing changes.
+        """
+        self._prepared = None
+        self._prepared = _prepare_step(self)
+
+    def release_tables(self) -> None:
+        """Drop the kept kernel table (it holds the state's tensors): before the
+        state moves to another format or is replaced; the next step makes it again."""
+        self._kernel_plan = None
+        self._prepared = None
+
+    def drop_kernel_step(self) -> None:
+        """Forget the tables :meth:`prepare_kernel_step` made (a rolled-back step)."""
+        self._prepared = None
+
+    @torch.no_grad()
+    def commit_step(self) -> None:
+        """The commit of a two-phase step (:mod:`optladder.optimizers.transaction`):
+        the step :meth:`prepare_kernel_step` prepared, run without checking again that
+        its grads and state are the ones prepared (nothing ran in between but the
+        grads' unscaling, in place). Runs no step hooks, as the optladder optimizer's
+        own ``step`` ran them."""
+        try:
+            self._step(None, just_prepared=True)
+        finally:
+            self.release_scratch()
+
+    def _step(self, closure: Any, just_prepared: bool = False) -> Any:
+        """One step, as bitsandbytes' ``Optimizer8bit.step``, with every CPU param the
+        8-bit CPU kernel can take stepped by one kernel call (see
+        :func:`ladder_adamw8bit_class`); the rest through bitsandbytes' ``update_step``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not getattr(self, "initialized", False):  # as bitsandbytes' step begins
+            _bnb_optimizer().Optimizer8bit.check_overrides(self)
+            _bnb_optimizer().Optimizer8bit.to_gpu(self)
+            self.initialized = True
+        prepared, self._prepared = self._prepared, None
+        if prepared is None or not (just_prepared or prepared.still_valid(self)):
+            self.prepare_contiguous()
+            for gindex, group in enumerate(self.param_groups):
+                for pindex, p in enumerate(group["params"]):
+                    if p.grad is not None and len(self.state[p]) == 0:
+                        self.init_state(group, p, gindex, pindex)
+            prepared = _prepare_step(self)
+        for group, p, gindex, pindex in prepared.others:
+            _bnb_optimizer().Optimizer8bit.prefetch_state(self, p)
+            self.update_step(group, p, gindex, pindex)
+            _sync_gpu()(p)
+        from optladder.optimizers.kernels import cpu8bit
+
+        for p, job, st in prepared.late:  # DTensor grads laid out unlike their param
+            grad = cast(torch.Tensor, p.grad)
+            grad = grad.redistribute(p.device_mesh, tuple(p.placements))  # type: ignore[attr-defined]
+            local = local_tensor(grad).detach().contiguous()
+            late = cpu8bit.prepare_table([dataclasses.replace(job, grad=local)])
+            cpu8bit.run_table(late, prepared.library)
+            st["step"] += 1
+        if prepared.table is not None:
+            for p, work, work_grad in prepared.staged:
+                work.copy_(p)
+                if work_grad is not None:
+                    work_grad.copy_(cast(torch.Tensor, p.grad))
+            cpu8bit.run_table(prepared.table, prepared.library)
+            for p, work, _ in prepared.staged:
+                p.copy_(work)
+            for st in prepared.states:
+                st["step"] += 1
+        return loss
+
+    def get_config(self, gindex: int, pindex: int, group: dict[str, Any]) -> dict[str, Any]:
+        config: dict[str, Any] = _bnb_optimizer().Optimizer8bit.get_config(
+            self, gindex, pindex, group
+        )
+        if self.coupled_weight_decay:
+            config["weight_decay"] = 0.0  # folded into the grad in update_step
+        p = self.param_groups[gindex]["params"][pindex]
+        # bitsandbytes compares the tensor it is handed (for a DTensor, the local
+        # shard) with min_8bit_size: state the shared rule's answer outright.
+        quantize = quantized_8bit(
+            p,
+            f"param {pindex} of group {gindex}",
+            optim_bits=self.args.optim_bits,
+            min_8bit_size=self.args.min_8bit_size,
+        )
+        config["optim_bits"] = 8 if quantize else 32
+        config["min_8bit_size"] = 0
+        return config
+
+    @contextlib.contextmanager
+    def _on_shard(self, p: torch.Tensor, with_grad: bool) -> Iterator[torch.Tensor]:
+        """Lend bitsandbytes the local shard of ``p``, sharing ``p``'s state dict
+        for the duration; ``with_grad``: with the grad's local shard as ``.grad``.
+
+        A grad laid out unlike its param (e.g. ``Partial``, not yet reduced) is
+        redistributed to the param's placements first: a collective, so it is done
+        only in the update, which every rank runs after agreeing to commit, never in
+        ``init_state`` (the prepare phase, where a rank may stop early on OOM).
+        """
+        shard = local_tensor(p)
+        if not shard.is_contiguous():
+            raise ValueError(
+                "the 8bit rung steps a DTensor param on its local shard, which must be "
+                f"contiguous; this rank's shard has shape {tuple(shard.shape)} and "
+                f"stride {shard.stride()}"
+            )
+        grad = p.grad if with_grad else None
+        if grad is not None and is_dtensor(grad):
+            placements = tuple(p.placements)  # type: ignore[attr-defined]
+            if tuple(grad.placements) != placements:  # type: ignore[attr-defined]
+                grad = grad.redistribute(p.device_mesh, placements)  # type: ignore[attr-defined]
+            grad = local_tensor(grad)
+        shard.grad = grad
+        self.state[shard] = self.state[p]
+        try:
+            yield shard
+        finally:
+            del self.state[shard]
+            shard.grad = None
+
+    @torch.no_grad()
+    def init_state(self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int) -> None:
+        if not is_dtensor(p):
+            _bnb_optimizer().Optimizer2State.init_state(self, group, p, gindex, pindex)
+            return
+        with self._on_shard(p, with_grad=False) as shard:
+            _bnb_optimizer().Optimizer2State.init_state(self, group, shard, gindex, pindex)
+
+    @torch.no_grad()
+    def update_step(self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int) -> None:
+        wd = group["weight_decay"] if self.coupled_weight_decay else 0.0
+        if not is_dtensor(p) and not p.is_contiguous():
+            self._update_noncontiguous(group, p, gindex, pindex, wd)
+            return
+        if not is_dtensor(p):
+            if wd:
+                cast(torch.Tensor, p.grad).add_(p, alpha=wd)
+            _bnb_optimizer().Optimizer2State.update_step(self, group, p, gindex, pindex)
+            return
+        with self._on_shard(p, with_grad=True) as shard:
+            if wd:
+                cast(torch.Tensor, shard.grad).add_(shard, alpha=wd)
+            _bnb_optimizer().Optimizer2State.update_step(self, group, shard, gindex, pindex)
+
+    def _update_noncontiguous(
+        self, group: dict[str, Any], p: torch.Tensor, gindex: int, pindex: int, wd: float
+    ) -> None:
+        """Step a non-contiguous param through a contiguous copy, written back in
+        place: bitsandbytes would otherwise run ``p.data = p.data.contiguous()`` and
+        move the param to new storage, untying every tensor that views it."""
+        grad = cast(torch.Tensor, p.grad)
+        prepared = self._contiguous.pop(p) if p in self._contiguous else None
+        work, work_grad = prepared or (  # stepped without prepare_contiguous: made here
+            torch.empty(p.shape, dtype=p.dtype, device=p.device),
+            None
+            if grad.is_contiguous()
+            else torch.empty_like(grad, memory_format=torch.contiguous_format),
+        )
+        work.copy_(p)
+        if work_grad is not None:
+            work_grad.copy_(grad)
+        else:
+            work_grad = grad
+        if wd:
+            work_grad.add_(work, alpha=wd)
+        work.grad = work_grad
+        self.state[work] = self.state[p]
+        try:
+            _bnb_optimizer().Optimizer2State.update_step(self, group, work, gindex, pindex)
+        finally:
+            del self.state[work]
+            work.grad = None
+        p.copy_(work)
+
+
+class EightBitGroups(EightBitMethods):
+    """The 8bit groups of a :class:`~optladder.optimizers.adamw.LadderAdamW` (those whose
+    ``"rung"`` is ``"8bit"``): their state is bitsandbytes' ``AdamW8bit`` state
+    (``step`` a Python int, ``state1``/``state2`` uint8 codes of the param's shape with
+    ``qmap1``/``qmap2`` the signed/unsigned dynamic code books and ``absmax1``/``absmax2``
+    one float32 per started 256-element block; float32 ``state1``/``state2`` for params
+    :func:`optladder.bnb_overrides.quantized_8bit` keeps in 32 bits), made and stepped
+    exactly as :func:`ladder_adamw8bit_class`'s engine does (the methods of
+    :class:`EightBitMethods`: the 8-bit CPU kernel's table over these groups, bitsandbytes'
+    ``init_state`` and ``update_step`` for the rest, CUDA params included).
+
+    Not an optimizer: it reads the owner's groups and ``state`` when asked
+    (:attr:`param_groups` lists the 8bit groups in their order among the owner's; the
+    group and param indices of its tables, messages of its own and bitsandbytes'
+    per-index overrides count over these groups, as an engine holding only them would).
+
+    Args:
+        owner: the optimizer whose 8bit groups these are; its ``defaults``'
+            ``decoupled_weight_decay`` False decays the Adam way (see
+            :func:`ladder_adamw8bit_class`).
+
+    Raises:
+        ImportError: if bitsandbytes does not import.
+    """
+
+    optimizer_name = "adam"  # bitsandbytes' update op's name for Adam and AdamW
+
+    def __init__(self, owner: torch.optim.Optimizer) -> None:
+        optimizer = _bnb_optimizer()
+        self.owner = owner
+        self.args = optimizer.MockArgs(
+            {
+                "optim_bits": 8,
+                "min_8bit_size": BNB_MIN_8BIT_SIZE,
+                "max_unorm": 0.0,
+                "skip_zeros": False,
+            }
+        )  # what AdamW8bit(min_8bit_size=BNB_MIN_8BIT_SIZE) holds
+        self.mng = optimizer.GlobalOptimManager.get_instance()
+        self.name2qmap = {}
+        self.is_paged = False
+        self.initialized = False
+        self.coupled_weight_decay = not bool(owner.defaults.get("decoupled_weight_decay", True))
+        self.cpu_kernel = True
+        self.eager_reasons = {}
+        self._kernel_error = None
+        self._prepared = None
+        self._kernel_plan = None
+        self._bounds = {}
+        self._books = []
+        self._contiguous = {}
+        self._books_on_first_use = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The owner's 8bit groups, in order (a new list)."""
+        return [g for g in self.owner.param_groups if g.get(RUNG_KEY) == "8bit"]
+
+    @property
+    def state(self) -> Any:
+        """The owner's ``state``."""
+        return self.owner.state
+
+    def prepare(self) -> list[torch.Tensor]:
+        """The prepare phase of these groups' step: create the state of params with a
+        grad and none (bitsandbytes' ``init_state``), allocate the contiguous copies and
+        write the CPU kernel's tables (:meth:`prepare_kernel_step`).
+
+        Returns:
+            The params whose state this call created.
+
+        Raises:
+            ValueError: from :meth:`prepare_kernel_step`; an OOM while allocating. The
+                state created is dropped first, and the copies and tables.
+        """
+        created: list[torch.Tensor] = []
+        state = self.owner.state
+        try:
+            for gi, group in enumerate(self.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    if p.grad is None or len(state.get(p, ())) != 0:
+                        continue
+                    created.append(p)
+                    self.init_state(group, p, gi, pi)
+            self.prepare_contiguous()
+            self.prepare_kernel_step()
+        except BaseException:
+            for p in created:
+                state.pop(p, None)
+            self.release_scratch()
+            self.drop_kernel_step()
+            raise
+        return created
 
 
 @dataclasses.dataclass
@@ -471,7 +605,7 @@ class _PreparedStep:
     check_state1: list[torch.Tensor]
     n_groups: int
 
-    def still_valid(self, engine: torch.optim.Optimizer) -> bool:
+    def still_valid(self, engine: Any) -> bool:
         """Whether the params, their grads and the state the tables point at are still
         the ones prepared (identity, compared in C), with the same step counts."""
         groups = engine.param_groups

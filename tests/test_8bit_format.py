@@ -1,0 +1,215 @@
+"""The 8bit state format of :class:`LadderAdamW`: a group whose ``"rung"`` is ``"8bit"``
+keeps bitsandbytes' ``AdamW8bit`` state (uint8 codes with one float32 absmax per
+256-element block, float32 moments for params under ``min_8bit_size``) and steps as
+optladder's 8bit engine (:func:`~optladder.optimizers.eightbit.ladder_adamw8bit_class`:
+the 8-bit CPU kernel here, bitsandbytes' ops elsewhere) steps it.
+
+The expected values are those of separate engines over copies of the same groups: a
+:class:`LadderAdamW` per fp32/bf16 group set (each param at its index over all groups,
+``param_starts``) and the 8bit engine for the 8bit groups (its grads unscaled as
+:func:`~optladder.optimizers.adamw.unscale_grads_` does, its step skipped on a nonzero
+``found_inf``), over 4 steps: params and every state tensor bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from optladder.optimizers.adamw import LadderAdamW, unscale_grads_
+from optladder.optimizers.eightbit import build_8bit
+from optladder.optimizers.migrate import BNB_WRAPPED_KEY
+from snapshots import same_bits
+
+pytest.importorskip("bitsandbytes")
+
+# (rung, param (shape, dtype) list, group options)
+GROUPS: list[tuple[str, list[tuple[tuple[int, ...], torch.dtype]], dict[str, Any]]] = [
+    ("fp32", [((33, 17), torch.bfloat16), ((300,), torch.float32)], {"lr": 3e-2}),
+    (
+        "8bit",
+        [((64, 80), torch.float32), ((100,), torch.float32), ((4099,), torch.bfloat16)],
+        {"lr": 1e-2, "weight_decay": 0.1},
+    ),
+    ("bf16", [((4099,), torch.float32), ((7,), torch.bfloat16)], {"betas": (0.8, 0.99)}),
+    ("8bit", [((5000,), torch.float16), ((3, 5), torch.float32)], {"lr": 2e-2, "eps": 1e-6}),
+]
+NO_GRAD_AT = {(1, 1), (2, 0)}  # (step, flat param index): no grad at that step
+
+
+def _groups() -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for rung, shapes, options in GROUPS:
+        params = [
+            torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
+            for shape, dtype in shapes
+        ]
+        out.append({"params": params, "rung": rung, **options})
+    return out
+
+
+def _copy(group: dict[str, Any]) -> dict[str, Any]:
+    params = [torch.nn.Parameter(p.detach().clone()) for p in group["params"]]
+    return {**group, "params": params}
+
+
+def _engines(
+    groups: list[dict[str, Any]], decoupled: bool
+) -> tuple[LadderAdamW, list[torch.optim.Optimizer], list[torch.nn.Parameter]]:
+    """The mixed engine and the separate ones (over copies), and the copies' params in
+    the mixed engine's order."""
+    mixed = LadderAdamW(groups, decoupled_weight_decay=decoupled)
+    starts, start = [], 0
+    for group in groups:
+        starts.append(start)
+        start += len(group["params"])
+    copies = [_copy(g) for g in groups]
+    ladder = [k for k, g in enumerate(groups) if g["rung"] != "8bit"]
+    eight = [k for k, g in enumerate(groups) if g["rung"] == "8bit"]
+    single = LadderAdamW([copies[k] for k in ladder], decoupled_weight_decay=decoupled)
+    single.param_starts = [starts[k] for k in ladder]
+    bnb_groups = [{k: v for k, v in copies[k].items() if k != "rung"} for k in eight]
+    reference = build_8bit(
+        bnb_groups,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        decoupled_weight_decay=decoupled,
+    )
+    params = [p for g in copies for p in g["params"]]
+    return mixed, [single, reference], params
+
+
+def _grads(step: int, params: list[torch.Tensor], scale: float) -> list[torch.Tensor | None]:
+    gen = torch.Generator().manual_seed(100 + step)
+    out: list[torch.Tensor | None] = []
+    for k, p in enumerate(params):
+        g = (torch.randn(p.shape, generator=gen) * scale).to(p.dtype)
+        out.append(None if (step, k) in NO_GRAD_AT else g)
+    return out
+
+
+def _assert_same_state(a: dict[str, Any], b: dict[str, Any], where: str) -> None:
+    assert sorted(a) == sorted(b), where
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert a[key].device == b[key].device, (where, key)
+            assert same_bits(a[key], b[key]), (where, key)
+        else:
+            assert a[key] == b[key] and type(a[key]) is type(b[key]), (where, key)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("amp", [False, True])
+def test_mixed_formats_step_as_the_separate_engines(decoupled: bool, amp: bool) -> None:
+    groups = _groups()
+    mixed, (single, reference), ref_params = _engines(groups, decoupled)
+    params = [p for g in groups for p in g["params"]]
+    eight_ids = {id(p) for g in reference.param_groups for p in g["params"]}
+    scale = 512.0 if amp else 1.0
+    for step in range(4):
+        found = amp and step == 2  # an overflow step: nothing changes
+        for p, q, g in zip(params, ref_params, _grads(step, params, scale)):
+            p.grad = None if g is None else g.clone()
+            q.grad = None if g is None else g.clone()
+        if amp:
+            for opt in (mixed, single):
+                opt.grad_scale = torch.tensor(scale)  # type: ignore[attr-defined]
+                opt.found_inf = torch.tensor(1.0 if found else 0.0)  # type: ignore[attr-defined]
+        mixed.step()
+        single.step()
+        if not found:
+            if amp:
+                grads = [q.grad for q in ref_params if id(q) in eight_ids and q.grad is not None]
+                unscale_grads_(grads, torch.tensor(scale))
+            reference.step()
+    for k, (p, q) in enumerate(zip(params, ref_params)):
+        assert same_bits(p, q), f"param {k}"
+        engine = reference if id(q) in eight_ids else single
+        _assert_same_state(mixed.state[p], engine.state[q], f"param {k}")
+    # the 8bit groups' state as the 8bit engine keeps it: codes for large params, float32
+    # moments for small ones
+    for group in groups:
+        if group["rung"] != "8bit":
+            continue
+        for p in group["params"]:
+            st = mixed.state[p]
+            want = torch.uint8 if p.numel() >= 4096 else torch.float32
+            assert st["state1"].dtype == want and st["state2"].dtype == want
+            assert isinstance(st["step"], int)
+
+
+def test_state_dict_holds_the_8bit_engine_layout() -> None:
+    groups = _groups()
+    mixed, (single, reference), ref_params = _engines(groups, True)
+    params = [p for g in groups for p in g["params"]]
+    for step in range(2):
+        for p, q, g in zip(params, ref_params, _grads(step, params, 1.0)):
+            p.grad = None if g is None else g.clone()
+            q.grad = None if g is None else g.clone()
+        mixed.step()
+        single.step()
+        reference.step()
+    saved = mixed.state_dict()
+    want = reference.state_dict()
+    index, ref_index = 0, 0
+    for group, saved_group in zip(groups, saved["param_groups"]):
+        n = len(group["params"])
+        if group["rung"] == "8bit":
+            ref_group = want["param_groups"][ref_index]
+            for key in ("lr", "betas", "eps", "weight_decay", "alpha", "t_alpha", "t_beta3"):
+                assert saved_group[key] == ref_group[key], key
+            for k in range(n):
+                a, b = saved["state"][index + k], want["state"][ref_group["params"][k]]
+                assert BNB_WRAPPED_KEY in a
+                assert sorted(a) == sorted(b)
+                _assert_same_state(a[BNB_WRAPPED_KEY], b[BNB_WRAPPED_KEY], f"param {k}")
+                assert a["step"] == b["step"]
+            ref_index += 1
+        else:
+            for k in range(n):
+                assert BNB_WRAPPED_KEY not in saved["state"].get(index + k, {})
+        index += n
+
+
+def test_a_loaded_checkpoint_steps_on_alike() -> None:
+    groups = _groups()
+    mixed = LadderAdamW(groups)
+    params = [p for g in groups for p in g["params"]]
+    for step in range(2):
+        for p, g in zip(params, _grads(step, params, 1.0)):
+            p.grad = g
+        mixed.step()
+    saved = copy.deepcopy(mixed.state_dict())
+    twins = [_copy(g) for g in groups]
+    loaded = LadderAdamW(twins)
+    loaded.load_state_dict(saved)
+    twin_params = [p for g in twins for p in g["params"]]
+    for k, (p, q) in enumerate(zip(params, twin_params)):
+        _assert_same_state(mixed.state[p], loaded.state[q], f"param {k}")
+    for step in range(2, 4):
+        for p, q, g in zip(params, twin_params, _grads(step, params, 1.0)):
+            p.grad = None if g is None else g.clone()
+            q.grad = None if g is None else g.clone()
+        mixed.step()
+        loaded.step()
+    for k, (p, q) in enumerate(zip(params, twin_params)):
+        assert same_bits(p, q), f"param {k}"
+        _assert_same_state(mixed.state[p], loaded.state[q], f"param {k}")
+
+
+def test_8bit_groups_refuse_what_the_rung_cannot_take() -> None:
+    p = torch.nn.Parameter(torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="param 0 of the new group"):
+        LadderAdamW([{"params": [p], "rung": "8bit"}])
+    q = torch.nn.Parameter(torch.zeros(8))
+    opt = LadderAdamW([{"params": [q], "rung": "8bit", "maximize": True}])
+    q.grad = torch.ones(8)
+    with pytest.raises(ValueError, match="maximize"):
+        opt.step()
+    assert len(opt.state) == 0
