@@ -269,7 +269,7 @@ def test_each_engine_owns_bitsandbytes_code_books() -> None:
     ctl = bnb.optim.AdamW8bit(_model().parameters(), lr=1e-3)
     models = [_model(), _model()]
     opts = [_choose(m) for m in models]
-    first, second = (opt.engine for opt in opts)
+    first, second = (opt.engine.eightbit_groups() for opt in opts)  # the 8bit groups
     assert "dynamic" not in first.name2qmap and "udynamic" not in first.name2qmap
     for model, opt in zip(models, opts):
         model(torch.randn(4, LIN[0])).sum().backward()

@@ -1095,7 +1095,7 @@ def test_params_without_a_grad_through_grad_scale_and_found_inf() -> None:
             opt.found_inf = torch.tensor(1.0 if overflow else 0.0)  # type: ignore[attr-defined]
             opt.step()
             assert opt.last_step_skipped == overflow
-        plans.append(opt.engine._kernel_plan)  # type: ignore[attr-defined]
+        plans.append(opt.engine.eightbit_groups()._kernel_plan)  # type: ignore[attr-defined]
     assert plans[1] is not None and all(plan is plans[1] for plan in plans[1:])
     state = opt.engine.state  # type: ignore[attr-defined]
     for k, (p, q, want) in enumerate(zip(params, ref, ref_states, strict=True)):

@@ -26,6 +26,13 @@ FOLLOW = {"fp32": (W + B) * 8, "bf16": (W + B) * 4, "8bit": 2 * W + 2 * 4 * 16 +
 PINNED = {"fp32": EMB * 8, "bf16": EMB * 4, "8bit": 2 * EMB + 2 * 4 * 25 + QMAP}
 
 
+def _both(rung: str, pin: str) -> int:
+    """State bytes with the following groups on ``rung`` beside the group pinning
+    ``pin``: one engine holds both, so 8bit beside an 8bit pin has one pair of code
+    books."""
+    return FOLLOW[rung] + PINNED[pin] - (QMAP if rung == pin == "8bit" else 0)
+
+
 def _model(seed: int = 0) -> torch.nn.ModuleDict:
     torch.manual_seed(seed)
     return torch.nn.ModuleDict(
@@ -73,7 +80,7 @@ def test_group_pin_reads_user_pins_and_ignores_the_ladders_marks() -> None:
 @pytest.mark.parametrize("pin", ["fp32", "bf16", "8bit"])
 def test_footprint_counts_a_pinned_group_on_its_rung(pin: str) -> None:
     fp = measure_footprint(_groups(_model(), pin))
-    assert fp.state_bytes == {r: FOLLOW[r] + PINNED[pin] for r in FOLLOW}
+    assert fp.state_bytes == {r: _both(r, pin) for r in FOLLOW}
     assert fp.pinned_params == EMB and fp.pinned_state_bytes == PINNED[pin]
     assert fp.trainable_params == EMB + W + B
     # without the pin the embedding moves with the rest
@@ -87,7 +94,7 @@ def test_footprint_counts_a_pinned_group_on_its_rung(pin: str) -> None:
 def test_measured_state_equals_the_estimate(pin: str, rung: str) -> None:
     model = _model()
     opt = choose_optimizer(_groups(model, pin), rung=rung, free_memory="1GiB")
-    assert opt.decision.state_bytes[rung] == FOLLOW[rung] + PINNED[pin]
+    assert opt.decision.state_bytes[rung] == _both(rung, pin)
     _set_grads(_params(model), 0)
     opt.step()
     assert measure_state_bytes(opt) == opt.decision.state_bytes[rung]
@@ -256,12 +263,15 @@ def test_add_param_group_with_a_pin_builds_or_joins_that_rungs_engine() -> None:
     assert opt.rung == "fp32" and not opt.pinned_engines
     before = dict(opt.decision.state_bytes)
     opt.add_param_group({"params": [model.emb.weight], "rung": "8bit", "lr": 5e-4})
-    assert opt.decision.state_bytes == {r: before[r] + PINNED["8bit"] for r in before}
+    shared = {r: QMAP if r == "8bit" else 0 for r in before}  # one engine: one pair of books
+    assert opt.decision.state_bytes == {r: before[r] + PINNED["8bit"] - shared[r] for r in before}
     assert opt.decision.footprint.pinned_params == EMB
     opt.add_param_group({"params": [extra], "rung": "8bit"})
     grown = 2 * 5_120 + 2 * 4 * 20  # the same engine: no second pair of code books
     assert opt.decision.state_bytes["fp32"] == before["fp32"] + PINNED["8bit"] + grown
-    assert len(opt.pinned_engines["8bit"].param_groups) == 2
+    # one engine holds every group (the 8bit pins are groups of the fp32 rung's engine)
+    assert opt.pinned_engines["8bit"] is opt.engine
+    assert sum(g["rung"] == "8bit" for g in opt.engine.param_groups) == 2
     assert [g["rung_origin"] for g in opt.param_groups] == ["policy", "group", "group"]
     params = [*model.proj.parameters(), model.emb.weight, extra]
     _set_grads(params, 0)

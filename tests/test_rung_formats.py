@@ -211,3 +211,130 @@ def test_the_fused_config_follows_the_groups_format_across_a_move() -> None:
     opt.escalate("test")  # the same engine, its groups now in the bf16 format
     config, _ = to_fused_config(opt)
     assert config is not None and config.use_bf16_moments
+
+
+# The 8bit rung is the third state format of the same engine (issue 9's next slice).
+
+
+def _model8() -> nn.Module:
+    """A model with a param of 5,120 elements (8-bit codes on the 8bit rung) beside
+    small ones (float32 state there) and a bfloat16 layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 320), nn.Linear(320, 8))
+    model[2].to(torch.bfloat16)
+    return model
+
+
+def _bitwise_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(
+                a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)
+            )
+        )
+    return bool(a == b) and type(a) is type(b)
+
+
+CASES_8BIT = [
+    ("8bit", None),
+    ("fp32", "8bit"),
+    ("8bit", "fp32"),
+    ("bf16", "8bit"),
+    ("8bit", "bf16"),
+]
+IDS_8BIT = ["8bit", "fp32+8bit", "8bit+fp32", "bf16+8bit", "8bit+bf16"]
+
+
+@pytest.mark.parametrize(("rung", "pin"), CASES_8BIT, ids=IDS_8BIT)
+def test_global_step_hooks_run_once_per_step_on_8bit(rung: str, pin: str | None) -> None:
+    test_global_step_hooks_run_once_per_step(rung, pin)
+
+
+@pytest.mark.parametrize(("rung", "pin"), CASES_8BIT, ids=IDS_8BIT)
+def test_an_8bit_group_is_a_group_of_the_one_engine(rung: str, pin: str | None) -> None:
+    model = _model8()
+    opt = choose_optimizer(_groups(model, pin), rung=rung, free_memory="1GiB")
+    assert isinstance(opt.engine, LadderAdamW)
+    assert opt._engines() == [opt.engine]
+    if pin is not None:
+        assert opt.pinned_engines[pin] is opt.engine  # not an engine of its own
+    _grads(model, 0)
+    opt.step()
+    for group, on in zip(opt.param_groups, [pin or rung, rung], strict=True):
+        assert group["rung"] == on
+        for p in group["params"]:
+            st = opt.state[p]
+            if on != "8bit":
+                assert "exp_avg" in st and "state1" not in st
+                continue
+            assert isinstance(st["step"], int) and st["step"] == 1
+            want = torch.uint8 if p.numel() >= 4096 else torch.float32
+            assert st["state1"].dtype == st["state2"].dtype == want
+
+
+@pytest.mark.parametrize("pin", [None, "fp32"], ids=["no-pin", "fp32-pin"])
+def test_defaults_do_not_change_across_fp32_bf16_and_8bit(pin: str | None) -> None:
+    model = _model8()
+    opt = choose_optimizer(_groups(model, pin), rung=None, free_memory="1GiB", environ={})
+    assert opt.rung == "fp32"
+    before = copy.deepcopy(opt.defaults)
+    engine_defaults = copy.deepcopy(opt.engine.defaults)
+    engine = opt.engine
+    for s, rung in enumerate(("bf16", "8bit")):
+        _grads(model, s)
+        opt.step()
+        opt.escalate("test")
+        assert opt.rung == rung and opt.engine is engine
+        assert opt.defaults == before
+        assert opt.engine.defaults == engine_defaults
+
+
+@pytest.mark.parametrize(
+    ("source", "pin"),
+    [("fp32", None), ("bf16", None), ("fp32", "fp32"), ("bf16", "bf16")],
+    ids=["fp32", "bf16", "fp32-pin", "bf16-pin"],
+)
+def test_a_move_to_8bit_converts_in_place_as_a_fresh_8bit_load(
+    source: str, pin: str | None
+) -> None:
+    """fp32 -> 8bit and bf16 -> 8bit keep the engine object and give, bit for bit, the
+    state (and the next two steps) of a fresh 8bit optimizer that loads the source
+    checkpoint; a pinned group's state is untouched."""
+    model, fresh_model = _model8(), _model8()
+    opt = choose_optimizer(_groups(model, pin), rung=source, free_memory="1GiB")
+    for s in range(3):
+        _grads(model, s)
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    pinned_before = copy.deepcopy({id(p): dict(opt.state[p]) for p in model[0].parameters()})
+    engine = opt.engine
+    opt.migrate_to("8bit", "test", force=True)
+    assert opt.engine is engine and opt.rung == "8bit"
+    assert [g["rung"] for g in opt.param_groups] == [pin or "8bit", "8bit"]
+    fresh = choose_optimizer(_groups(fresh_model, pin), rung="8bit", free_memory="1GiB")
+    with torch.no_grad():
+        for a, b in zip(fresh_model.parameters(), model.parameters(), strict=True):
+            a.copy_(b)
+    fresh.load_state_dict(saved)
+    for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        sa, sb = opt.state[a], fresh.state[b]
+        assert sa.keys() == sb.keys()
+        for name in sa:
+            assert _bitwise_equal(sa[name], sb[name]), name
+    if pin is not None:  # the pinned group stays on its rung, its state as it was
+        for p in model[0].parameters():
+            for k, v in pinned_before[id(p)].items():
+                assert _bitwise_equal(opt.state[p][k], v), k
+    for s in range(3, 5):
+        _grads(model, s)
+        _grads(fresh_model, s)
+        opt.step()
+        fresh.step()
+    for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        assert _bitwise_equal(a, b)
+        for name in opt.state[a]:
+            assert _bitwise_equal(opt.state[a][name], fresh.state[b][name]), name
+    assert opt.state_dict()["state"].keys() == fresh.state_dict()["state"].keys()

@@ -454,7 +454,7 @@ def test_8bit_noncontiguous_failed_steps_and_moves_change_nothing() -> None:
         reference.step()
     assert counter.count >= 1  # at least the param's contiguous copy
     assert_failed_steps_change_nothing(prepared, counter.count, snapshot(reference))
-    assert not reference.engine._contiguous
+    assert not reference.engine.eightbit_groups()._contiguous
 
     for k in range(1, 12):
         p = torch.nn.Parameter(torch.randn(80, 64, generator=torch.Generator().manual_seed(1)).t())

@@ -93,7 +93,7 @@ for cls in (bnb.optim.PagedAdamW8bit, bnb.optim.PagedAdamW32bit):
         opt = choose_optimizer(m2, lr=1e-3, weight_decay=0.01, rung=rung.split("/")[0], free_memory="64GiB",
                                environ={})
         if rung == "8bit/bnb":
-            opt.engine.cpu_kernel = False  # adapted: bitsandbytes' per-tensor update for every param
+            opt.engine.eightbit_groups().cpu_kernel = False  # adapted: bitsandbytes' per-tensor update for every param (the 8bit groups of the one engine)
         try:
             opt.load_state_dict(copy.deepcopy(ckpt))
             for s in range(2, 4):

@@ -822,6 +822,11 @@ def refuse_ladder_dtypes(
             )
 
 
+def is_8bit_group(group: Mapping[str, Any]) -> bool:
+    """Whether ``group``'s state format is the 8bit rung's (its ``"rung"`` key)."""
+    return group.get(RUNG_KEY) == "8bit"
+
+
 BNB_GROUP_KEYS: dict[str, Any] = {"alpha": 0.0, "t_alpha": None, "t_beta3": None}
 """The group keys bitsandbytes' ``AdamW8bit`` gives its groups beyond Adam's (its
 AdEMAMix options, at the values that make it Adam): an 8bit-format group holds them, so
@@ -1326,7 +1331,7 @@ class LadderAdamW(torch.optim.Optimizer):
                     self._scratch[device] = eager.EagerScratch.allocate(length, device)
             eight = None
             if eight_starts:  # the 8bit groups: their state, copies and kernel tables
-                eight = self._eight()
+                eight = self.eightbit_groups()
                 created += eight.prepare()
         except BaseException:
             self._drop_created(created)
@@ -1340,7 +1345,7 @@ class LadderAdamW(torch.optim.Optimizer):
             self.eager_reasons.update(_global_indices(eight, eight_starts))
         return created
 
-    def _eight(self) -> Any:
+    def eightbit_groups(self) -> Any:
         """The :class:`~optladder.optimizers.eightbit.EightBitGroups` of this optimizer's
         8bit groups (made when first needed: bitsandbytes is imported then)."""
         if self._eightbit is None:

@@ -13,7 +13,7 @@ from optladder.dtype_names import dtype_name
 from optladder.optimizers import spec
 from optladder.optimizers.adamw import LadderAdamW, refuse_ladder_dtypes
 from optladder.optimizers.checked import first_params_only
-from optladder.optimizers.eightbit import build_8bit
+from optladder.optimizers.eightbit import build_8bit_format
 from optladder.optimizers.fp32 import build_fp32
 from optladder.optimizers.rounding import Rounding
 from optladder.rungs import LADDER_DTYPES, RUNG_ACCEPTS, RUNG_KEY, Capabilities, Rung
@@ -244,6 +244,13 @@ def build_engine(
                 **hyper,
             )
     if rung == "8bit":
-        engine = build_8bit(param_groups, columns=columns, checked=checked, **hyper)
-        return _keep_options(rounding_options, engine)
+        return build_8bit_format(
+            param_groups,
+            columns=columns,
+            checked=checked,
+            seed=seed,
+            rounding=rounding,
+            param_rounding=param_rounding,
+            **hyper,
+        )
     raise ValueError(f"rung={rung!r} is not a rung; accepted values: fp32, bf16, 8bit")

@@ -39,6 +39,7 @@ from optladder.bnb_overrides import no_overrides, quantized_8bit
 from optladder.columns import ParamColumns
 from optladder.dtype_names import dtype_name
 from optladder.oom import is_oom
+from optladder.optimizers.adamw import LadderAdamW
 from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.migrate import check_step_range
 from optladder.optimizers.stepmemo import grad_of, kind_columns, same_objects
@@ -1248,9 +1249,10 @@ def _skip_rows(table: Any, skipped: list[bool], out: Any = None) -> Any:
 
 def steps_noncontiguous(engine: torch.optim.Optimizer) -> bool:
     """Whether ``engine`` (an 8bit engine) steps non-contiguous params in place, through
-    a contiguous copy (:func:`ladder_adamw8bit_class`); bitsandbytes' plain
+    a contiguous copy (:func:`ladder_adamw8bit_class`, and
+    :class:`~optladder.optimizers.adamw.LadderAdamW`'s 8bit groups); bitsandbytes' plain
     ``AdamW8bit`` would move them to new storage."""
-    return hasattr(engine, "prepare_contiguous")
+    return isinstance(engine, LadderAdamW) or hasattr(engine, "prepare_contiguous")
 
 
 def check_8bit_param(p: torch.Tensor, where: str) -> None:
@@ -1268,6 +1270,89 @@ def check_8bit_param(p: torch.Tensor, where: str) -> None:
     if refusal is not None:
         kind = f"is complex ({p.dtype})" if p.is_complex() else f"has dtype {p.dtype}"
         raise ValueError(f"{where} {kind}; {refusal}")
+
+
+def check_8bit_groups(
+    param_groups: list[dict[str, Any]], columns: ParamColumns | None = None
+) -> None:
+    """Refuse params the 8bit rung cannot take: complex params, dtypes bitsandbytes does
+    not take, a bitsandbytes override it would fail on (``optim_bits`` not 8 or 32).
+    ``columns``: the :class:`optladder.columns.ParamColumns` of ``param_groups`` when
+    read already (then only dtypes are read again, when no override is set).
+
+    Raises:
+        ValueError: naming the param (``param {pi} of group {gi}``), its dtype and what
+            is allowed.
+    """
+    if columns is None:
+        columns = ParamColumns(param_groups)
+    names = columns.dtype_names
+    bulk = columns.plain and no_overrides()  # then only dtypes can be refused
+    if not bulk or any(param_refusal("8bit", n, sharded=False) is not None for n in names):
+        for gi, group in enumerate(param_groups):
+            for pi, p in enumerate(group["params"]):
+                check_8bit_param(p, f"param {pi} of group {gi}")
+                quantized_8bit(p, f"param {pi} of group {gi}")
+
+
+def build_8bit_format(
+    param_groups: list[dict[str, Any]],
+    *,
+    lr: float | torch.Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool = True,
+    seed: int = 0,
+    rounding: Any = "stochastic",
+    param_rounding: Any = "stochastic",
+    columns: ParamColumns | None = None,
+    checked: bool = False,
+) -> LadderAdamW:
+    """Build the 8bit rung's optimizer: :class:`~optladder.optimizers.adamw.LadderAdamW`
+    with every group in the 8bit state format (each group's ``"rung"`` set to ``"8bit"``):
+    bitsandbytes' ``AdamW8bit`` state, stepped as :func:`ladder_adamw8bit_class`'s engine
+    steps it (:class:`EightBitGroups`). Its ``defaults`` are LadderAdamW's, so a move to
+    another rung keeps them.
+
+    Args:
+        param_groups: the param groups (each dict's other keys override the defaults).
+        lr, betas, eps, weight_decay: AdamW hyperparameters.
+        decoupled_weight_decay: True for AdamW, False for Adam (the decay is added to
+            the grad, see :func:`ladder_adamw8bit_class`).
+        seed, rounding, param_rounding: kept in the defaults and each group, for a move
+            to the bf16 rung (see :class:`~optladder.optimizers.adamw.LadderAdamW`).
+        columns: the groups' :class:`optladder.columns.ParamColumns`, when read already.
+        checked: the params passed construction's checks: torch's per-param checks run
+            over each group's first param only (:mod:`optladder.optimizers.checked`).
+
+    Raises:
+        ImportError: if bitsandbytes does not import (the message says how to install it).
+        ValueError: as :func:`check_8bit_groups`.
+    """
+    check_8bit_groups(param_groups, columns)
+    try:
+        import_bitsandbytes()
+    except ImportError as exc:
+        raise ImportError(
+            f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
+            "install it with pip install 'bitsandbytes>=0.45' (what optladder's 8bit extra "
+            "installs)"
+        ) from exc
+    for group in param_groups:
+        group[RUNG_KEY] = "8bit"
+    with first_params_only(param_groups, checked):
+        return LadderAdamW(
+            param_groups,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+            seed=seed,
+            rounding=rounding,
+            param_rounding=param_rounding,
+        )
 
 
 def build_8bit(
@@ -1305,15 +1390,7 @@ def build_8bit(
         ValueError: for complex params, dtypes bitsandbytes does not take, or a
             bitsandbytes override it would fail on (``optim_bits`` not 8 or 32).
     """
-    if columns is None:
-        columns = ParamColumns(param_groups)
-    names = columns.dtype_names
-    bulk = columns.plain and no_overrides()  # then only dtypes can be refused
-    if not bulk or any(param_refusal("8bit", n, sharded=False) is not None for n in names):
-        for gi, group in enumerate(param_groups):
-            for pi, p in enumerate(group["params"]):
-                check_8bit_param(p, f"param {pi} of group {gi}")
-                quantized_8bit(p, f"param {pi} of group {gi}")
+    check_8bit_groups(param_groups, columns)
     try:
         engine: Any = ladder_adamw8bit_class()
     except ImportError as exc:

@@ -36,7 +36,7 @@ from typing import Any, cast
 import torch
 
 from optladder.columns import PLAIN_TYPES, dense, plain_types
-from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.adamw import LadderAdamW, is_8bit_group
 from optladder.optimizers.migrate import is_bnb_engine
 from optladder.optimizers.stepmemo import same_objects
 from optladder.optimizers.steps import refuse_shared_steps
@@ -173,7 +173,8 @@ def refuse_resized(
             continue
         states = [state.get(p) for p in params]
         numels = list(map(_NUMEL, params))
-        mine = numels if not local or plain_types(params) else list(map(local_numel, params))
+        shards = local or (isinstance(engine, LadderAdamW) and is_8bit_group(group))
+        mine = numels if not shards or plain_types(params) else list(map(local_numel, params))
         keys = [k for k in _STATE_KEYS if any(st and k in st for st in states)]
         tensors: list[tuple[str, list[Any], list[int]]] = [("grad", live, numels)]
         tensors += [(k, [st.get(k) if st else None for st in states], mine) for k in keys]
@@ -218,10 +219,11 @@ def _refuse_foreign_layouts(
     groups' params only: a param taken out of its group by hand keeps its state as it
     was (torch keeps it too), and appended back after the move it was refused by a
     kernel's table (bf16) or failed the commit half-way (8bit)."""
-    bnb = is_bnb_engine(engine)
+    engine_bnb = is_bnb_engine(engine)
     ladder = engine if isinstance(engine, LadderAdamW) else None
     state = engine.state
     for gi, group in enumerate(engine.param_groups):
+        bnb = engine_bnb or (ladder is not None and is_8bit_group(group))  # its 8bit format
         moment_dtype = None if ladder is None else ladder.group_moment_dtype(group)
         if bnb:
             want = "bitsandbytes' 8-bit state (state1, state2)"
@@ -245,6 +247,7 @@ def _refuse_foreign_layouts(
                 continue
             changed = (  # the fp32 format's moments, of the param's dtype before
                 ladder is not None
+                and not bnb
                 and isinstance(m, torch.Tensor)
                 and torch.bfloat16 not in (m.dtype, want_dtype)
                 and "state1" not in st

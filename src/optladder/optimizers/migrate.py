@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from optladder.bnb_overrides import quantized_8bit
-from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.adamw import LadderAdamW, is_8bit_group
 from optladder.optimizers.steps import BF16_MAX_STEP, BNB_CUDA_MAX_STEP, MAX_STEP, STEP_DTYPE
 from optladder.optimizers.torchroute import state_moment_dtype, torch_steps
 from optladder.rungs import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE
@@ -144,6 +144,10 @@ def state_target(
     Raises:
         TypeError: for an engine of another kind.
     """
+    if isinstance(engine, LadderAdamW) and is_8bit_group(group):  # bitsandbytes' layout
+        quantize = quantized_8bit(p, "a param of the 8bit rung")
+        qmaps = bnb_qmaps(engine.eightbit_groups(), p.device)
+        return StateTarget("bnb", qmaps=qmaps, quantize=quantize)
     if isinstance(engine, LadderAdamW):  # the group's state format (its "rung" key)
         format_dtype = engine.group_moment_dtype(group)
         return StateTarget("adam", moment_dtype=state_moment_dtype(p, format_dtype))
@@ -396,6 +400,8 @@ def step_limit(
     Returns:
         ``(limit, reason)``: the limits of :mod:`optladder.optimizers.steps`.
     """
+    if isinstance(engine, LadderAdamW) and group is not None and is_8bit_group(group):
+        return rung_step_limit("8bit", p.device.type)
     if isinstance(engine, LadderAdamW):
         format_dtype = engine.moment_dtype if group is None else engine.group_moment_dtype(group)
         if format_dtype == torch.bfloat16:

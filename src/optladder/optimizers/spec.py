@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from optladder.optimizers.adamw import LadderAdamW
+from optladder.optimizers.adamw import LadderAdamW, is_8bit_group
 from optladder.optimizers.migrate import is_bnb_engine
 from optladder.rungs import LOW_PRECISION_DTYPES, KernelRoute, Rung
 
@@ -289,6 +289,12 @@ def to_fused_config(
     if isinstance(inner, torch.optim.Optimizer):
         optimizer = inner
     name = type(optimizer).__name__
+    if isinstance(optimizer, LadderAdamW) and any(map(is_8bit_group, optimizer.param_groups)):
+        return None, (
+            f"{name} keeps 8-bit block-quantized state (its 8bit groups, bitsandbytes' "
+            "format): bitsandbytes owns that format, which is not a fused AdamW "
+            "configuration"
+        )
     if is_bnb_engine(optimizer):
         bits = getattr(getattr(optimizer, "args", None), "optim_bits", None)
         kept = (

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from optladder.columns import PLAIN_TYPES
-from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
+from optladder.optimizers.adamw import LadderAdamW, is_8bit_group, validate_group_hyperparams
 from optladder.optimizers.build import KERNEL_KEYS
 from optladder.optimizers.fusedstep import (
     FusedCall,
@@ -136,6 +136,7 @@ def check_step_inputs(
                 if ladder:
                     LadderAdamW.check_group_options(group)
                     cast(LadderAdamW, engine).check_kernel_flags(group)
+                    cast(LadderAdamW, engine).check_8bit_options(group)
             except ValueError as exc:
                 raise ValueError(f"param {names.get(id(group), f'group {gi}')}: {exc}") from None
             if memo is not None:
@@ -160,8 +161,8 @@ def check_step_inputs(
     for gi in changed:
         group, strides = groups[gi], with_strides[gi]
         params = group["params"]
-        if bnb:
-            _check_bnb_steps(engine, params, names.get(id(group), f"group {gi}"))
+        if bnb or (ladder and is_8bit_group(group)):  # bitsandbytes' CUDA kernel's range
+            _check_bnb_steps(engine, group, names.get(id(group), f"group {gi}"))
         if memo is not None:
             memo.record_grads(gi, group, params, all_grads[gi], strides)
     return all_grads
@@ -237,10 +238,11 @@ def _grads_match(
     )
 
 
-def _check_bnb_steps(engine: torch.optim.Optimizer, params: list[torch.Tensor], name: str) -> None:
+def _check_bnb_steps(engine: torch.optim.Optimizer, group: Mapping[str, Any], name: str) -> None:
     """Refuse a bitsandbytes step count (a Python int) its CUDA kernel cannot step from
     (:func:`~optladder.optimizers.migrate.step_limit`; on the CPU the limit is float64's
     integer range, which stepping cannot pass and loads check)."""
+    params = group["params"]
     if all(map(_IS_CPU, params)):  # the common case, in C
         return
     for pi, p in enumerate(params):
@@ -248,7 +250,7 @@ def _check_bnb_steps(engine: torch.optim.Optimizer, params: list[torch.Tensor], 
             continue
         st = engine.state.get(p)
         if st and "step" in st:
-            check_step_range(read_step(st), engine, p, f"param {pi} of {name}")
+            check_step_range(read_step(st), engine, p, f"param {pi} of {name}", group)
 
 
 def _check_grads(params: list[torch.Tensor], name: str, strides: bool) -> None:

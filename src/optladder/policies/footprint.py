@@ -345,7 +345,8 @@ def measure_footprint(model_or_params: object) -> Footprint:
     A param group that pins its rung (``{"params": ..., "rung": "fp32"}``, see
     :func:`optladder.rungs.group_pin`) is counted on that rung for every rung's
     ``state_bytes`` (its engine has code books of its own), and reported in
-    ``pinned_params`` and ``pinned_state_bytes``.
+    ``pinned_params`` and ``pinned_state_bytes`` (the 8bit rung's code books are counted
+    once per device: one engine holds every group).
 
     DTensor params (FSDP2, ``torch.distributed.tensor``): ``trainable_params``,
     ``largest_param`` and the 4,096-element rule use the global element count
@@ -398,11 +399,22 @@ def groups_footprint(groups: list[dict[str, Any]], columns: ParamColumns) -> Foo
         raise ValueError(_NO_TRAINABLE)
     param_pins = [pin_of[i] for i in map(id, params)]
     following = [p for p, pin in zip(params, param_pins) if pin is None]
-    pinned = sum(
-        _state_bytes([p for p, pin in zip(params, param_pins) if pin == rung], rung)
+    pinned_on = {
+        rung: [p for p, pin in zip(params, param_pins) if pin == rung]
         for rung in RUNGS
         if rung in param_pins
-    )
+    }
+    pinned_bytes = {rung: _state_bytes(ps, rung) for rung, ps in pinned_on.items()}
+    pinned = sum(pinned_bytes.values())
+
+    def on(rung: Rung) -> int:
+        """State bytes with the following params on ``rung``: one engine holds every
+        group, so 8bit pins share the code books of the following params on 8bit."""
+        if rung == "8bit" and "8bit" in pinned_on:
+            shared = _state_bytes(following + pinned_on["8bit"], "8bit")
+            return shared + pinned - pinned_bytes["8bit"]
+        return _state_bytes(following, rung) + pinned
+
     numels = list(map(torch.Tensor.numel, params))
     dtypes = set(map(_DTYPE, following))
     return Footprint(
@@ -413,7 +425,7 @@ def groups_footprint(groups: list[dict[str, Any]], columns: ParamColumns) -> Foo
         devices=tuple(sorted({str(d) for d in {p.device for p in params}})),
         dtypes=tuple(sorted(map(dtype_name, dtypes))),
         has_complex=any(d.is_complex for d in dtypes),
-        state_bytes={rung: _state_bytes(following, rung) + pinned for rung in RUNGS},
+        state_bytes={rung: on(rung) for rung in RUNGS},
         sharded=not all_plain(params) and any(is_dtensor(p) for p in params),
         pinned_params=sum(n for n, pin in zip(numels, param_pins) if pin is not None),
         pinned_state_bytes=pinned,

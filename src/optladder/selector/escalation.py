@@ -2,14 +2,13 @@
 
 An escalation moves them one rung cheaper after an out-of-memory step
 (:func:`escalate`); a checkpoint load may move them to the rung the checkpoint had
-reached (:mod:`optladder.selector.checkpointing`). The fp32 and bf16 rungs are two state
-formats of one engine (:class:`~optladder.optimizers.adamw.LadderAdamW`): a move between
-them flips the groups' ``"rung"`` and converts their state in place, largest param
-first, building nothing. A move to or from 8bit (:func:`migrate`) builds the target
-rung's engine over the same group dicts (or joins the fp32/bf16 engine of pinned
-groups) and converts every param's state onto it
-(:func:`optladder.optimizers.migrate.migrate_states`); each move records why in the
-decision (:func:`switch`). The optimizer object, its group dicts and its ``state`` dict
+reached (:mod:`optladder.selector.checkpointing`). The fp32, bf16 and 8bit rungs are three state
+formats of one engine (:class:`~optladder.optimizers.adamw.LadderAdamW`): a move
+(:func:`migrate`) flips the groups' ``"rung"`` and converts their state in place
+(:func:`optladder.optimizers.migrate.migrate_states`: largest param first, one param's
+new state at a time), building nothing; only an engine that is not a LadderAdamW (a
+torch AdamW handed in) is replaced by one built for the rung. Each move records why in
+the decision (:func:`switch`). The optimizer object, its group dicts and its ``state`` dict
 stay the same. Groups that pin their rung never move. What the user's word forbids (a
 rung fixed by ``rung=``, a disabled or unavailable rung) is :func:`move_refused`.
 
@@ -46,8 +45,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("optladder")
 
-LADDER_FORMATS: tuple[Rung, ...] = ("fp32", "bf16")
-"""The rungs that are state formats of one engine (:class:`LadderAdamW`)."""
+LADDER_FORMATS: tuple[Rung, ...] = ("fp32", "bf16", "8bit")
+"""The rungs that are state formats of one engine (:class:`LadderAdamW`): every rung."""
 
 __all__ = [
     "Escalation",
@@ -218,12 +217,13 @@ def target_engine(
     """The engine the groups that follow the decision (``following``) move to on
     ``rung``, and how to undo what making it ready changed (before their state moves).
 
-    The fp32 and bf16 rungs are two state formats of one engine
-    (:class:`~optladder.optimizers.adamw.LadderAdamW`): a move to one of them when that
-    engine exists (the groups' own, or the engine of groups that pin fp32 or bf16) keeps
-    it and flips the groups' ``"rung"`` (their state format; the groups join the engine
-    when they were on another); nothing is built. Otherwise the rung's engine is built
-    over the groups (fused when the decision found the rung fused here).
+    Every rung is a state format of one engine
+    (:class:`~optladder.optimizers.adamw.LadderAdamW`): a move when that engine exists
+    (the groups' own, or the engine of pinned groups) keeps it and flips the groups'
+    ``"rung"`` (their state format; the groups join the engine when they were on
+    another); nothing is built. Otherwise (an engine that is not a LadderAdamW) the
+    rung's engine is built over the groups (fused when the decision found the rung fused
+    here).
 
     The caller restores the groups' items on failure (:func:`restore_groups`); the undo
     takes the groups back out of an engine they joined.

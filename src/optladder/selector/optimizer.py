@@ -951,13 +951,21 @@ class LadderOptimizer(torch.optim.Optimizer):
         reasons: list[tuple[Rung, str]] = []
         if not self._decision.fused:
             reasons.append((self.rung, self._decision.unfused_reason or ""))
+        rungs: list[Rung] | None = None  # per param over all groups, its group's rung
         for rung, engine in [(self.rung, self.engine), *self._pinned.items()]:
             if engine is not self.engine and rung in self._pinned_misses:
                 reasons.append((rung, self._pinned_misses[rung]))
             if engine is self.engine and rung != self.rung:
                 continue  # a pin on the decision's engine: its reasons are listed once
-            eager = getattr(engine, "eager_reasons", {}).values()
-            reasons += [(rung, reason) for reason in sorted(set(eager))]
+            eager = getattr(engine, "eager_reasons", {})
+            if eager and isinstance(engine, LadderAdamW):  # indices over all groups: each
+                if rungs is None:  # reason under the rung of its param's group
+                    groups = self.param_groups
+                    rungs = [self._group_rung(g) for g in groups for _ in g["params"]]
+                said = {(rungs[i] if i < len(rungs) else rung, r) for i, r in eager.items()}
+                reasons += sorted(said)
+                continue
+            reasons += [(rung, reason) for reason in sorted(set(eager.values()))]
         for rung, reason in reasons:
             if (rung, reason) not in self._warned:
                 self._warned.add((rung, reason))
