@@ -50,7 +50,6 @@ from optladder.optimizers.transaction import deferred_interrupts
 from optladder.rungs import GROUP_PIN_ORIGIN, ORIGIN_KEY, REASON_KEY, RUNG_KEY, RUNGS, Rung
 from optladder.selector.checks import check_checkpoint_groups, decoupled_mode
 from optladder.selector.escalation import (
-    leave,
     move_refused,
     nothing,
     restore_groups,
@@ -235,7 +234,7 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
         for saved in groups
     ]
     move_to = checkpoint_rung(opt, groups)
-    old = engine = opt.engine
+    engine = opt.engine
     following = opt._following_groups()
     saved_groups = [dict(g) for g in live_groups]
     undo: Callable[[], None] = nothing
@@ -271,7 +270,6 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
         opt.state.clear()
         opt.state.update(new_state)
         if move_to is not None:
-            leave(opt, old, engine, following)
             switch(opt, engine, move_to, checkpoint_reason(opt, move_to), "checkpoint")
 
 

@@ -45,9 +45,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("optladder")
 
-LADDER_FORMATS: tuple[Rung, ...] = ("fp32", "bf16", "8bit")
-"""The rungs that are state formats of one engine (:class:`LadderAdamW`): every rung."""
-
 __all__ = [
     "Escalation",
     "escalate",
@@ -203,7 +200,6 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
             raise
         if converted is not new.state:
             opt.state.update(converted)
-        leave(opt, old, new, following)
         switch(opt, new, rung, reason, origin)
 
 
@@ -229,7 +225,7 @@ def target_engine(
     takes the groups back out of an engine they joined.
     """
     ladder = opt._ladder_engine()
-    if rung in LADDER_FORMATS and ladder is not None:
+    if ladder is not None:
         for group in following:
             ladder.set_format(group, rung)  # the state format the conversion targets
         if ladder is opt.engine:
@@ -250,24 +246,6 @@ def target_engine(
         return ladder, undo
     fused = opt._decision.capabilities.fused[rung]
     return opt._rebuild(rung, following, fused), lambda: None
-
-
-def leave(
-    opt: LadderOptimizer,
-    old: torch.optim.Optimizer,
-    new: torch.optim.Optimizer,
-    following: list[dict[str, Any]],
-) -> None:
-    """After a move of ``following`` from ``old`` to ``new``: take the groups out of
-    ``old`` when it stays as the engine of pinned groups (the fp32/bf16 engine, when the
-    groups moved to the 8bit rung)."""
-    if old is new or not any(old is e for e in opt._pinned.values()):
-        return
-    ids = {id(g) for g in following}
-    old.param_groups[:] = [g for g in old.param_groups if id(g) not in ids]
-    release = getattr(old, "release_tables", None)
-    if release is not None:
-        release()
 
 
 def steps_refusal(opt: LadderOptimizer, rung: Rung) -> str | None:

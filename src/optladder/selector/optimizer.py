@@ -196,10 +196,10 @@ class LadderOptimizer(torch.optim.Optimizer):
     bitsandbytes users keep embeddings in 32-bit state; see
     :func:`optladder.rungs.group_pin`) keep their state in that rung's format and never
     move: an out-of-memory step escalates the other groups, those that follow the
-    decision. The fp32 and bf16 rungs are two state formats of one engine
+    decision. The fp32, bf16 and 8bit rungs are three state formats of one engine
     (:class:`~optladder.optimizers.adamw.LadderAdamW`): a group pinning one of them is a
-    group of that engine whatever the others are on; an 8bit pin gets bitsandbytes'
-    engine. ``rung``, ``engine`` and ``decision`` describe the groups that follow the
+    group of that engine whatever the others are on. ``rung``, ``engine`` and
+    ``decision`` describe the groups that follow the
     decision (``engine`` may hold pinned groups too); the decision's state bytes include
     the pinned groups'.
 
@@ -230,7 +230,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         rung: the current rung of the groups that follow the decision.
         engine: their optimizer.
         pinned_engines: per pinned rung, the optimizer of the groups that pin it (the
-            engine itself for a pin of fp32 or bf16 beside groups on the other).
+            engine itself: every rung is a state format of it).
         escalations: the moves made so far.
         last_step_skipped: whether the last ``torch.amp.GradScaler.step(opt)`` skipped
             the step for an inf/NaN grad (keep an LR scheduler in step with
@@ -356,8 +356,8 @@ class LadderOptimizer(torch.optim.Optimizer):
                 take a group's params; nothing is changed then.
         """
         engine = self._pinned.get(rung)
-        if engine is None and rung in escalation.LADDER_FORMATS:
-            engine = self._ladder_engine()  # one engine for the fp32 and bf16 formats
+        if engine is None:
+            engine = self._ladder_engine()  # one engine for every rung's state format
         groups = [group for _, group in indexed]
         for gi, group in indexed:
             try:
@@ -990,10 +990,8 @@ class LadderOptimizer(torch.optim.Optimizer):
         """Move the groups that follow the decision to ``rung`` and convert their params'
         state there, keeping this object, the param-group dicts (per-group
         hyperparameters, a tensor lr included), param order and per-param step counts.
-        Between fp32 and bf16 (two state formats of one engine) the state is converted
-        in place and no engine is built; to or from 8bit the rung's engine is built (or
-        the fp32/bf16 engine of pinned groups joined). Groups that pin their rung stay
-        where they are.
+        Every rung is a state format of one engine: the state is converted in place
+        and no engine is built. Groups that pin their rung stay where they are.
 
         On failure (an OOM while converting) the groups are put back and every param gets
         its state back, and the error is re-raised. Moving up (to a wider format) keeps
