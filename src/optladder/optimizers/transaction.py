@@ -120,8 +120,10 @@ def check_step_inputs(
     # many groups would outlive the step's young collections, see fusedstep.fused_plan)
     changed: list[int] = []
     with_strides: list[bool] = []
+    options_same = memo is not None and memo.all_options_unchanged(groups)
+    every = None if memo is None or bnb else memo.all_grads  # bitsandbytes: per group
     for gi, group in enumerate(groups):
-        if memo is None or not memo.options_unchanged(gi, group):
+        if not options_same and (memo is None or not memo.options_unchanged(gi, group)):
             try:
                 missing = [key for key in _HYPERPARAMS if key not in group]
                 if missing:  # deleted by hand: torch's step would fail half-way
@@ -145,8 +147,17 @@ def check_step_inputs(
         all_grads.append(grads)
         strides = fused and bool(group.get("fused"))
         with_strides.append(strides)
-        if memo is None or not memo.grads_unchanged(gi, group, params, grads, strides):
+        if every is None and (
+            memo is None or not memo.grads_unchanged(gi, group, params, grads, strides)
+        ):
             changed.append(gi)
+    if memo is not None and not options_same:
+        memo.record_all_options(groups)
+    if every is not None:  # every group's grads at once: all checked when any changed
+        flat_params = list(chain.from_iterable(map(_PARAMS, groups)))
+        flat_grads = list(chain.from_iterable(all_grads))
+        if not every.same(groups, flat_params, flat_grads, with_strides):
+            changed = list(range(len(groups)))
     for strides in (False, True):  # the groups' grads checked together, in C
         checks = [gi for gi in changed if with_strides[gi] is strides]
         flat = list(chain.from_iterable(groups[gi]["params"] for gi in checks))
@@ -157,6 +168,10 @@ def check_step_inputs(
             params = groups[gi]["params"]
             if not _grads_match(params, all_grads[gi], strides):  # raises, naming it:
                 _check_grads(params, names.get(id(groups[gi]), f"group {gi}"), strides)
+    if every is not None:
+        if changed:
+            every.record(groups, flat_params, flat_grads, with_strides)
+        return all_grads
     for gi in changed:
         group, strides = groups[gi], with_strides[gi]
         params = group["params"]
