@@ -695,10 +695,10 @@ class _GroupPlan:
                 nondense = nondense_places(params)
             present = cast(list[torch.Tensor], grads)
             params = list(params)  # group_call puts the copies' buffers in this list
-            kept[k] = group_call(self.group, params, present, states, nondense, False, kept[k])
+            kept[k] = group_call(self.group, params, present, states, nondense, kept[k])
             calls.append(kept[k])
         self.torch_calls[:] = calls  # in place: new lists a step per group would outlive
-        self._picks[:] = picks  # the step's young collections (see fusedstep.fused_plan)
+        self._picks[:] = picks  # the step's young collections (see fusedstep.group_call)
         self.torch_options = self._read_torch_options()
         self.torch_numbers = numbers_only(self.group)
 

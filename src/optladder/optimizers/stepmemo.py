@@ -297,7 +297,7 @@ class KeptGrads:
             self.ptrs = _grad_ptrs(grads) if self.reused and self.addresses else None
         elif self.refs:
             # matches no grads: checked again at the next step (emptied in place: a new
-            # list a step per group would outlive the step, see fusedstep.fused_plan)
+            # list a step per group would outlive the step, see fusedstep.group_call)
             self.refs.clear()
         self.fresh = 0 if self.reused else self.fresh + 1
         self.reused = False
@@ -312,13 +312,11 @@ class AllGrads:
     Attributes:
         groups: the group dicts (identity).
         params: every group's params, in order (identity).
-        context: per group, whatever else the grad checks read (equal).
         grads: their grads (:class:`KeptGrads`).
     """
 
     groups: list[Any] = field(default_factory=list)
     params: list[torch.Tensor] = field(default_factory=list)
-    context: list[Any] = field(default_factory=list)
     grads: KeptGrads = field(default_factory=KeptGrads)
 
     def same(
@@ -326,13 +324,11 @@ class AllGrads:
         groups: Sequence[Any],
         params: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor | None],
-        context: list[Any],
     ) -> bool:
         """Whether ``groups`` hold ``params`` (all groups', flat) with the same grad
-        tensors at the same addresses, and ``context`` is equal, as last recorded."""
+        tensors at the same addresses as last recorded."""
         return (
             same_objects(groups, self.groups)
-            and context == self.context
             and same_objects(params, self.params)
             and len(params) == len(grads)
             and self.grads.same(grads)
@@ -343,7 +339,6 @@ class AllGrads:
         groups: Sequence[Any],
         params: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor | None],
-        context: list[Any],
     ) -> None:
         """Remember them (their checks passed; the grads as :meth:`KeptGrads.record`
         keeps them)."""
@@ -351,7 +346,6 @@ class AllGrads:
             self.groups = list(groups)
         if not same_objects(params, self.params):
             self.params = list(params)
-        self.context = list(context)
         self.grads.record(grads)
 
 
@@ -365,7 +359,7 @@ class GroupMemo:
             or None (check again).
         params: its params when its grads were checked, in order (identity).
         grads: their grads then (:class:`KeptGrads`).
-        context: whatever else the grad checks read (e.g. the group's ``fused`` flag).
+        context: whatever else the grad checks read.
     """
 
     group: dict[str, Any]
@@ -389,14 +383,6 @@ class StepMemo:
         states_ready: after :meth:`record_states`, the state dicts and keys then (in
             order), the params, which had their state, and how many params each group
             held.
-        states_extra: what the caller derived from that state (see :meth:`record_states`).
-        plan: what the prepare phase left for the commit (consumed by it), or None.
-        kept_plan: the last committed plan, emptied of its grads, whose containers the
-            next prepare phase fills again (:func:`~.fusedstep.fused_plan`'s
-            ``previous``: a step then makes few objects that outlive it), or None.
-        step_counts: what the prepare phase readies and the commit uses, kept between
-            steps, to bump the step counts
-            (:class:`~optladder.optimizers.fusedstep.StepCounts`), or None.
         all_options: every group's dict, keys and values when all passed their checks
             (:meth:`record_all_options`), or None.
         all_grads: every group's params and grads when their checks last passed, for
@@ -407,10 +393,6 @@ class StepMemo:
     states_ready: tuple[list[Any], list[Any], list[torch.Tensor], list[bool], list[int]] | None = (
         None
     )
-    states_extra: Any = None
-    plan: Any = None
-    kept_plan: Any = None
-    step_counts: Any = None
     all_options: tuple[list[Any], list[Any], list[Any]] | None = None
     all_grads: AllGrads = field(default_factory=AllGrads)
 
@@ -445,15 +427,12 @@ class StepMemo:
         state: Mapping[Any, Any],
         params: list[torch.Tensor],
         sizes: list[int],
-        extra: Any = None,
     ) -> None:
-        """Remember which params of ``params`` have their state now (a non-empty state
-        dict, one lookup per param), with ``extra`` (whatever the caller derived from
-        that state and the groups' ``sizes``, read back as :attr:`states_extra` while
-        :meth:`states_exist` holds)."""
+        """Remember which params of ``params`` (split into groups of ``sizes``) have
+        their state now (a non-empty state dict, one lookup per param), for
+        :meth:`states_exist`."""
         having = list(map(bool, map(state.get, params)))
         self.states_ready = (list(state.values()), list(state), list(params), having, list(sizes))
-        self.states_extra = extra
 
     def all_options_unchanged(self, groups: list[dict[str, Any]]) -> bool:
         """Whether ``groups`` are the group dicts of :meth:`record_all_options`, in order,
