@@ -29,7 +29,9 @@ Each rep builds and steps every implementation once, in an order rotated by one 
 rep so that no implementation always runs first or last; reported are the median and
 the min-max over reps, and the ratio of medians ``torch / optladder`` (above 1 is
 faster than torch, below 1 slower; for construction, ``x`` is with the probe and ``x-p``
-without it). Run with 1 and 2 threads (``--threads 1,2``).
+without it), then per implementation the ratio within each rep (torch's time over its,
+both from the same rep) as ``median [min-max]`` over reps. Run with 1 and 2 threads
+(``--threads 1,2``).
 
 Usage::
 
@@ -167,6 +169,15 @@ def fresh_grads(params: list[torch.nn.Parameter]) -> None:
         p.grad = p.grad.clone()  # type: ignore[union-attr]
 
 
+def _ratios(base: list[float], mine: list[float]) -> str:
+    """Each rep's ``base / mine`` (torch's seconds over the implementation's, measured in
+    the same rep): ``median [min-max]``."""
+    ratios = [b / m for b, m in zip(base, mine) if m > 0]
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
 def spread(xs: list[float]) -> str:
     """``median [min-max]`` in milliseconds."""
     return f"{statistics.median(xs) * 1e3:9.2f} [{min(xs) * 1e3:.2f}-{max(xs) * 1e3:.2f}]"
@@ -243,12 +254,22 @@ def main(argv: list[str] | None = None) -> None:
             base_s = statistics.median(steps["torch-fused-fp32"])
             base_f = statistics.median(fresh["torch-fused-fp32"])
             in_groups = f" in {groups:,} groups" if groups > 1 else ""
+            ratio_lines: list[str] = []
+            no_probe = {n: [b - p for b, p in zip(builds[n], probes[n])] for n in names}
             print(f"\nthreads={threads}  {count:,} x {numel:,} float32{in_groups}")
             print(
                 f"{'impl':<20}{'build ms':>28}{'x':>7}{'probe ms':>10}{'x-p':>7}"
                 f"{'step ms':>28}{'x':>7}{'fresh grads ms':>28}{'x':>7}"
             )
             for name in names:
+                paired = [
+                    (
+                        f"{name} per-rep torch/impl:",
+                        f"build-p {_ratios(builds['torch-fused-fp32'], no_probe[name])}",
+                        f"step {_ratios(steps['torch-fused-fp32'], steps[name])}",
+                        f"fresh {_ratios(fresh['torch-fused-fp32'], fresh[name])}",
+                    )
+                ]
                 rb = base_b / statistics.median(builds[name])
                 without = [b - p for b, p in zip(builds[name], probes[name])]
                 rbp = base_b / statistics.median(without)
@@ -258,6 +279,9 @@ def main(argv: list[str] | None = None) -> None:
                 line += f"{statistics.median(probes[name]) * 1e3:10.2f}{rbp:7.2f}"
                 line += f"{spread(steps[name]):>28}{rs:7.2f}"
                 print(line + f"{spread(fresh[name]):>28}{rf:7.2f}")
+                ratio_lines += [" ".join(row) for row in paired]
+            for row in ratio_lines:
+                print(row)
 
 
 if __name__ == "__main__":

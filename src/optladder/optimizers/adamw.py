@@ -456,12 +456,16 @@ class _GroupPlan:
             buckets.setdefault((p.device, p.dtype), []).append((p, i))
         self.torch_buckets = list(buckets.values())
         self.torch_calls: list[Any] = []  # this step's calls
+        # the group's options the calls were made with, and whether they are numbers
+        # (the direct kernel call takes them; :meth:`reuse_torch_calls`)
+        self.torch_options: tuple[Any, ...] = ()
+        self.torch_numbers = False
         self._torch_cache: list[Any] | None = None  # per bucket: items, params, states
         self._picks: list[bool] = []  # which torch fused params have a grad this step
         self._bucket_calls: list[Any] = [None] * len(self.torch_buckets)  # their containers
         self._planned = set(self._positions).union(self._others, self._torch_positions)
         self._torch_items = routes["torch_fused"] + routes["torch_foreach"]
-        self._torch_params = [p for p, _ in self._torch_items]
+        self.torch_params = [p for p, _ in self._torch_items]
         # the torch routes' grads, their addresses (None: not read) and state tensors at
         # the last step (:meth:`ready_torch`)
         self._torch_grads = KeptGrads()  # weak references, with their addresses
@@ -478,6 +482,8 @@ class _GroupPlan:
         # whether some params step off the C kernel's table (their step tensors are read
         # afresh at every step, so checked at every step)
         self.untracked_steps = bool(routes["eager"] or routes["staged"] or routes["triton"])
+        # whether every param it steps is on torch's kernels (:class:`_SteadyPlans`)
+        self.torch_only = not (self.untracked_steps or routes["cpu"])
         # this step's staged params: (param, index, one-row table, param and grad copies)
         self.staged: list[tuple[torch.Tensor, int, Any, torch.Tensor, torch.Tensor]] = []
 
@@ -625,8 +631,8 @@ class _GroupPlan:
         items = self._torch_items
         if not items:
             return
-        sts = list(map(state.__getitem__, self._torch_params))
-        grads = list(map(_GRAD, self._torch_params))
+        sts = list(map(state.__getitem__, self.torch_params))
+        grads = list(map(_GRAD, self.torch_params))
         kept = self._torch_grads
         # the same grad tensors over other memory (new ones: check()'s kinds)
         moved = not kept.same(grads) and same_grads(kept.refs, grads)
@@ -658,7 +664,7 @@ class _GroupPlan:
             ValueError: a grad laid out unlike its param (:func:`_refuse_torch_grad`).
             Whatever allocating the copies raised (an OOM); nothing is written.
         """
-        from optladder.optimizers.fusedstep import group_call, nondense_places
+        from optladder.optimizers.fusedstep import group_call, nondense_places, numbers_only
 
         if self._torch_cache is None:
             self._torch_cache = [
@@ -689,10 +695,73 @@ class _GroupPlan:
                 nondense = nondense_places(params)
             present = cast(list[torch.Tensor], grads)
             params = list(params)  # group_call puts the copies' buffers in this list
-            kept[k] = group_call(self.group, params, present, states, nondense, False, kept[k])
+            kept[k] = group_call(self.group, params, present, states, nondense, kept[k])
             calls.append(kept[k])
         self.torch_calls[:] = calls  # in place: new lists a step per group would outlive
-        self._picks[:] = picks  # the step's young collections (see fusedstep.fused_plan)
+        self._picks[:] = picks  # the step's young collections (see fusedstep.group_call)
+        self.torch_options = self._read_torch_options()
+        self.torch_numbers = numbers_only(self.group)
+
+    def _read_torch_options(self) -> tuple[Any, ...]:
+        """The group's values that :func:`~.fusedstep.group_call` reads into a call:
+        ``lr``, ``beta1``, ``beta2``, ``weight_decay``, ``eps``, ``maximize``,
+        ``decoupled_weight_decay`` (the objects themselves, compared by identity)."""
+        group = self.group
+        beta1, beta2 = group["betas"]
+        return (
+            group["lr"],
+            beta1,
+            beta2,
+            group["weight_decay"],
+            group["eps"],
+            group["maximize"],
+            group["decoupled_weight_decay"],
+        )
+
+    def reuse_torch_calls(self) -> bool:
+        """Put this step's grads into the calls :meth:`make_torch_calls` made at an
+        earlier step, when they still hold: the group's options are the objects the
+        calls were made with (an ``lr`` set anew, as a scheduler sets it, is written into
+        the calls). The caller has checked the rest (:class:`_TorchRoutes`): the plan
+        is :meth:`reusable_torch` (no param through a copy, every one had a grad), every
+        param has a grad now, of the kind the plan was made for, and the params' state
+        tensors are the same objects.
+
+        Returns:
+            False when the calls must be made again (:meth:`make_torch_calls`); nothing
+            is changed then but grads already put in (the calls are remade).
+        """
+        from optladder.optimizers.fusedstep import numbers_only
+
+        cache = self._torch_cache
+        if cache is None or not self.torch_calls or len(self.torch_calls) != len(cache):
+            return False
+        now = self._read_torch_options()
+        seen = self.torch_options
+        if not all(map(operator.is_, now, seen)):
+            if not all(map(operator.is_, now[1:], seen[1:])):
+                return False  # betas, weight decay, eps or a flag: made again
+            lr = now[0]
+            for call in self.torch_calls:
+                call[2]["lr"] = lr
+            self.torch_options = now
+            self.torch_numbers = numbers_only(self.group)
+        for call, (params, _, _, _) in zip(self.torch_calls, cache):
+            call[1][1][:] = map(grad_of, params)  # the grads' list, filled in place
+        return True
+
+    def reusable_torch(self) -> bool:
+        """Whether :meth:`reuse_torch_calls` may reuse this step's calls at the next: every
+        torch fused param had a grad at this step and none steps through a copy."""
+        if not self.torch_buckets:
+            return True
+        cache = self._torch_cache
+        return (
+            cache is not None
+            and all(self._picks)
+            and len(self.torch_calls) == len(cache)
+            and not any(strided or nondense for _, _, strided, nondense in cache)
+        )
 
     def torch_steps(self) -> tuple[list[Any], list[bool]]:
         """``(step of every torch fused param, whether it has a grad now)``, in the order
@@ -702,17 +771,150 @@ class _GroupPlan:
         every = [st["step"] for _, states, _, _ in self._torch_cache for st in states]
         return every, self._picks
 
-    def release_torch_grads(self) -> None:
-        """Drop the grads and copies the torch calls hold (after the commit)."""
-        from optladder.optimizers.fusedstep import release_grads
-
-        release_grads(self.torch_calls)
-
     def place(self, table: Any, first: int, table_group: int) -> None:
         """Make this plan's C kernel params rows ``first, ...`` of ``table`` (a new table:
         its grads are written at the next :meth:`write_grads`)."""
         self.table, self.first, self.table_group = table, first, table_group
         self._grads, self._grad_ptrs = KeptGrads(addresses=False), []
+
+
+class _TorchRoutes:
+    """The torch routes of every plan of one step, flat, kept between steps so that a
+    step whose plans are the same objects (:meth:`_GroupPlan.check` passed for each)
+    checks what :meth:`_GroupPlan.ready_torch` checks for all groups at once, in C, and
+    reuses each plan's calls (:meth:`_GroupPlan.reuse_torch_calls`) instead of making
+    them again: over many groups (layer-wise learning rates) the per-group work cost
+    more than torch's own ``step``.
+
+    What it compares at every step: the plans (identity), the torch routes' grads (none
+    None; the same tensors over other memory are checked again by the plans), and every
+    state tensor of those params (identity: a state tensor put in by hand or by a load
+    is made ready again by the plans). Any change: the plans' own checks run, and this
+    is made again after them.
+
+    Attributes:
+        plans: the plans it was made for, in order.
+        with_calls: those with torch fused calls.
+        params: every torch route param of them (fused and foreach), in order.
+        states: their state dicts.
+        tensors: their ``exp_avg``, ``exp_avg_sq`` and ``step`` then.
+        grads: their grads then (:class:`~.stepmemo.KeptGrads`).
+        steps: the step tensors of the fused calls, in the calls' order.
+    """
+
+    def __init__(self, plans: list[_GroupPlan], state: Mapping[torch.Tensor, Any]) -> None:
+        self.plans = list(plans)
+        self.with_calls = [plan for plan in plans if plan.torch_calls]
+        self.params = [p for plan in plans for p in plan.torch_params]
+        self.states = list(map(state.__getitem__, self.params))
+        self.tensors = _state_tensors(self.states)
+        self.grads = KeptGrads()
+        self.grads.record(list(map(_GRAD, self.params)))
+        self.steps = [step for plan in self.with_calls for step in plan.torch_steps()[0]]
+        self.picks = [True] * len(self.steps)
+
+    @staticmethod
+    def fits(plans: list[_GroupPlan]) -> bool:
+        """Whether the plans' torch routes can be kept so: every torch fused param had
+        a grad at this step and none steps through a copy."""
+        return all(plan.reusable_torch() for plan in plans)
+
+    def reuse(self, plans: list[_GroupPlan]) -> bool:
+        """Check this step's torch routes against what they were, and put this step's
+        grads into every plan's calls; False (check and make them per plan) when the
+        plans, a state tensor or a grad's presence changed, a grad that is the same
+        tensor moved, or a plan's calls must be made again."""
+        if not same_objects(plans, self.plans):
+            return False
+        grads = list(map(_GRAD, self.params))
+        if any(map(operator.is_, grads, repeat(None))):
+            return False
+        if not same_objects(_state_tensors(self.states), self.tensors):
+            return False
+        kept = self.grads
+        if not kept.same(grads) and same_grads(kept.refs, grads):
+            return False  # the same grads over other memory: checked again per plan
+        if not all(plan.reuse_torch_calls() for plan in self.with_calls):
+            return False
+        kept.record(grads)
+        return True
+
+
+class _SteadyPlans:
+    """Every group's plan at the last step, kept while the step's inputs stay as they
+    were, when every plan steps on torch's kernels alone (the fp32 format's float32,
+    float64 and complex params): a step then checks the groups, their params and their
+    grads' kinds for all groups at once, in C, instead of :meth:`_GroupPlan.check` per
+    group (a few microseconds a group: over 1,000 groups, more than torch's ``step``).
+
+    What :meth:`reuse` compares: the group dicts and their ``"rung"`` keys (the state
+    format), every group's params (identity) and their count per group, the params'
+    first indices (``param_starts``), and the grads: the same tensors at the same
+    addresses, or new ones of the same kinds (:func:`~.stepmemo.grad_kinds`: which are
+    None, dtypes, contiguity, element counts, devices, all dense). Those are what
+    :meth:`_GroupPlan.check` reads; the torch routes' state and grads are then checked
+    by :class:`_TorchRoutes`.
+    """
+
+    def __init__(
+        self,
+        groups: list[dict[str, Any]],
+        starts: list[int] | None,
+        plans: list[_GroupPlan],
+        grads: list[torch.Tensor | None],
+        reasons: dict[int, str],
+    ) -> None:
+        self.groups = list(groups)
+        self.starts = None if starts is None else list(starts)
+        self.rungs = list(map(_GET_RUNG, groups))
+        self.params = list(chain.from_iterable(map(_PARAMS, groups)))
+        self.sizes = list(map(len, map(_PARAMS, groups)))
+        self.plans = plans
+        self.kinds = grad_kinds(grads)
+        self.grads = KeptGrads()
+        self.grads.record(grads)
+        self.reasons = reasons
+
+    @staticmethod
+    def fits(plans: list[_GroupPlan]) -> bool:
+        """Whether every plan steps its params on torch's kernels alone."""
+        return all(plan.torch_only for plan in plans)
+
+    def reuse(
+        self,
+        groups: list[dict[str, Any]],
+        starts: list[int] | None,
+        checked: list[list[torch.Tensor | None]] | None,
+    ) -> bool:
+        """Whether the kept plans hold for this step (see the class docstring); the
+        grads are ``checked``'s (per group) or read here."""
+        if not same_objects(groups, self.groups) or starts != self.starts:
+            return False
+        if list(map(_GET_RUNG, groups)) != self.rungs:
+            return False
+        params = list(chain.from_iterable(map(_PARAMS, groups)))
+        if not same_objects(params, self.params):
+            return False
+        if list(map(len, map(_PARAMS, groups))) != self.sizes:
+            return False
+        if checked is None:
+            grads = list(map(grad_of, params))
+        else:
+            grads = list(chain.from_iterable(checked))
+        if not self.grads.same(grads) and grad_kinds(grads) != self.kinds:
+            return False
+        self.grads.record(grads)
+        return True
+
+
+_GET_RUNG = operator.methodcaller("get", RUNG_KEY)
+_PARAMS = operator.itemgetter("params")
+
+
+def _state_tensors(states: list[Any]) -> list[Any]:
+    """Every state dict's ``exp_avg``, then ``exp_avg_sq``, then ``step`` (None where
+    missing), in C."""
+    return [*map(_GET_AVG, states), *map(_GET_AVG_SQ, states), *map(_GET_STEP, states)]
 
 
 def _kind(g: torch.Tensor) -> tuple[Any, ...]:
@@ -1027,6 +1229,8 @@ class LadderAdamW(torch.optim.Optimizer):
         # torch's fused AdamW's devices (none: every fp32-format param on its foreach path)
         self._fused_devices: tuple[str, ...] | None = None if torch_fused else ()
         self._torch_counts: Any = None  # fusedstep.StepCounts of the torch fused calls
+        self._torch_routes: _TorchRoutes | None = None  # the plans' torch routes, flat
+        self._steady: _SteadyPlans | None = None  # every plan, when all are torch's
         # each group's first param's index over all the owning optimizer's groups (its
         # rounding streams' param index, and the index messages name): set by
         # LadderOptimizer when other engines hold some of its groups; None: counted over
@@ -1066,6 +1270,8 @@ class LadderAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if hasattr(self, "_group_plans"):  # not while torch's __init__ adds the first groups
             self._group_plans.clear()
+            self._torch_routes = None
+            self._steady = None
 
     @run_eagerly
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -1093,6 +1299,8 @@ class LadderAdamW(torch.optim.Optimizer):
         self._group_plans.clear()
         if self._eightbit is not None:
             self._eightbit.release_tables()
+        self._torch_routes = None
+        self._steady = None
         for group, before in zip(self.param_groups, live_groups):  # keys the checkpoint
             for key, value in before.items():  # lacks (torch's AdamW saves no "rung",
                 group.setdefault(key, value)  # "seed", "rounding"): the live group's
@@ -1264,24 +1472,35 @@ class LadderAdamW(torch.optim.Optimizer):
         state_same = same_objects(list(self.state.values()), self._state_seen)
         if state_same and not self._table_points_right():
             self._group_plans.clear()  # made again below, with a new table
+            self._torch_routes = None
+            self._steady = None
             self._cpu_table, self._table_plans = None, []
             self._table_held, self._table_ptrs = [], []
         starts = self.param_starts
         if starts is not None and len(starts) != len(self.param_groups):
             starts = None  # set for other groups: count over this engine's own
+        groups = self.param_groups
+        if checked is None:
+            self._check_options(groups)
+        steady, self._steady = self._steady, None
+        if steady is not None and state_same and steady.reuse(groups, starts, checked):
+            try:  # every plan holds and steps on torch's kernels alone: checked flat
+                self._prepare_torch(steady.plans)
+            except BaseException:
+                self._drop_created(created)
+                raise
+            self._steady = steady
+            self._state_seen = list(self.state.values())
+            self._plan = steady.plans
+            self._eight_prepared = False
+            self._created = created
+            self.eager_reasons = dict(steady.reasons)
+            return created
         try:
             start = 0
-            for gi, group in enumerate(self.param_groups):
+            for gi, group in enumerate(groups):
                 if starts is not None:
                     start = starts[gi]
-                if checked is None and not self._options_memo.options_unchanged(gi, group):
-                    try:
-                        self.check_group_options(group)
-                        self.check_kernel_flags(group)
-                        self.check_8bit_options(group)
-                    except ValueError as exc:
-                        raise ValueError(f"param group {gi}: {exc}") from None
-                    self._options_memo.record_options(gi, group)
                 params = group["params"]
                 if group.get(RUNG_KEY) == "8bit":  # stepped by self._eightbit, below
                     self._group_plans.pop(gi, None)
@@ -1343,6 +1562,13 @@ class LadderAdamW(torch.optim.Optimizer):
         self.eager_reasons = {i: r for plan in plans for i, r in plan.reasons.items()}
         if eight is not None and eight.eager_reasons:
             self.eager_reasons.update(_global_indices(eight, eight_starts))
+        if not eight_starts and _SteadyPlans.fits(plans):  # no 8bit group
+            grads = (
+                list(map(grad_of, chain.from_iterable(map(_PARAMS, groups))))
+                if checked is None
+                else list(chain.from_iterable(checked))
+            )
+            self._steady = _SteadyPlans(groups, starts, plans, grads, self.eager_reasons)
         return created
 
     def eightbit_groups(self) -> Any:
@@ -1376,6 +1602,29 @@ class LadderAdamW(torch.optim.Optimizer):
                 f"group, but the optimizer's is {want!r}: its 8bit groups decay one way"
             )
 
+    def _check_options(self, groups: list[dict[str, Any]]) -> None:
+        """Check every group's options (:meth:`check_group_options`,
+        :meth:`check_kernel_flags`, :meth:`check_8bit_options`) that changed since they
+        last passed (the options memo: all groups at once, else group by group).
+
+        Raises:
+            ValueError: naming the group, the option, its value and what is allowed.
+        """
+        memo = self._options_memo
+        if memo.all_options_unchanged(groups):
+            return
+        memo.trim(len(groups))
+        for gi, group in enumerate(groups):
+            if not memo.options_unchanged(gi, group):
+                try:
+                    self.check_group_options(group)
+                    self.check_kernel_flags(group)
+                    self.check_8bit_options(group)
+                except ValueError as exc:
+                    raise ValueError(f"param group {gi}: {exc}") from None
+                memo.record_options(gi, group)
+        memo.record_all_options(groups)
+
     def _drop_created(self, created: list[torch.Tensor]) -> None:
         """Drop the state a step's prepare created (nothing was written to it) and the
         plans, which may point at it."""
@@ -1387,6 +1636,8 @@ class LadderAdamW(torch.optim.Optimizer):
             self._eightbit.release_tables()
         self._eight_prepared = False
         self._group_plans.clear()
+        self._torch_routes = None
+        self._steady = None
         self._cpu_table, self._table_plans = None, []
         self._table_held, self._table_ptrs = [], []
 
@@ -1402,6 +1653,13 @@ class LadderAdamW(torch.optim.Optimizer):
         tensors that params share when they change)."""
         from optladder.optimizers.fusedstep import StepCounts, plan_steps
 
+        routes = self._torch_routes
+        if routes is not None and routes.reuse(plans):  # nothing changed: checked flat
+            if routes.steps:
+                self._torch_counts.prepare(routes.steps, within=(routes.steps, routes.picks))
+            return
+        self._torch_routes = None
+        self._steady = None
         calls: list[Any] = []
         every: list[torch.Tensor] = []
         picks: list[bool] = []
@@ -1413,13 +1671,14 @@ class LadderAdamW(torch.optim.Optimizer):
                 steps, having = plan.torch_steps()
                 every += steps
                 picks += having
-        if not calls:
-            return
-        if self._torch_counts is None:
-            self._torch_counts = StepCounts()
-        # the cells of every such param's step kept: a step that changes which have a
-        # grad picks among them (experts, a task's head)
-        self._torch_counts.prepare(plan_steps(calls), within=(every, picks))
+        if calls:
+            if self._torch_counts is None:
+                self._torch_counts = StepCounts()
+            # the cells of every such param's step kept: a step that changes which have
+            # a grad picks among them (experts, a task's head)
+            self._torch_counts.prepare(plan_steps(calls), within=(every, picks))
+        if any(plan.torch_params for plan in plans) and _TorchRoutes.fits(plans):
+            self._torch_routes = _TorchRoutes(plans, self.state)
 
     def _refuse_shared_steps(self, plans: list[_GroupPlan]) -> None:
         """Refuse step tensors that two stepped params share (see
@@ -1645,6 +1904,8 @@ class LadderAdamW(torch.optim.Optimizer):
         self._cpu_table, self._table_plans = None, []
         self._table_held, self._table_ptrs = [], []
         self._group_plans.clear()
+        self._torch_routes = None
+        self._steady = None
         self._lr_tensors.clear()
         self._eight_prepared = False
         if self._eightbit is not None:
@@ -1657,6 +1918,8 @@ class LadderAdamW(torch.optim.Optimizer):
         the state moves to another format or is replaced; the next step makes them
         again."""
         self._group_plans.clear()
+        self._torch_routes = None
+        self._steady = None
         self._cpu_table, self._table_plans = None, []
         self._table_held, self._table_ptrs = [], []
         self._state_seen = []
@@ -1972,14 +2235,15 @@ class LadderAdamW(torch.optim.Optimizer):
         :func:`~.fusedstep.run_fused_plan` (all groups' step counts bumped at once), or,
         with ``grad_scale``/``found_inf`` or a hyperparameter that is not a Python number
         (a tensor ``lr``), torch's functional fused AdamW per call, which takes them."""
-        from optladder.optimizers.fusedstep import numbers_only, run_fused_plan
+        from optladder.optimizers.fusedstep import release_grads, run_fused_plan
 
         with_calls = [plan for plan in plans if plan.torch_calls]
         if not with_calls:
             return
+        calls = [c for plan in with_calls for c in plan.torch_calls]
         direct = grad_scale is None and found_inf is None
-        if direct and all(numbers_only(plan.group) for plan in with_calls):
-            run_fused_plan([c for plan in with_calls for c in plan.torch_calls], self._torch_counts)
+        if direct and all(plan.torch_numbers for plan in with_calls):  # read in prepare
+            run_fused_plan(calls, self._torch_counts)
         else:
             with torch.no_grad():  # the copies of params that are not dense
                 for plan in with_calls:
@@ -1995,8 +2259,7 @@ class LadderAdamW(torch.optim.Optimizer):
                         )
                         for param, buffer in writeback:
                             param.copy_(buffer)
-        for plan in with_calls:
-            plan.release_torch_grads()
+        release_grads(calls)  # every plan's, at once
 
     def _route(
         self,

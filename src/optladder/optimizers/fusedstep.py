@@ -1,28 +1,28 @@
-"""The commit of ``torch.optim.Adam``/``AdamW(fused=True)`` as torch's own fused kernel
-call, on lists made in the prepare phase.
+"""torch's fused AdamW kernel called directly, on lists made in the prepare phase: the
+commit of the fp32 format's float32/float64 params in
+:class:`~optladder.optimizers.adamw.LadderAdamW` (:mod:`~optladder.optimizers.torchroute`).
 
-torch's ``Adam.step`` walks every param each step (``_init_group``: the grad, the state
+torch's ``AdamW.step`` walks every param each step (``_init_group``: the grad, the state
 dict by a tensor-keyed lookup, four lists) and then sorts the lists by device and dtype
 (``_group_tensors_by_device_and_dtype``): on many small tensors that costs more than
-the kernel. The prepare phase of :mod:`optladder.optimizers.transaction` has already read
-every grad and made every state, so it hands the commit the lists torch would build:
-:func:`fused_plan` (per group, the params with a grad, their grads and state tensors), and
-:func:`run_fused_plan` makes the calls of torch's ``_fused_adam`` (``step += 1``, then
-``torch._fused_adamw_``, or ``torch._fused_adam_`` for Adam; the step counts of every
-group bumped in one call), so the result is bit for bit torch's.
-
-Only the common case takes this path: every group fused, not differentiable, Python
-numbers as hyperparameters, every param of a group on one device in one dtype (real, not
-complex), no ``grad_scale``/``found_inf`` set on the engine itself. Otherwise
-:func:`fused_plan` returns None and the commit runs torch's ``step``.
+the kernel. The prepare phase has already read every grad and made every state, so it
+makes the lists torch would build, one call per group and (device, dtype)
+(:func:`group_call`), and :func:`run_fused_plan` makes the calls as torch's
+``_fused_adam`` does (``step += 1``, then ``torch._fused_adamw_``, or
+``torch._fused_adam_`` for Adam; the step counts of every group bumped in one pass,
+:class:`StepCounts`), so the result is bit for bit ``torch.optim.AdamW(fused=True)``'s.
+A step with ``grad_scale``/``found_inf`` or a hyperparameter that is not a Python number
+(:func:`numbers_only`) goes through torch's functional fused AdamW on the same lists.
 
 A param that is not dense (a column slice of a buffer: its elements leave gaps in its
 storage, :func:`optladder.columns.dense`) is stepped through a contiguous copy made in
 prepare and written back after the kernel: torch's fused kernels step a param's memory as
 ``numel`` consecutive elements from its first, so on the param itself they would update
 the wrong elements and write over the elements of the buffer between its rows (torch
-2.13's own ``AdamW(fused=True)`` does). torch's ``step`` cannot step such a param, so a
-step that would need it refuses (:func:`refuse_nondense`).
+2.13's own ``AdamW(fused=True)`` does).
+
+It also holds the checks the optladder optimizer runs when params change
+(:func:`refuse_resized`) and the moments' layout rule (:func:`laid_out_like`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from optladder.sharding import local_numel
 
 _EXP_AVG = operator.itemgetter("exp_avg")
 _EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
-_MAX_EXP_AVG_SQ = operator.itemgetter("max_exp_avg_sq")
 _STEP = operator.itemgetter("step")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
@@ -78,41 +77,6 @@ def nondense_places(params: Sequence[torch.Tensor]) -> list[int]:
         )
         if steps_through_copy(params[i])
     ]
-
-
-def refuse_nondense(
-    engine: torch.optim.Optimizer,
-    grads: Sequence[Sequence[torch.Tensor | None]],
-    group_names: Mapping[int, str] | None = None,
-) -> None:
-    """Raise before anything is written when torch's ``step`` of a fused ``engine`` would
-    step a param that is not dense (see the module's docstring): the direct kernel call
-    steps those through copies, torch's ``step`` cannot.
-
-    Args:
-        engine: a torch Adam/AdamW engine.
-        grads: per group, every param's grad (None where it has none), in order.
-        group_names: ``id(group) -> name`` for the message (default ``"group {i}"``).
-
-    Raises:
-        ValueError: naming the param and what to do.
-    """
-    names = group_names or {}
-    for gi, (group, gs) in enumerate(zip(engine.param_groups, grads)):
-        if not group.get("fused"):
-            continue
-        present = [p for p, g in zip(group["params"], gs) if g is not None]
-        places = nondense_places(present)
-        if places:
-            p = present[places[0]]
-            raise ValueError(
-                f"{_param_name(group, gi, p, names)} (shape "
-                f"{tuple(p.shape)}, stride {p.stride()}) is not dense (its elements leave "
-                "gaps in its storage), and this step needs torch's fused AdamW step (a tensor "
-                "hyperparameter, or params of several dtypes or devices in one group), which "
-                "would write over the memory between its elements; give the group Python-number "
-                "hyperparameters and params of one dtype, or optimize a contiguous tensor"
-            )
 
 
 _NUMEL = torch.Tensor.numel
@@ -305,29 +269,6 @@ def _param_name(
     return f"param {pi} of {where or f'group {gi}'}"
 
 
-def params_fit(params: Sequence[torch.Tensor]) -> bool:
-    """Whether ``params`` (one group's) are all on one device in one real dtype, as one
-    kernel call takes them. Reads every param: once per change, not per step."""
-    dtypes = set(map(_DTYPE, params))
-    return (
-        len(dtypes) == 1
-        and not next(iter(dtypes)).is_complex
-        and len(set(map(_DEVICE, params))) == 1
-    )
-
-
-def options_fit(group: dict[str, Any]) -> bool:
-    """Whether ``group``'s options take the direct kernel call: fused, not
-    differentiable, hyperparameters that are Python numbers or numpy float64 scalars (a
-    float subclass, as schedulers written with numpy set; a tensor lr goes through
-    torch's ``step``, which moves it to each device)."""
-    if not group.get("fused") or group.get("differentiable"):
-        return False
-    if "decoupled_weight_decay" not in group or "amsgrad" not in group:
-        return False
-    return numbers_only(group)
-
-
 def numbers_only(group: Mapping[str, Any]) -> bool:
     """Whether ``group``'s hyperparameters (``lr``, ``betas``, ``weight_decay``, ``eps``)
     are Python numbers or numpy float64 scalars, as the direct kernel call takes them."""
@@ -355,94 +296,32 @@ def laid_out_copy(m: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return like.copy_(m)
 
 
-def fused_plan(
-    engine: torch.optim.Optimizer,
-    grads: Sequence[Sequence[torch.Tensor | None]],
-    states: Sequence[Sequence[dict[str, Any]]],
-    nondense: Sequence[Sequence[int]],
-    previous: Sequence[FusedCall] | None = None,
-) -> list[FusedCall] | None:
-    """The kernel calls of ``engine``'s next step, or None when torch's ``step`` must run.
-
-    Args:
-        engine: a ``torch.optim.Adam``/``AdamW`` whose groups' params passed
-            :func:`params_fit` (the caller checks, once per change); the options are
-            checked here (:func:`options_fit`), at every step.
-        grads: per group, every param's grad (None where it has none), in order.
-        states: per group, the state dicts of the params that have a grad, in order
-            (each with its ``exp_avg``, ``exp_avg_sq``, ``step``).
-        nondense: per group, the places among the params that have a grad of those
-            that are not dense (:func:`nondense_places`): each is stepped through a
-            contiguous buffer allocated here (and its grad, when that is not contiguous),
-            filled and written back by :func:`run_fused_plan` (the commit: grads are
-            unscaled in place between prepare and commit).
-        previous: an earlier plan (emptied by :func:`release_grads`) whose lists,
-            options dicts and tuples are filled again in place, call by call, where a
-            call has the kernel and options' keys of the new one: over many groups a
-            plan is ~11 objects a group, and made anew at every step they outlived each
-            step's young-generation collections and set off a full garbage collection
-            every ~10 steps (~0.2 s over 1,000 groups in a process of ~300,000 objects).
-
-    Returns:
-        Per group with a grad, the call :func:`run_fused_plan` makes.
-
-    Raises:
-        Whatever allocating the copies raised (an OOM); nothing is written here.
-    """
-    if getattr(engine, "grad_scale", None) is not None:
-        return None
-    if getattr(engine, "found_inf", None) is not None:
-        return None
-    calls: list[FusedCall] = []
-    for group, gs, sts, nd in zip(engine.param_groups, grads, states, nondense, strict=True):
-        if not options_fit(group):
-            return None
-        params = group["params"]
-        present = list(map(operator.is_not, gs, repeat(None)))
-        if not all(present):
-            params, gs = list(compress(params, present)), list(compress(gs, present))
-        if not params:
-            continue
-        call = previous[len(calls)] if previous is not None and len(calls) < len(previous) else None
-        calls.append(
-            group_call(
-                group,
-                list(params),
-                cast(list[torch.Tensor], list(gs)),  # the Nones left out above
-                sts,
-                nd,
-                bool(group["amsgrad"]),
-                call,
-            )
-        )
-    return calls
-
-
 def group_call(
     group: Mapping[str, Any],
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     states: Sequence[Mapping[str, Any]],
     nondense: Sequence[int],
-    amsgrad: bool = False,
     previous: FusedCall | None = None,
 ) -> FusedCall:
-    """One ``torch._fused_adam(w)_`` call of :func:`fused_plan`: one group's params with a
-    grad (one device, one real dtype), stepped with the group's options.
+    """One ``torch._fused_adam(w)_`` call: one group's params with a grad (one device,
+    one real dtype), stepped with the group's options.
 
     Args:
         group: the group's options (``lr``, ``betas``, ``eps``, ``weight_decay``,
             ``maximize``, ``decoupled_weight_decay``: Python numbers and bools).
         params: its params with a grad (this list is changed: see ``nondense``).
         grads: their grads, in order (changed too).
-        states: their state dicts (``exp_avg``, ``exp_avg_sq``, ``step``, and
-            ``max_exp_avg_sq`` with ``amsgrad``).
+        states: their state dicts (``exp_avg``, ``exp_avg_sq``, ``step``).
         nondense: places in ``params`` of params that are not dense: each (and its grad,
             when that is not contiguous) is replaced by a contiguous buffer allocated here,
             filled before the kernel and written back after it (:func:`run_fused_plan`).
-        amsgrad: the group keeps ``max_exp_avg_sq``.
-        previous: an earlier call whose containers are filled again in place when it has
-            the same kernel and options' keys (see :func:`fused_plan`).
+        previous: an earlier call (emptied by :func:`release_grads`) whose lists,
+            options dict and tuples are filled again in place when it has the same
+            kernel and options' keys: over many groups a call is ~11 objects a group,
+            and made anew at every step they outlived each step's young-generation
+            collections and set off a full garbage collection every ~10 steps (~0.2 s
+            over 1,000 groups in a process of ~300,000 objects).
 
     Returns:
         The call, ``(kernel, tensor lists, options, copies)``.
@@ -460,17 +339,17 @@ def group_call(
         if not g.is_contiguous():
             grads[i] = torch.empty(g.shape, dtype=g.dtype, device=g.device)
             fills.append((grads[i], g))
-    lists = (
+    lists: tuple[list[torch.Tensor], ...] = (
         params,
         grads,
         list(map(_EXP_AVG, states)),
         list(map(_EXP_AVG_SQ, states)),
-        list(map(_MAX_EXP_AVG_SQ, states)) if amsgrad else [],
+        [],  # max_exp_avg_sq: no rung keeps it (amsgrad is refused)
         list(map(_STEP, states)),
     )
     beta1, beta2 = group["betas"]
     options = {
-        "amsgrad": amsgrad,
+        "amsgrad": False,
         "lr": group["lr"],
         "beta1": beta1,
         "beta2": beta2,
@@ -492,9 +371,9 @@ def group_call(
 
 
 def release_grads(calls: list[FusedCall]) -> list[FusedCall]:
-    """Empty the grad lists and copies of :func:`fused_plan`'s calls in place (after the
-    commit: a kept plan must not keep the grads alive after ``zero_grad()``, nor the
-    copies' buffers); returns ``calls``, for :func:`fused_plan`'s ``previous``."""
+    """Empty the grad lists and copies of :func:`group_call`'s calls in place (after the
+    commit: kept calls must not keep the grads alive after ``zero_grad()``, nor the
+    copies' buffers); returns ``calls``, for :func:`group_call`'s ``previous``."""
     for _, lists, _, (fills, writeback) in calls:
         lists[1].clear()
         fills.clear()
@@ -673,7 +552,7 @@ def plan_steps(calls: list[FusedCall]) -> list[torch.Tensor]:
 
 
 def run_fused_plan(calls: list[FusedCall], counts: StepCounts) -> None:
-    """Make the calls of :func:`fused_plan`: ``step += 1`` for every group's params (all
+    """Make the calls of :func:`group_call`: ``step += 1`` for every group's params (all
     groups at once, with ``counts``' writes: torch's ``_fused_adam`` makes one
     ``_foreach_add_`` per group, and groups share no param), then per group the kernel,
     as torch's ``_fused_adam`` does (no grad recorded), with the params that are not

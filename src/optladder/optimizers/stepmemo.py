@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, cast
 import torch
 
 grad_of = operator.attrgetter("grad")
+_VALUES = dict.values
 """``p -> p.grad``, for ``list(map(grad_of, params))`` (a loop in C)."""
 
 _NO_GRAD = type(None)  # called, returns None: the "reference" of a missing grad
@@ -296,10 +297,56 @@ class KeptGrads:
             self.ptrs = _grad_ptrs(grads) if self.reused and self.addresses else None
         elif self.refs:
             # matches no grads: checked again at the next step (emptied in place: a new
-            # list a step per group would outlive the step, see fusedstep.fused_plan)
+            # list a step per group would outlive the step, see fusedstep.group_call)
             self.refs.clear()
         self.fresh = 0 if self.reused else self.fresh + 1
         self.reused = False
+
+
+@dataclass
+class AllGrads:
+    """Every group's params and grads as they were when their checks last passed, flat:
+    one comparison for all groups (:meth:`same`), where :meth:`StepMemo.grads_unchanged`
+    costs a few microseconds a group (over 1,000 groups, more than torch's step).
+
+    Attributes:
+        groups: the group dicts (identity).
+        params: every group's params, in order (identity).
+        grads: their grads (:class:`KeptGrads`).
+    """
+
+    groups: list[Any] = field(default_factory=list)
+    params: list[torch.Tensor] = field(default_factory=list)
+    grads: KeptGrads = field(default_factory=KeptGrads)
+
+    def same(
+        self,
+        groups: Sequence[Any],
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+    ) -> bool:
+        """Whether ``groups`` hold ``params`` (all groups', flat) with the same grad
+        tensors at the same addresses as last recorded."""
+        return (
+            same_objects(groups, self.groups)
+            and same_objects(params, self.params)
+            and len(params) == len(grads)
+            and self.grads.same(grads)
+        )
+
+    def record(
+        self,
+        groups: Sequence[Any],
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor | None],
+    ) -> None:
+        """Remember them (their checks passed; the grads as :meth:`KeptGrads.record`
+        keeps them)."""
+        if not same_objects(groups, self.groups):
+            self.groups = list(groups)
+        if not same_objects(params, self.params):
+            self.params = list(params)
+        self.grads.record(grads)
 
 
 @dataclass
@@ -312,7 +359,7 @@ class GroupMemo:
             or None (check again).
         params: its params when its grads were checked, in order (identity).
         grads: their grads then (:class:`KeptGrads`).
-        context: whatever else the grad checks read (e.g. the group's ``fused`` flag).
+        context: whatever else the grad checks read.
     """
 
     group: dict[str, Any]
@@ -336,24 +383,18 @@ class StepMemo:
         states_ready: after :meth:`record_states`, the state dicts and keys then (in
             order), the params, which had their state, and how many params each group
             held.
-        states_extra: what the caller derived from that state (see :meth:`record_states`).
-        plan: what the prepare phase left for the commit (consumed by it), or None.
-        kept_plan: the last committed plan, emptied of its grads, whose containers the
-            next prepare phase fills again (:func:`~.fusedstep.fused_plan`'s
-            ``previous``: a step then makes few objects that outlive it), or None.
-        step_counts: what the prepare phase readies and the commit uses, kept between
-            steps, to bump the step counts
-            (:class:`~optladder.optimizers.fusedstep.StepCounts`), or None.
+        all_options: every group's dict, keys and values when all passed their checks
+            (:meth:`record_all_options`), or None.
+        all_grads: every group's params and grads when their checks last passed, for
+            callers that check all groups' grads at once (:class:`AllGrads`).
     """
 
     groups: dict[int, GroupMemo] = field(default_factory=dict)
     states_ready: tuple[list[Any], list[Any], list[torch.Tensor], list[bool], list[int]] | None = (
         None
     )
-    states_extra: Any = None
-    plan: Any = None
-    kept_plan: Any = None
-    step_counts: Any = None
+    all_options: tuple[list[Any], list[Any], list[Any]] | None = None
+    all_grads: AllGrads = field(default_factory=AllGrads)
 
     def states_exist(
         self,
@@ -386,15 +427,45 @@ class StepMemo:
         state: Mapping[Any, Any],
         params: list[torch.Tensor],
         sizes: list[int],
-        extra: Any = None,
     ) -> None:
-        """Remember which params of ``params`` have their state now (a non-empty state
-        dict, one lookup per param), with ``extra`` (whatever the caller derived from
-        that state and the groups' ``sizes``, read back as :attr:`states_extra` while
-        :meth:`states_exist` holds)."""
+        """Remember which params of ``params`` (split into groups of ``sizes``) have
+        their state now (a non-empty state dict, one lookup per param), for
+        :meth:`states_exist`."""
         having = list(map(bool, map(state.get, params)))
         self.states_ready = (list(state.values()), list(state), list(params), having, list(sizes))
-        self.states_extra = extra
+
+    def all_options_unchanged(self, groups: list[dict[str, Any]]) -> bool:
+        """Whether ``groups`` are the group dicts of :meth:`record_all_options`, in order,
+        each with the same keys holding the same objects, all immutable (then every
+        group's options are as they were checked: one pass in C for all groups, where
+        :meth:`options_unchanged` costs a few microseconds a group)."""
+        seen = self.all_options
+        if seen is None:
+            return False
+        seen_groups, keys, values = seen
+        return (
+            same_objects(groups, seen_groups)
+            and same_objects(list(chain.from_iterable(groups)), keys)
+            and same_objects(list(chain.from_iterable(map(_VALUES, groups))), values)
+        )
+
+    def record_all_options(self, groups: list[dict[str, Any]]) -> None:
+        """Remember every group's keys and values for :meth:`all_options_unchanged`, when
+        each group's options passed their checks as they are now (:meth:`record_options`
+        or :meth:`options_unchanged`) and all are immutable (no list, no tensor: what
+        changes in place is compared by value, group by group)."""
+        self.all_options = None
+        for gi, group in enumerate(groups):
+            memo = self.groups.get(gi)
+            if memo is None or memo.group is not group or memo.options is None:
+                return
+            if not memo.options.fixed:
+                return
+        self.all_options = (
+            list(groups),
+            list(chain.from_iterable(groups)),
+            list(chain.from_iterable(map(_VALUES, groups))),
+        )
 
     def _memo(self, gi: int, group: dict[str, Any]) -> GroupMemo:
         memo = self.groups.get(gi)
