@@ -107,7 +107,16 @@ CHANGES: dict[str, Callable[[_Pair], None]] = {
     "add a group": lambda pair: _add_group(pair),
     "load a state dict": lambda pair: _reload(pair),
     "a state tensor replaced by hand": lambda pair: _replace_state(pair),
+    "a state dict emptied by hand": lambda pair: _empty_state(pair),
 }
+
+
+def _empty_state(pair: _Pair) -> None:
+    """Empty param 1's and param 3's state dicts (the same dict objects): torch's AdamW
+    starts a param whose state is empty afresh."""
+    for opt, params in ((pair.opt, pair.mine), (pair.torch, pair.ref)):
+        opt.state[params[1]].clear()
+        opt.state[params[3]].clear()
 
 
 def _replace_state(pair: _Pair) -> None:
@@ -252,3 +261,38 @@ def test_a_grad_changed_between_steps_is_refused_then_steps_on(
     pair.torch.step()
     pair.check()
     pair.step(4)
+
+
+@pytest.mark.parametrize("backend", ["auto", "eager"])
+@pytest.mark.parametrize("rung", ["fp32", "bf16"])
+def test_a_state_dict_emptied_by_hand_starts_afresh(rung: str, backend: str) -> None:
+    """A param whose state dict is emptied in place (``opt.state[p].clear()``) starts
+    afresh at the next step, as torch's AdamW does (its ``len(state) == 0`` test) and as
+    a param whose state entry was deleted does: the kept plans must not step it over
+    the state that is gone (they raised KeyError)."""
+
+    def run(drop: Callable[[dict[Any, Any], torch.Tensor], None]) -> list[torch.Tensor]:
+        ps = _params(0, [(5, 7), (13,), (300,), (6, 6)])
+        opt = LadderAdamW(
+            [{"params": ps[:2], "rung": rung}, {"params": ps[2:], "rung": rung}],
+            lr=1e-2,
+            backend=backend,  # type: ignore[arg-type]
+        )
+        for step in range(5):
+            gen = torch.Generator().manual_seed(2000 + step)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+            if step == 2:
+                drop(opt.state, ps[1])
+                drop(opt.state, ps[3])
+        out = [p.detach().clone() for p in ps]
+        for p in ps:
+            out += [opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"], opt.state[p]["step"]]
+        return out
+
+    emptied = run(lambda state, p: state[p].clear())
+    deleted = run(lambda state, p: state.__delitem__(p))
+    for k, (a, b) in enumerate(zip(emptied, deleted, strict=True)):
+        assert same_bits(a, b), k
+    assert float(emptied[4 + 3 * 1 + 2]) == 2.0  # param 1 restarted after step 3: 2 steps

@@ -1224,6 +1224,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self._group_plans: dict[int, _GroupPlan] = {}  # group position -> its plan
         self._options_memo = StepMemo()  # group options that passed their checks
         self._state_seen: list[Any] = []  # self.state's values after the last prepare
+        self._state_lens: list[int] = []  # and their lengths then (a dict emptied by hand)
         self._lr_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}  # Triton's lr
         self._untracked_steps = False  # a plan has params off the C kernel (see prepare)
         # torch's fused AdamW's devices (none: every fp32-format param on its foreach path)
@@ -1469,7 +1470,12 @@ class LadderAdamW(torch.optim.Optimizer):
         writes: list[tuple[list[torch.Tensor | None], tuple[bool, list[int] | None]]] = []
         created: list[torch.Tensor] = []
         replanned = False  # whether a plan or the C kernel's table was made again
-        state_same = same_objects(list(self.state.values()), self._state_seen)
+        state_dicts = list(self.state.values())
+        # the same state dicts, none emptied by hand since (torch's AdamW starts a param
+        # whose state is empty afresh: its plan must create the state again)
+        state_same = same_objects(state_dicts, self._state_seen) and (
+            list(map(len, state_dicts)) == self._state_lens
+        )
         if state_same and not self._table_points_right():
             self._group_plans.clear()  # made again below, with a new table
             self._torch_routes = None
@@ -1490,7 +1496,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 self._drop_created(created)
                 raise
             self._steady = steady
-            self._state_seen = list(self.state.values())
+            self._see_state()
             self._plan = steady.plans
             self._eight_prepared = False
             self._created = created
@@ -1555,7 +1561,7 @@ class LadderAdamW(torch.optim.Optimizer):
         except BaseException:
             self._drop_created(created)
             raise
-        self._state_seen = list(self.state.values())
+        self._see_state()
         self._plan = plans
         self._eight_prepared = eight is not None
         self._created = created
@@ -1570,6 +1576,12 @@ class LadderAdamW(torch.optim.Optimizer):
             )
             self._steady = _SteadyPlans(groups, starts, plans, grads, self.eager_reasons)
         return created
+
+    def _see_state(self) -> None:
+        """Record ``state``'s dicts and their lengths after a prepare (what the next
+        prepare compares to keep its plans)."""
+        self._state_seen = list(self.state.values())
+        self._state_lens = list(map(len, self._state_seen))
 
     def eightbit_groups(self) -> Any:
         """The :class:`~optladder.optimizers.eightbit.EightBitGroups` of this optimizer's
@@ -1922,7 +1934,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self._steady = None
         self._cpu_table, self._table_plans = None, []
         self._table_held, self._table_ptrs = [], []
-        self._state_seen = []
+        self._state_seen, self._state_lens = [], []
         if self._eightbit is not None:
             self._eightbit.release_tables()
 
