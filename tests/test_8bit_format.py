@@ -213,3 +213,46 @@ def test_8bit_groups_refuse_what_the_rung_cannot_take() -> None:
     with pytest.raises(ValueError, match="maximize"):
         opt.step()
     assert len(opt.state) == 0
+
+
+def test_a_torch_adamw_state_in_an_8bit_group_is_refused_before_anything_changes() -> None:
+    """torch's AdamW state loaded into a LadderAdamW's 8bit group (its checkpoint saves
+    no ``"rung"``, so the live group's 8bit format takes it as is): the step refuses it,
+    naming the param, and changes nothing (bitsandbytes' ``update_step`` counted the
+    step of the param, then raised KeyError 'state1'); once that state is dropped the
+    group steps as the 8bit engine does from a fresh state."""
+    from snapshots import assert_same, snapshot
+
+    gen = torch.Generator().manual_seed(5)
+    start = [torch.randn(5000, generator=gen), torch.randn(30, generator=gen)]
+    ref_params = [torch.nn.Parameter(t.clone()) for t in start]
+    torch_opt = torch.optim.AdamW(ref_params, lr=1e-2)
+    for p in ref_params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    torch_opt.step()
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    opt = LadderAdamW([{"params": params, "rung": "8bit", "lr": 1e-2}])
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    twins = [torch.nn.Parameter(t.clone()) for t in start]
+    reference = build_8bit(
+        [{"params": twins, "lr": 1e-2}],
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        decoupled_weight_decay=True,
+    )
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    for p, q, g in zip(params, twins, grads, strict=True):
+        p.grad, q.grad = g.clone(), g.clone()
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=r"param 0 of param group 0 \(8bit\) holds state"):
+        opt.step()
+    assert_same(snapshot(opt), before)
+    for p in params:
+        del opt.state[p]
+    opt.step()
+    reference.step()
+    for k, (p, q) in enumerate(zip(params, twins, strict=True)):
+        assert same_bits(p, q), k
+        _assert_same_state(opt.state[p], reference.state[q], f"param {k}")

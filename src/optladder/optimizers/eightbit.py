@@ -29,7 +29,7 @@ import importlib
 import itertools
 import logging
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import Any, NamedTuple, cast
 
@@ -543,15 +543,23 @@ class EightBitGroups(EightBitMethods):
             The params whose state this call created.
 
         Raises:
-            ValueError: from :meth:`prepare_kernel_step`; an OOM while allocating. The
-                state created is dropped first, and the copies and tables.
+            ValueError: a stepping param whose state is not ``AdamW8bit``'s (it lacks
+                ``step``, ``state1`` or ``state2``: torch's AdamW state loaded into the
+                group, say), naming the param; from :meth:`prepare_kernel_step`; an OOM
+                while allocating. The state created is dropped first, and the copies
+                and tables.
         """
         created: list[torch.Tensor] = []
         state = self.owner.state
         try:
             for gi, group in enumerate(self.param_groups):
                 for pi, p in enumerate(group["params"]):
-                    if p.grad is None or len(state.get(p, ())) != 0:
+                    if p.grad is None:
+                        continue
+                    st = state.get(p)
+                    if st:
+                        if not _EIGHTBIT_KEYS.issubset(st):
+                            raise ValueError(self._foreign_state(group, pi, st))
                         continue
                     created.append(p)
                     self.init_state(group, p, gi, pi)
@@ -564,6 +572,23 @@ class EightBitGroups(EightBitMethods):
             self.drop_kernel_step()
             raise
         return created
+
+    def _foreign_state(self, group: dict[str, Any], pi: int, st: Mapping[str, Any]) -> str:
+        """The message refusing param ``pi`` of ``group`` whose state is not
+        ``AdamW8bit``'s (a torch AdamW checkpoint loaded into the group, or state set by
+        hand): bitsandbytes' ``update_step`` would count its step, then fail."""
+        gi = next(k for k, g in enumerate(self.owner.param_groups) if g is group)
+        return (
+            f"param {pi} of param group {gi} (8bit) holds state {sorted(st)}; the 8bit "
+            f"format keeps bitsandbytes' AdamW8bit state ({', '.join(sorted(_EIGHTBIT_KEYS))}"
+            ", and qmap1/qmap2, absmax1/absmax2 for uint8 codes). Drop its state (del "
+            "opt.state[param]) to start it afresh, or load the checkpoint through "
+            "optladder's AdamW, which converts it to the group's rung"
+        )
+
+
+_EIGHTBIT_KEYS = frozenset({"step", "state1", "state2"})
+"""The keys every param's ``AdamW8bit`` state holds (bitsandbytes' ``init_state``)."""
 
 
 @dataclasses.dataclass
