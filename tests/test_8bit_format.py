@@ -256,3 +256,49 @@ def test_a_torch_adamw_state_in_an_8bit_group_is_refused_before_anything_changes
     for k, (p, q) in enumerate(zip(params, twins, strict=True)):
         assert same_bits(p, q), k
         _assert_same_state(opt.state[p], reference.state[q], f"param {k}")
+
+
+def test_a_load_failing_at_any_allocation_changes_nothing() -> None:
+    """``LadderAdamW.load_state_dict`` over fp32, 8bit and bf16 groups, with an OOM at
+    the k-th allocation for every k: the load raises it and the optimizer is as it was
+    (torch's loader had put its new state in place, then the moments' copies and the
+    8bit state's failed over it: state and groups half loaded); a load after it, and
+    the steps after that, are those of an optimizer that loaded the checkpoint
+    once."""
+    from memtools import FailNthAllocation
+    from snapshots import assert_same, snapshot
+
+    def stepped(seed: int) -> tuple[LadderAdamW, list[torch.Tensor]]:
+        groups = _groups()
+        opt = LadderAdamW(groups)
+        params = [p for g in groups for p in g["params"]]
+        for step in range(2):
+            for p, g in zip(params, _grads(seed + step, params, 1.0), strict=True):
+                p.grad = g
+            opt.step()
+        return opt, params
+
+    saved = copy.deepcopy(stepped(10)[0].state_dict())
+    once, once_params = stepped(0)
+    checkpoint = copy.deepcopy(saved)
+    with FailNthAllocation() as counter:
+        once.load_state_dict(checkpoint)
+    assert counter.count >= 6  # moments of the fp32/bf16 params, the 8bit state's copies
+    for k in range(1, counter.count + 1):
+        opt, params = stepped(0)
+        checkpoint = copy.deepcopy(saved)
+        before = snapshot(opt)
+        with pytest.raises(torch.OutOfMemoryError), FailNthAllocation(k):
+            opt.load_state_dict(checkpoint)
+        assert_same(snapshot(opt), before)
+        if k in (1, counter.count):  # once loaded, it steps as the one that loaded once
+            opt.load_state_dict(checkpoint)
+            for step in range(4, 6):
+                for p, q, g in zip(params, once_params, _grads(step, params, 1.0), strict=True):
+                    p.grad = None if g is None else g.clone()
+                    q.grad = None if g is None else g.clone()
+                opt.step()
+                once.step()
+            assert_same(snapshot(opt), snapshot(once))
+            once, once_params = stepped(0)
+            once.load_state_dict(copy.deepcopy(saved))

@@ -1283,6 +1283,11 @@ class LadderAdamW(torch.optim.Optimizer):
         aside, the rest is loaded by torch (which validates the groups first and changes
         nothing when they do not match), and the moments are put back in
         ``moment_dtype`` on the param's device. ``step`` becomes a 0-d float64 CPU tensor.
+
+        Raises:
+            ValueError: from torch's loader (groups that do not match); an OOM while
+                copying the state. Either way the optimizer is as it was: its ``state``
+                and ``param_groups`` are the objects they were, unchanged.
         """
         moment_keys = ("exp_avg", "exp_avg_sq")
         saved_state = state_dict["state"]
@@ -1296,12 +1301,32 @@ class LadderAdamW(torch.optim.Optimizer):
             },
         }
         live_groups = [dict(g) for g in self.param_groups]
+        # torch's loader puts new state dicts and group dicts in place of these (its
+        # last act); the rest below only fills those, so these are the way back
+        old_state, old_groups = self.state, self.param_groups
         super().load_state_dict(stripped)
         self._group_plans.clear()
         if self._eightbit is not None:
             self._eightbit.release_tables()
         self._torch_routes = None
         self._steady = None
+        try:
+            self._finish_load(state_dict, saved_state, eight_ids, live_groups)
+        except BaseException:  # an OOM copying the moments: the optimizer as it was
+            self.state, self.param_groups = old_state, old_groups
+            raise
+
+    def _finish_load(
+        self,
+        state_dict: dict[str, Any],
+        saved_state: dict[Any, Any],
+        eight_ids: frozenset[Any],
+        live_groups: list[dict[str, Any]],
+    ) -> None:
+        """The part of :meth:`load_state_dict` after torch's loader: the live groups'
+        keys the checkpoint lacks, the moments in ``moment_dtype``, the 8bit groups'
+        state as bitsandbytes loads it, ``step`` as a float64 CPU tensor of its own."""
+        moment_keys = ("exp_avg", "exp_avg_sq")
         for group, before in zip(self.param_groups, live_groups):  # keys the checkpoint
             for key, value in before.items():  # lacks (torch's AdamW saves no "rung",
                 group.setdefault(key, value)  # "seed", "rounding"): the live group's
