@@ -302,3 +302,23 @@ def test_a_load_failing_at_any_allocation_changes_nothing() -> None:
             assert_same(snapshot(opt), snapshot(once))
             once, once_params = stepped(0)
             once.load_state_dict(copy.deepcopy(saved))
+
+
+@pytest.mark.parametrize("build", ["build_8bit_format", "build_8bit"])
+def test_without_bitsandbytes_the_8bit_rung_says_how_to_install_it(
+    build: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from optladder.optimizers import eightbit
+
+    def missing() -> None:
+        raise ImportError("No module named 'bitsandbytes'")
+
+    monkeypatch.setattr(eightbit, "import_bitsandbytes", missing)
+    p = torch.nn.Parameter(torch.zeros(8))
+    groups = [{"params": [p]}]
+    with pytest.raises(ImportError) as info:
+        getattr(eightbit, build)(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    message = str(info.value)
+    assert "No module named 'bitsandbytes'" in message
+    assert "pip install 'bitsandbytes>=0.45'" in message
+    assert "rung" not in groups[0]  # nothing marked before the import failed

@@ -1320,6 +1320,22 @@ def check_8bit_groups(
                 quantized_8bit(p, f"param {pi} of group {gi}")
 
 
+def _require_bitsandbytes() -> None:
+    """Import bitsandbytes for the 8bit rung.
+
+    Raises:
+        ImportError: if it does not import, saying how to install it.
+    """
+    try:
+        import_bitsandbytes()
+    except ImportError as exc:
+        raise ImportError(
+            f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
+            "install it with pip install 'bitsandbytes>=0.45' (what optladder's 8bit extra "
+            "installs)"
+        ) from exc
+
+
 def build_8bit_format(
     param_groups: list[dict[str, Any]],
     *,
@@ -1356,14 +1372,7 @@ def build_8bit_format(
         ValueError: as :func:`check_8bit_groups`.
     """
     check_8bit_groups(param_groups, columns)
-    try:
-        import_bitsandbytes()
-    except ImportError as exc:
-        raise ImportError(
-            f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
-            "install it with pip install 'bitsandbytes>=0.45' (what optladder's 8bit extra "
-            "installs)"
-        ) from exc
+    _require_bitsandbytes()
     for group in param_groups:
         group[RUNG_KEY] = "8bit"
     with first_params_only(param_groups, checked):
@@ -1416,14 +1425,8 @@ def build_8bit(
             bitsandbytes override it would fail on (``optim_bits`` not 8 or 32).
     """
     check_8bit_groups(param_groups, columns)
-    try:
-        engine: Any = ladder_adamw8bit_class()
-    except ImportError as exc:
-        raise ImportError(
-            f"the 8bit rung needs bitsandbytes, which does not import ({exc}); "
-            "install it with pip install 'bitsandbytes>=0.45' (what optladder's 8bit extra "
-            "installs)"
-        ) from exc
+    _require_bitsandbytes()
+    engine: Any = ladder_adamw8bit_class()
     with first_params_only(param_groups, checked):
         return engine(
             param_groups,

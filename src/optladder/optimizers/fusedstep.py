@@ -92,7 +92,6 @@ def refuse_resized(
     group_names: Mapping[int, str] | None = None,
     *,
     local: bool = False,
-    moments_like_params: bool = False,
 ) -> None:
     """Raise before anything is allocated or written when a param with a grad no longer
     has its grad's or its state tensors' element count: its ``.data`` was replaced by a
@@ -114,9 +113,6 @@ def refuse_resized(
         group_names: ``id(group) -> name`` for the message (default ``"group {i}"``).
         local: state tensors hold the local shard of a DTensor param (bitsandbytes'
             layout); the param's local element count is compared with them.
-        moments_like_params: the moments must have their param's dtype (torch's AdamW
-            keeps them so, and its kernels refuse a mix: a param converted by
-            ``module.to(dtype)`` after its state was made would fail in the commit).
 
     It also refuses a param (with a grad or not) whose state is in another layout than
     the engine keeps (:func:`_refuse_foreign_layouts`).
@@ -158,8 +154,6 @@ def refuse_resized(
                         "optimizer for the resized model, or drop the param's state (del "
                         "opt.state[param]) to start it afresh"
                     )
-        if moments_like_params:
-            _refuse_moment_dtypes(group, gi, params, states, group_names)
 
 
 def _layout_name(state: Mapping[str, Any]) -> str:
@@ -178,8 +172,7 @@ def _refuse_foreign_layouts(
     """Raise when a param of ``engine``'s groups holds state in another layout than the
     engine keeps: bitsandbytes' ``state1``/``state2`` on the 8bit rung, Adam moments of
     :class:`~optladder.optimizers.adamw.LadderAdamW`'s ``moment_dtype`` (bf16 rung, and
-    fp32 rung of bfloat16/float16 params), Adam moments on torch's AdamW (their dtype is
-    :func:`_refuse_moment_dtypes`'s). A move to another rung converts the state of the
+    fp32 rung of bfloat16/float16 params). A move to another rung converts the state of the
     groups' params only: a param taken out of its group by hand keeps its state as it
     was (torch keeps it too), and appended back after the move it was refused by a
     kernel's table (bf16) or failed the commit half-way (8bit)."""
@@ -233,29 +226,6 @@ def _refuse_foreign_layouts(
                 "(del opt.state[param]) to start it afresh; to freeze a param for a while, "
                 "leave it in its group with requires_grad_(False) (no grad: not stepped, "
                 "and moves convert its state)"
-            )
-
-
-def _refuse_moment_dtypes(
-    group: dict[str, Any],
-    gi: int,
-    params: list[torch.Tensor],
-    states: list[Any],
-    group_names: Mapping[int, str] | None,
-) -> None:
-    """The dtype rule of :func:`refuse_resized` for one group's params (with grads)."""
-    for key in _MOMENT_KEYS:
-        for p, st in zip(params, states):
-            m = st.get(key) if st else None
-            if m is None or m.dtype == p.dtype:
-                continue
-            raise ValueError(
-                f"{_param_name(group, gi, p, group_names)} is {p.dtype} but its {key} is "
-                f"{m.dtype}: torch's AdamW keeps the moments in the param's dtype and its "
-                "kernels refuse a mix, so the param's dtype changed after its state was "
-                "made (module.to(dtype)). Build the optimizer after converting the model "
-                "(and load a checkpoint into it), or drop the param's state (del "
-                "opt.state[param]) to start it afresh"
             )
 
 

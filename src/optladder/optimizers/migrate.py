@@ -98,8 +98,6 @@ class StateTarget:
     Attributes:
         layout: ``"adam"`` or ``"bnb"``.
         moment_dtype: dtype of ``exp_avg``/``exp_avg_sq`` (Adam layout).
-        step_on_param_device: Adam layout: ``step`` lives on the param's device (torch's
-            fused or capturable AdamW) instead of the CPU.
         qmaps: bitsandbytes layout: the engine's ``(dynamic, udynamic)`` code books on
             the param's device.
         quantize: bitsandbytes layout: whether this param gets 8-bit codes (its global
@@ -109,7 +107,6 @@ class StateTarget:
 
     layout: str
     moment_dtype: torch.dtype = torch.float32
-    step_on_param_device: bool = False
     qmaps: tuple[torch.Tensor, torch.Tensor] | None = None
     quantize: bool = False
 
@@ -137,7 +134,8 @@ def state_target(
     """The state layout ``engine`` keeps for param ``p`` of ``group``.
 
     Args:
-        engine: ``torch.optim.AdamW``, :class:`LadderAdamW` or bitsandbytes' ``AdamW8bit``.
+        engine: :class:`LadderAdamW` (the group's state format) or the 8bit engine of
+            :func:`~optladder.optimizers.eightbit.ladder_adamw8bit_class`.
         group: the param group holding ``p``.
         p: the param.
 
@@ -160,9 +158,6 @@ def state_target(
             min_8bit_size=getattr(args, "min_8bit_size", BNB_MIN_8BIT_SIZE),
         )
         return StateTarget("bnb", qmaps=bnb_qmaps(engine, p.device), quantize=quantize)
-    if isinstance(engine, torch.optim.Adam | torch.optim.AdamW):
-        on_device = bool(group.get("fused") or group.get("capturable"))
-        return StateTarget("adam", moment_dtype=p.dtype, step_on_param_device=on_device)
     raise TypeError(f"cannot convert state for a {type(engine).__name__} engine")
 
 
@@ -275,7 +270,6 @@ def convert_param_state(
         else:
             out = list(moments)
         exp_avg, exp_avg_sq = (_narrowed(m, p.shape, device, target.moment_dtype) for m in out)
-        step_device = device if target.step_on_param_device else torch.device("cpu")
         if copy and exp_avg.untyped_storage().data_ptr() == moments[0].untyped_storage().data_ptr():
             exp_avg = exp_avg.clone()
         if (
@@ -284,7 +278,7 @@ def convert_param_state(
         ):
             exp_avg_sq = exp_avg_sq.clone()
         return {
-            "step": torch.tensor(float(step), dtype=STEP_DTYPE, device=step_device),
+            "step": torch.tensor(float(step), dtype=STEP_DTYPE),  # on the CPU, as prepare makes it
             "exp_avg": exp_avg,
             "exp_avg_sq": exp_avg_sq,
         }
@@ -528,10 +522,7 @@ def _split_state(
     Returns:
         The new state and, per moment, the dropped low bits (for :func:`_unsplit_state`).
     """
-    step_device = p.device if spec.step_on_param_device else torch.device("cpu")
-    new: dict[str, Any] = {
-        "step": torch.tensor(float(read_step(state)), dtype=STEP_DTYPE, device=step_device)
-    }
+    new: dict[str, Any] = {"step": torch.tensor(float(read_step(state)), dtype=STEP_DTYPE)}
     lows: dict[str, torch.Tensor] = {}
     try:
         for name in _MOMENTS:

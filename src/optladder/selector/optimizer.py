@@ -78,7 +78,6 @@ logger = logging.getLogger("optladder")
 _PARAMS = operator.itemgetter("params")
 _NBYTES = operator.attrgetter("nbytes")
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
-_TORCH_ADAM = (torch.optim.Adam, torch.optim.AdamW)
 
 __all__ = [
     "EngineBuilder",
@@ -721,7 +720,6 @@ class LadderOptimizer(torch.optim.Optimizer):
                     grads,
                     names,
                     local=is_bnb_engine(engine),
-                    moments_like_params=isinstance(engine, _TORCH_ADAM),
                 )
         except ValueError as exc:
             raise ValueError(
@@ -742,11 +740,10 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._checked_params = (flat, None, None)
 
     def _layouts(self, flat: list[torch.Tensor]) -> list[bool]:
-        """Whether each param is contiguous, where an engine is torch's AdamW (whose
-        fused kernel pairs a param's elements with its moments' by memory order; the
-        other engines step any layout): empty otherwise."""
-        fp32 = self.rung == "fp32" or "fp32" in self._pinned  # torch's kernels, in LadderAdamW
-        if not fp32 and not any(isinstance(e, _TORCH_ADAM) for e in self._engines()):
+        """Whether each param is contiguous, where a group is in the fp32 format (whose
+        torch kernels pair a param's elements with its moments' by memory order; the
+        other formats step any layout): empty otherwise."""
+        if self.rung != "fp32" and "fp32" not in self._pinned:
             return []
         return list(map(_IS_CONTIGUOUS, flat))
 
