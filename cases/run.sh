@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run every case script (*.py) of a cases folder from the repo root, each with the copy in
 # cases/adapted/ where one exists (see cases/README.md); print "name: last line" of each and a
-# final count. Exit 1 if any script's last line does not start with PASS.
+# final count. Exit 1 if any script's last non-empty line does not start with PASS.
 #
 #   bash cases/run.sh [FOLDER]     FOLDER defaults to ../shared/cases (from the repo root;
 #                                  in a git worktree, from the main checkout too)
@@ -38,7 +38,7 @@ for script in "${scripts[@]}"; do
     [ -e "cases/adapted/$base" ] && { run="cases/adapted/$base"; name="$name (adapted)"; }
     timeout "${CASE_TIMEOUT:-900}" "$python" "$run" >"$out" 2>&1
     rc=$?
-    last="$(tail -n 1 "$out")"
+    last="$(grep -v '^[[:space:]]*$' "$out" | tail -n 1)"  # a FAIL may end with stderr's newline
     [ $rc -eq 124 ] && last="TIMEOUT after ${CASE_TIMEOUT:-900} s (last line: $last)"
     echo "$name: $last"
     total=$((total + 1))
