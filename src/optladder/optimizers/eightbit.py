@@ -163,15 +163,7 @@ def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
         ) -> None:
             self.coupled_weight_decay = coupled_weight_decay
             self.cpu_kernel = cpu_kernel
-            self.eager_reasons = {}
-            self._kernel_error = None
-            self._prepared = None
-            self._kernel_plan = None  # the table kept between steps
-            self._bounds = {}
-            self._books = []
-            # non-contiguous param -> (contiguous copy, contiguous grad or None), made in
-            # prepare_contiguous and dropped after the step or by release_scratch
-            self._contiguous = {}
+            self._init_kernel_state()
             self._books_on_first_use = True  # fill_qmap below: none made in construction
             try:
                 super().__init__(*args, **kwargs)
@@ -228,6 +220,18 @@ class EightBitMethods:
     _books: list[tuple[torch.Tensor, Any]]
     _contiguous: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]
     _books_on_first_use: bool
+
+    def _init_kernel_state(self) -> None:
+        """Set the attributes the methods below keep between calls, before any runs."""
+        self.eager_reasons = {}
+        self._kernel_error = None
+        self._prepared = None
+        self._kernel_plan = None  # the table kept between steps
+        self._bounds = {}
+        self._books = []
+        # non-contiguous param -> (contiguous copy, contiguous grad or None), made in
+        # prepare_contiguous and dropped after the step or by release_scratch
+        self._contiguous = {}
 
     def fill_qmap(self) -> None:
         # bitsandbytes' two code books, made from their values computed once per
@@ -515,13 +519,7 @@ class EightBitGroups(EightBitMethods):
         self.initialized = False
         self.coupled_weight_decay = not bool(owner.defaults.get("decoupled_weight_decay", True))
         self.cpu_kernel = True
-        self.eager_reasons = {}
-        self._kernel_error = None
-        self._prepared = None
-        self._kernel_plan = None
-        self._bounds = {}
-        self._books = []
-        self._contiguous = {}
+        self._init_kernel_state()
         self._books_on_first_use = False
 
     @property
