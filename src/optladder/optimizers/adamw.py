@@ -1520,9 +1520,8 @@ class LadderAdamW(torch.optim.Optimizer):
             except BaseException:
                 self._drop_created(created)
                 raise
-            self._steady = steady
-            self._see_state()
-            self._plan = steady.plans
+            self._steady = steady  # the state dicts are those _see_state recorded: no
+            self._plan = steady.plans  # state was created (a change replans, next step)
             self._eight_prepared = False
             self._created = created
             self.eager_reasons = dict(steady.reasons)
