@@ -116,24 +116,6 @@ def dtype_names(param_groups: list[dict[str, Any]]) -> set[str]:
 _DTYPE = operator.attrgetter("dtype")
 
 
-def _keep_options(options: dict[str, Any], engine: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Keep ``options`` (``seed``, ``rounding``, ``param_rounding``) in each of
-    ``engine``'s groups that lacks them and in its ``defaults`` (which
-    ``add_param_group`` fills groups from), as :class:`LadderAdamW` keeps them, and
-    return ``engine``.
-
-    torch's AdamW (the fp32 rung of float32 params) and bitsandbytes' (8bit) use none
-    of them; kept, ``state_dict()`` saves them, and a later move to the bf16 rung (here,
-    or after a resume into an optimizer built with other values) rounds with the run's
-    own seed and modes instead of the defaults of whatever optimizer loads the checkpoint.
-    """
-    for key, value in options.items():
-        engine.defaults.setdefault(key, value)
-        for group in engine.param_groups:
-            group.setdefault(key, value)
-    return engine
-
-
 def build_engine(
     rung: Rung,
     param_groups: list[dict[str, Any]],
@@ -149,7 +131,7 @@ def build_engine(
     decoupled_weight_decay: bool = True,
     columns: ParamColumns | None = None,
     checked: bool = False,
-) -> torch.optim.Optimizer:
+) -> LadderAdamW:
     """Build the optimizer that runs ``rung`` over ``param_groups``.
 
     Args:
@@ -178,9 +160,9 @@ def build_engine(
             (dtypes, bitsandbytes' overrides) read every param either way.
 
     Returns:
-        A ``torch.optim.Optimizer``: ``torch.optim.AdamW`` or :class:`LadderAdamW` (fp32),
-        :class:`LadderAdamW` with bfloat16 moments (bf16), ``bitsandbytes.optim.AdamW8bit``
-        (8bit).
+        A :class:`LadderAdamW` whose groups are in ``rung``'s state format: float32
+        moments, on torch's kernels for float32/float64/complex params (fp32); bfloat16
+        moments (bf16); bitsandbytes' ``AdamW8bit`` state (8bit).
 
     Raises:
         ValueError: for an unknown rung, bad hyperparameters, or params the rung refuses
@@ -208,23 +190,19 @@ def build_engine(
     if rung in ("fp32", "bf16"):
         for group in param_groups:  # their state format in LadderAdamW (a group moving
             group[RUNG_KEY] = rung  # here from 8bit still says "8bit")
-    rounding_options = {"seed": seed, "rounding": rounding, "param_rounding": param_rounding}
     if fp32_engine == "foreach" and any(
         p.is_complex() for group in param_groups for p in group["params"]
     ):  # complex params take torch's foreach path anyway: the real ones stay fused
         fp32_engine = "fused"
     if fp32_engine is not None:
-        return _keep_options(
-            rounding_options,
-            build_fp32(
-                param_groups,
-                engine=fp32_engine,
-                seed=seed,
-                rounding=rounding,
-                param_rounding=param_rounding,
-                checked=checked,
-                **hyper,
-            ),
+        return build_fp32(
+            param_groups,
+            engine=fp32_engine,
+            seed=seed,
+            rounding=rounding,
+            param_rounding=param_rounding,
+            checked=checked,
+            **hyper,
         )
     if rung == "bf16":
         # LadderAdamW's own check of the dtypes, over every param: from the columns when

@@ -26,7 +26,7 @@ def build_fp32(
     rounding: Rounding = "stochastic",
     param_rounding: Rounding = "stochastic",
     checked: bool = False,
-) -> torch.optim.Optimizer:
+) -> LadderAdamW:
     """Build the fp32 rung's optimizer: :class:`LadderAdamW` with float32 moments (the
     fp32 state format), whose float32, float64 and complex params step on torch's
     kernels (bit for bit ``torch.optim.AdamW``) and whose bfloat16/float16 params keep

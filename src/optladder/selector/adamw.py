@@ -240,7 +240,6 @@ class AdamW(LadderOptimizer):
         super().__init__(
             built.engine,
             built.decision,
-            built.rebuild,
             param_groups=built.groups,
             max_retries=max_retries,
             on_escalate=on_escalate,

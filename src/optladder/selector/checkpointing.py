@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,13 +49,7 @@ from optladder.optimizers.migrate import (
 from optladder.optimizers.transaction import deferred_interrupts
 from optladder.rungs import GROUP_PIN_ORIGIN, ORIGIN_KEY, REASON_KEY, RUNG_KEY, RUNGS, Rung
 from optladder.selector.checks import check_checkpoint_groups, decoupled_mode
-from optladder.selector.escalation import (
-    move_refused,
-    nothing,
-    restore_groups,
-    switch,
-    target_engine,
-)
+from optladder.selector.escalation import move_refused, restore_groups, set_formats, switch
 from optladder.sharding import is_dtensor, local_tensor
 from optladder.units import format_bytes
 
@@ -108,14 +102,13 @@ def checkpoint_states(opt: LadderOptimizer, states: dict[Any, Any]) -> dict[Any,
     same keys."""
     if not states:
         return states
-    owner = opt._owners()
     out: dict[Any, Any] = {}
     index = 0
     for group in opt.param_groups:
         for p in group["params"]:
             st = states.get(index)
             if not st and p.requires_grad:
-                st = zero_state(state_target(owner[id(group)], group, p), p)
+                st = zero_state(state_target(opt.engine, group, p), p)
             if st:
                 form = to_checkpoint_form(st, p, f"param {index}")
                 out[index] = form if is_dtensor(p) else wrap_bnb_state(form)
@@ -205,7 +198,6 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
             f"{sorted(map(repr, unknown))[:5]}{hint}"
         )
     loaded: dict[Any, dict[str, Any]] = {}  # key -> state in a layout convert reads
-    live_owner = opt._owners()
     live_groups_of = [g for g in opt.param_groups for _ in g["params"]]
     for pi, (key, p) in enumerate(pairs):
         if key not in saved_state:
@@ -213,9 +205,7 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
         st = saved_state[key]
         _check_containers(st, f"param {pi}")
         group = live_groups_of[pi]
-        st = _one_form(
-            st, _live_form(state_target(live_owner[id(group)], group, p), p), f"param {pi}"
-        )
+        st = _one_form(st, _live_form(state_target(opt.engine, group, p), p), f"param {pi}")
         if st:
             st = from_checkpoint_form(st, p, f"param {pi}")
             check_param_state(st, p, f"param {pi}")
@@ -235,13 +225,10 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
     ]
     move_to = checkpoint_rung(opt, groups)
     engine = opt.engine
-    following = opt._following_groups()
     saved_groups = [dict(g) for g in live_groups]
-    undo: Callable[[], None] = nothing
     try:
         if move_to is not None:  # the live state is replaced below: nothing to migrate
-            engine, undo = target_engine(opt, move_to, following)
-        owner = opt._owners(engine)
+            set_formats(engine, opt._following_groups(), move_to)
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
         group_of_param = [g for g in live_groups for _ in g["params"]]
         for pi, ((key, p), group) in enumerate(zip(pairs, group_of_param)):
@@ -250,27 +237,23 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
                 flat = unwrap_bnb_state(saved_param_state)
                 if "step" in flat:
                     where = f"param {pi} of the state_dict"
-                    check_step_range(read_step(flat), owner[id(group)], p, where, group)
-                target = state_target(owner[id(group)], group, p)
+                    check_step_range(read_step(flat), engine, p, where, group)
+                target = state_target(engine, group, p)
                 new_state[p] = convert_param_state(saved_param_state, p, target, copy=True)
                 _refuse_overflow(new_state[p], flat, f"param {pi} of the state_dict")
     except BaseException:
-        undo()
         restore_groups(live_groups, saved_groups)
         raise
     # Commit: nothing below allocates; Ctrl-C waits until it is whole.
     with deferred_interrupts():
         for values, live in zip(options, live_groups):
             live.update(values)
-        opt._memos.clear()  # they hold the state dicts being replaced
-        for held in opt._engines():
-            release = getattr(held, "release_tables", None)
-            if release is not None:
-                release()  # their tables hold the state being replaced
+        opt._memo = None  # it holds the state dicts being replaced
+        engine.release_tables()  # its tables hold the state being replaced
         opt.state.clear()
         opt.state.update(new_state)
         if move_to is not None:
-            switch(opt, engine, move_to, checkpoint_reason(opt, move_to), "checkpoint")
+            switch(opt, move_to, checkpoint_reason(opt, move_to), "checkpoint")
 
 
 def _check_containers(state: object, where: str) -> None:

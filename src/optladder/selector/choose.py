@@ -16,6 +16,7 @@ from optladder.errors import (  # OptladderWarning re-exported: defined below po
     user_stacklevel,
 )
 from optladder.optimizers import build_engine, probe_capabilities, validate_hyperparams
+from optladder.optimizers.adamw import LadderAdamW
 from optladder.optimizers.build import without_dtensor_unsupported
 from optladder.optimizers.rounding import (
     Rounding,
@@ -34,7 +35,7 @@ from optladder.policies import (
 from optladder.policies.decision import allowed_rungs
 from optladder.policies.footprint import groups_footprint
 from optladder.policies.overrides import ENV_8BIT, ENV_BF16, Overrides
-from optladder.rungs import Rung, group_pin
+from optladder.rungs import group_pin
 from optladder.selector.agreement import largest_over_ranks, min_over_ranks, same_on_all_ranks
 from optladder.selector.checks import (
     check_groups,
@@ -45,7 +46,6 @@ from optladder.selector.checks import (
     refuse_meta_params,
 )
 from optladder.selector.escalation import Escalation
-from optladder.selector.optimizer import EngineBuilder
 from optladder.units import format_bytes, parse_bytes
 
 logger = logging.getLogger("optladder")
@@ -109,13 +109,11 @@ class Built(NamedTuple):
     Attributes:
         engine: the optimizer of the groups that follow the decision.
         decision: the :class:`optladder.Decision`.
-        rebuild: builds a rung's engine over given groups (for escalations and pins).
         groups: every param group, in the user's order (plain dicts).
     """
 
-    engine: torch.optim.Optimizer
+    engine: LadderAdamW
     decision: Decision
-    rebuild: EngineBuilder
     groups: list[dict[str, Any]]
 
 
@@ -155,7 +153,7 @@ def decide_and_build(
             passes them here unchanged.
 
     Returns:
-        The :class:`Built` engine, decision, rebuild function and param groups.
+        The :class:`Built` engine, decision and param groups.
 
     Raises:
         ValueError: bad hyperparameters (per group too), ``free_memory``, ``rung``,
@@ -245,12 +243,6 @@ def decide_and_build(
         "decoupled_weight_decay": decoupled_weight_decay,
     }
 
-    def rebuild(
-        rung: Rung, param_groups: list[dict[str, Any]], fused: bool
-    ) -> torch.optim.Optimizer:
-        # every group an engine is built over passed check_groups when it joined
-        return build_engine(rung, param_groups, fused=fused, checked=True, **hyper)
-
     following = []  # the groups that follow the decision; LadderOptimizer builds the pinned
     for gi, g in enumerate(groups):
         if pins[gi] is None:
@@ -269,7 +261,7 @@ def decide_and_build(
     )
     if logger.isEnabledFor(logging.INFO):  # the summary formats every rung's bytes
         logger.info("optladder decision: %s", decision.summary())
-    return Built(engine, decision, rebuild, groups)
+    return Built(engine, decision, groups)
 
 
 def _asked_by(overrides: Overrides) -> str:

@@ -6,9 +6,8 @@ reached (:mod:`optladder.selector.checkpointing`). The fp32, bf16 and 8bit rungs
 formats of one engine (:class:`~optladder.optimizers.adamw.LadderAdamW`): a move
 (:func:`migrate`) flips the groups' ``"rung"`` and converts their state in place
 (:func:`optladder.optimizers.migrate.migrate_states`: largest param first, one param's
-new state at a time), building nothing; only an engine that is not a LadderAdamW (a
-torch AdamW handed in) is replaced by one built for the rung. Each move records why in
-the decision (:func:`switch`). The optimizer object, its group dicts and its ``state`` dict
+new state at a time), building nothing. Each move records why in the decision
+(:func:`switch`). The optimizer object, its group dicts and its ``state`` dict
 stay the same. Groups that pin their rung never move. What the user's word forbids (a
 rung fixed by ``rung=``, a disabled or unavailable rung) is :func:`move_refused`.
 
@@ -21,14 +20,12 @@ its decision, engine and escalations.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from optladder.oom import describe_error, is_oom
-from optladder.optimizers.build import clear_engine_keys
 from optladder.optimizers.migrate import migrate_states, read_step, rung_step_limit, state_target
 from optladder.optimizers.transaction import deferred_interrupts
 from optladder.policies.decision import (
@@ -41,6 +38,7 @@ from optladder.rungs import RUNGS, Rung, parse_rung
 from optladder.selector.checks import check_params_for_rung
 
 if TYPE_CHECKING:
+    from optladder.optimizers.adamw import LadderAdamW
     from optladder.selector.optimizer import LadderOptimizer
 
 logger = logging.getLogger("optladder")
@@ -51,6 +49,7 @@ __all__ = [
     "migrate",
     "move_refused",
     "restore_groups",
+    "set_formats",
     "steps_refusal",
     "switch",
 ]
@@ -163,7 +162,7 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
         why = move_refused(opt._decision, rung)
         if why is not None:
             raise ValueError(f"cannot move to {rung}: {why} (pass force=True to move anyway)")
-    old = opt.engine
+    engine = opt.engine
     following = opt._following_groups()
     ids = {id(g) for g in following}
     for gi, group in enumerate(opt.param_groups):
@@ -173,79 +172,39 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
     if refusal is not None:
         raise ValueError(f"cannot move to {rung}: {refusal}")
     saved_groups = [dict(g) for g in following]
-    opt._memos.clear()  # they hold the state dicts the move drops
+    opt._memo = None  # it holds the state dicts the move drops
     params = [p for g in following for p in g["params"]]
-    source_specs = {id(p): state_target(old, g, p) for g in following for p in g["params"]}
-    # Ctrl-C waits until the move is done: between the conversion and the handover below,
-    # the state is only on the new engine, which an interrupt there would drop
+    source_specs = {id(p): state_target(engine, g, p) for g in following for p in g["params"]}
+    # Ctrl-C waits until the move is done: between the conversion and the merge below,
+    # the moved params' state is only in the converted dict, which an interrupt would drop
     with deferred_interrupts():
-        undo: Callable[[], None] = nothing
         try:
-            new, undo = target_engine(opt, rung, following)
+            set_formats(engine, following, rung)
             group_of = {id(p): g for g in following for p in g["params"]}
-            # a move within one engine (fp32 <-> bf16) converts into a dict of its own
-            converted: Any = {} if new.state is opt.state else new.state
+            converted: dict[torch.Tensor, Any] = {}  # merged into the state once whole
             migrate_states(
-                old,
+                engine,
                 opt.state,
                 converted,
                 params,
                 lambda p: source_specs[id(p)],
-                lambda p: state_target(new, group_of[id(p)], p),
+                lambda p: state_target(engine, group_of[id(p)], p),
                 keep_source=RUNGS.index(rung) < RUNGS.index(opt.rung),
             )
         except BaseException:
-            undo()
             restore_groups(following, saved_groups)
             raise
-        if converted is not new.state:
-            opt.state.update(converted)
-        switch(opt, new, rung, reason, origin)
+        opt.state.update(converted)
+        switch(opt, rung, reason, origin)
 
 
-def nothing() -> None:
-    """No undo."""
-
-
-def target_engine(
-    opt: LadderOptimizer, rung: Rung, following: list[dict[str, Any]]
-) -> tuple[torch.optim.Optimizer, Callable[[], None]]:
-    """The engine the groups that follow the decision (``following``) move to on
-    ``rung``, and how to undo what making it ready changed (before their state moves).
-
-    Every rung is a state format of one engine
-    (:class:`~optladder.optimizers.adamw.LadderAdamW`): a move when that engine exists
-    (the groups' own, or the engine of pinned groups) keeps it and flips the groups'
-    ``"rung"`` (their state format; the groups join the engine when they were on
-    another); nothing is built. Otherwise (an engine that is not a LadderAdamW) the
-    rung's engine is built over the groups (fused when the decision found the rung fused
-    here).
-
-    The caller restores the groups' items on failure (:func:`restore_groups`); the undo
-    takes the groups back out of an engine they joined.
-    """
-    ladder = opt._ladder_engine()
-    if ladder is not None:
-        for group in following:
-            ladder.set_format(group, rung)  # the state format the conversion targets
-        if ladder is opt.engine:
-            return ladder, lambda: None
-        held = len(ladder.param_groups)
-        clear_engine_keys(following)  # the 8-bit engine's; the ladder's defaults fill in
-        try:
-            for group in following:
-                ladder.add_param_group(group)
-        except BaseException:
-            del ladder.param_groups[held:]
-            raise
-
-        def undo() -> None:
-            del ladder.param_groups[held:]
-            ladder.release_tables()
-
-        return ladder, undo
-    fused = opt._decision.capabilities.fused[rung]
-    return opt._rebuild(rung, following, fused), lambda: None
+def set_formats(engine: LadderAdamW, following: list[dict[str, Any]], rung: Rung) -> None:
+    """Put the groups that follow the decision (``following``) in ``rung``'s state
+    format (:meth:`~optladder.optimizers.adamw.LadderAdamW.set_format`: their ``"rung"``
+    and the format's group keys), before their state is converted; nothing is built.
+    The caller restores the groups' items on failure (:func:`restore_groups`)."""
+    for group in following:
+        engine.set_format(group, rung)
 
 
 def steps_refusal(opt: LadderOptimizer, rung: Rung) -> str | None:
@@ -269,10 +228,9 @@ def steps_refusal(opt: LadderOptimizer, rung: Rung) -> str | None:
     return None
 
 
-def switch(
-    opt: LadderOptimizer, new: torch.optim.Optimizer, rung: Rung, reason: str, origin: str
-) -> None:
-    """Make ``new`` (on ``rung``) the engine of ``opt`` and record why in its decision."""
+def switch(opt: LadderOptimizer, rung: Rung, reason: str, origin: str) -> None:
+    """Record in ``opt``'s decision that the groups that follow it are on ``rung`` now,
+    and why (their state is in that rung's format already)."""
     caps = opt._decision.capabilities
     fused = caps.fused.get(rung, False)
     opt._decision = opt._decision.model_copy(
@@ -286,7 +244,6 @@ def switch(
         }
     )
     opt._mark_groups(opt._following_groups(), opt._decision)
-    opt._attach(new)
     opt._warn_unfused()
     _empty_cache(opt.device)
 

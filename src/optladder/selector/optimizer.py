@@ -21,7 +21,6 @@ import logging
 import operator
 import sys
 import warnings
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
 from typing import Any, TypeVar, cast
@@ -31,8 +30,6 @@ import torch
 from optladder.compilation import run_eagerly
 from optladder.oom import describe_error, is_oom
 from optladder.optimizers.adamw import LadderAdamW, distinct_grads, unscale_grads_
-from optladder.optimizers.build import dtype_names
-from optladder.optimizers.capabilities import probe_capabilities
 from optladder.optimizers.fusedstep import refuse_resized
 from optladder.optimizers.migrate import is_bnb_engine
 from optladder.optimizers.stepmemo import StepMemo, grad_of, same_objects
@@ -80,7 +77,6 @@ _NBYTES = operator.attrgetter("nbytes")
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
 __all__ = [
-    "EngineBuilder",
     "LadderOptimizer",
     "OptimizerOutOfMemoryError",
     "PartialStepError",
@@ -117,10 +113,6 @@ def _same_value(a: object, b: object) -> bool:
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
-
-EngineBuilder = Callable[[Rung, list[dict[str, Any]], bool], torch.optim.Optimizer]
-"""``(rung, param_groups, fused)``: builds the engine of a rung over the param groups,
-on the fused kernel when ``fused`` (see :func:`optladder.optimizers.build_engine`)."""
 
 
 class OptimizerOutOfMemoryError(torch.OutOfMemoryError):
@@ -206,13 +198,10 @@ class LadderOptimizer(torch.optim.Optimizer):
         engine: the optimizer of the groups that follow the decision (built by
             :func:`optladder.optimizers.build_engine`).
         decision: the :class:`optladder.Decision` that chose its rung.
-        rebuild: builds a rung's engine over given groups (needed to escalate and for
-            pinned groups).
         param_groups: every param group in the user's order (the order of
             ``param_groups`` and of ``state_dict()``): ``engine``'s group dicts, and
-            groups that pin their rung, for which engines are built here (fused when
-            :func:`optladder.optimizers.probe_capabilities` finds that rung fused for
-            their params).
+            groups that pin their rung, which join ``engine`` in their rung's state
+            format.
         max_retries: escalations allowed within one ``step()`` call, ``>= 0``.
         on_escalate: called with each :class:`Escalation`, after the move and before the
             retry.
@@ -276,9 +265,8 @@ class LadderOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        engine: torch.optim.Optimizer,
+        engine: LadderAdamW,
         decision: Decision,
-        rebuild: EngineBuilder,
         *,
         param_groups: Sequence[dict[str, Any]],
         max_retries: int = 2,
@@ -286,13 +274,11 @@ class LadderOptimizer(torch.optim.Optimizer):
         defaults: Mapping[str, Any],
     ) -> None:
         check_max_retries(max_retries)
-        self._engine: torch.optim.Optimizer | None = None
-        self._pinned: dict[Rung, torch.optim.Optimizer] = {}
+        self._engine: LadderAdamW | None = None
+        self._pinned: dict[Rung, LadderAdamW] = {}
         # id(group) -> the rung it pins, for every group that pins one
         self._pin_rungs: dict[int, Rung] = {}
-        self._pinned_misses: dict[Rung, str] = {}  # why a pinned engine is not fused
         self._decision = decision
-        self._rebuild = rebuild
         self.max_retries = max_retries
         self.on_escalate = on_escalate
         self.escalations: list[Escalation] = []
@@ -308,10 +294,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         ] = (None, None, None)
         self.partial_step: PartialStepError | None = None
         self._warned: set[tuple[Rung, str]] = set()
-        # per engine, what passed the step checks (weak: a replaced engine's goes with it)
-        self._memos: weakref.WeakKeyDictionary[torch.optim.Optimizer, StepMemo] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._memo: StepMemo | None = None  # what passed the step checks
         self._names: tuple[tuple[int, ...], dict[int, str]] = ((), {})
         self._numbered: tuple[Any, ...] = ()  # what _number_params last numbered
         order = list(param_groups)
@@ -346,17 +329,15 @@ class LadderOptimizer(torch.optim.Optimizer):
     def _add_pinned(
         self, rung: Rung, indexed: list[tuple[int, dict[str, Any]]]
     ) -> list[dict[str, Any]]:
-        """Put groups that pin ``rung`` (each with its place among all groups) on that
-        rung's engine, building it over all of them (fused when that rung is fused for
-        their params) when none exists yet; returns the engine's dicts of those groups.
+        """Put groups that pin ``rung`` (each with its place among all groups) on the
+        engine, in that rung's state format (every rung is a state format of the one
+        engine); returns the engine's dicts of those groups.
 
         Raises:
             ValueError: ``"param group {gi} pins {rung}: ..."`` when the engine cannot
                 take a group's params; nothing is changed then.
         """
-        engine = self._pinned.get(rung)
-        if engine is None:
-            engine = self._ladder_engine()  # one engine for every rung's state format
+        engine = self.engine
         groups = [group for _, group in indexed]
         for gi, group in indexed:
             try:
@@ -371,49 +352,20 @@ class LadderOptimizer(torch.optim.Optimizer):
         )
         try:
             _mark_pinned(groups, rung)
-            if engine is not None:
-                for group in groups:
-                    engine.add_param_group(group)
-                held = engine.param_groups[-len(groups) :]
-                self._pinned[rung] = engine
-                self._pin_rungs.update((id(group), rung) for group in held)
-                return held
-            caps = probe_capabilities(
-                self.device,
-                dtype_names(groups),
-                any(p.is_complex() for group in groups for p in group["params"]),
-            )
-            engine = self._rebuild(rung, groups, caps.fused[rung])  # allocates no state
+            for group in groups:
+                engine.add_param_group(group)
         except ValueError as exc:
             raise ValueError(f"{label}: {exc}") from None
-        if not caps.fused[rung]:  # set: the engine was built above
-            self._pinned_misses[rung] = caps.unfused_reasons.get(rung, "no fused kernel here")
+        held = engine.param_groups[-len(groups) :]
         self._pinned[rung] = engine
-        self._pin_rungs.update((id(group), rung) for group in engine.param_groups)
-        self._share_state(engine)
-        return list(engine.param_groups)
+        self._pin_rungs.update((id(group), rung) for group in held)
+        return held
 
     def _engines(self, engine: torch.optim.Optimizer | None = None) -> list[torch.optim.Optimizer]:
         """The engine of the groups that follow the decision, then the pinned engines
         (each once: the fp32 and bf16 rungs share one engine)."""
         engines = [self.engine if engine is None else engine, *self._pinned.values()]
         return list({id(e): e for e in engines}.values())
-
-    def _owners(self, engine: torch.optim.Optimizer | None = None) -> dict[int, Any]:
-        """``id(group) -> the engine whose format its state is in``: the groups that
-        follow the decision ``engine``'s (default the current engine's), each pinned
-        group its rung's engine."""
-        main = self.engine if engine is None else engine
-        pins, pinned = self._pin_rungs, self._pinned
-        return {id(g): pinned[pins[id(g)]] if id(g) in pins else main for g in self.param_groups}
-
-    def _ladder_engine(self) -> LadderAdamW | None:
-        """The engine of the fp32 and bf16 state formats (a :class:`LadderAdamW`), when
-        one of the engines is."""
-        for engine in self._engines():
-            if isinstance(engine, LadderAdamW):
-                return engine
-        return None
 
     def _following_groups(self) -> list[dict[str, Any]]:
         """The groups that follow the decision (those that pin no rung), in order."""
@@ -424,14 +376,14 @@ class LadderOptimizer(torch.optim.Optimizer):
         """The rung ``group``'s state is on: the rung it pins, or the decision's."""
         return self._pin_rungs.get(id(group), self._decision.rung)
 
-    def _share_state(self, engine: torch.optim.Optimizer) -> None:
+    def _share_state(self, engine: LadderAdamW) -> None:
         """Move ``engine``'s state into this optimizer's ``state`` dict and make that its
         state dict: every engine touches only its own params' entries."""
         if engine.state is not self.state:
             self.state.update(engine.state)
             engine.state = self.state
 
-    def _attach(self, engine: torch.optim.Optimizer) -> None:
+    def _attach(self, engine: LadderAdamW) -> None:
         self._engine = engine
         self._share_state(engine)
 
@@ -444,13 +396,13 @@ class LadderOptimizer(torch.optim.Optimizer):
             group[REASON_KEY] = reason
 
     @property
-    def engine(self) -> torch.optim.Optimizer:
+    def engine(self) -> LadderAdamW:
         """The current rung's optimizer."""
         assert self._engine is not None
         return self._engine
 
     @property
-    def pinned_engines(self) -> dict[Rung, torch.optim.Optimizer]:
+    def pinned_engines(self) -> dict[Rung, LadderAdamW]:
         """Per pinned rung, the optimizer of the groups that pin it (a new dict)."""
         return dict(self._pinned)
 
@@ -728,7 +680,7 @@ class LadderOptimizer(torch.optim.Optimizer):
             ) from None
         # what passed the step checks before may hold for these params no more (a
         # channels_last param's moments are laid out again, its grads checked again)
-        self._memos.clear()
+        self._memo = None
         self._checked_params = (flat, sizes, layouts)
 
     def _params_checked(self) -> None:
@@ -775,14 +727,13 @@ class LadderOptimizer(torch.optim.Optimizer):
         try:
             self._check_group_rungs()
             self._check_params()
+            if self._memo is None:
+                self._memo = StepMemo()
             for engine in engines:
-                memo = self._memos.get(engine)
-                if memo is None:
-                    memo = self._memos[engine] = StepMemo()
-                prepared.append((engine, prepare_step(engine, names, memo)))
+                prepared.append((engine, prepare_step(engine, names, self._memo)))
         except BaseException as exc:
             for engine, created in prepared:  # the failing engine rolled itself back
-                rollback_step(engine, created, self._memos.get(engine))
+                rollback_step(engine, created, self._memo)
             prepared = []
             error = exc
             status = STEP_OUT_OF_MEMORY if is_oom(exc) else STEP_FAILED
@@ -792,14 +743,14 @@ class LadderOptimizer(torch.optim.Optimizer):
             worst, furthest, nearest = agree_step(status, mine, self.device)
         except BaseException:  # a peer died or timed out: nothing of this step stays
             for engine, created in prepared:
-                rollback_step(engine, created, self._memos.get(engine))
+                rollback_step(engine, created, self._memo)
             raise
         if worst == STEP_OK and furthest == nearest:
             self._commit(engines, unscale)
             self._warn_unfused()
             return None
         for engine, created in prepared:  # this rank prepared, another did not
-            rollback_step(engine, created, self._memos.get(engine))
+            rollback_step(engine, created, self._memo)
         if status == STEP_FAILED:
             assert error is not None
             raise error
@@ -895,7 +846,7 @@ class LadderOptimizer(torch.optim.Optimizer):
                 if unscale is not None:
                     unscale_grads_(*unscale)
                 for engine in engines:
-                    commit_step(engine, self._memos.get(engine))
+                    commit_step(engine, self._memo)
                     done.append(engine)
         except BaseException as exc:
             if len(done) == len(engines):  # Ctrl-C held back until the step was whole
@@ -950,8 +901,6 @@ class LadderOptimizer(torch.optim.Optimizer):
             reasons.append((self.rung, self._decision.unfused_reason or ""))
         rungs: list[Rung] | None = None  # per param over all groups, its group's rung
         for rung, engine in [(self.rung, self.engine), *self._pinned.items()]:
-            if engine is not self.engine and rung in self._pinned_misses:
-                reasons.append((rung, self._pinned_misses[rung]))
             if engine is self.engine and rung != self.rung:
                 continue  # a pin on the decision's engine: its reasons are listed once
             eager = getattr(engine, "eager_reasons", {})
