@@ -290,7 +290,7 @@ def _case_decision(rank: int) -> None:
     assert d.rung == "bf16" and d.origin == "policy" and d.fits, d.summary()
     assert d.free_memory == small
     assert d.free_memory_source.endswith(f"minimum over {WORLD} ranks")
-    assert opt.rung == "bf16" and type(opt.engine).__name__ == "LadderAdamW"
+    assert opt.rung == "bf16" and opt.engine is opt  # one optimizer, no engine of its own
     assert _all_same(d.model_dump_json())
     # Rank 0's own free memory alone would have kept fp32: the minimum decided.
     alone = decide(fp, free, d.capabilities, d.policy, d.overrides)

@@ -590,7 +590,8 @@ def test_groups_pinning_one_rung_share_one_engine_built_for_all_their_params() -
     opt = choose_optimizer(groups, rung="bf16", free_memory="1GiB")
     engine = opt.pinned_engines["fp32"]
     assert isinstance(engine, LadderAdamW) and engine is opt.engine  # one engine for all
-    assert [opt._group_rung(g) for g in engine.param_groups] == ["bf16", "fp32", "fp32"]
+    # the groups in the user's order, each in its rung's format
+    assert [opt._group_rung(g) for g in engine.param_groups] == ["fp32", "fp32", "bf16"]
     _set_grads(_params(model), 0)
     low.grad = torch.ones_like(low)
     opt.step()

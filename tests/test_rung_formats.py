@@ -68,14 +68,40 @@ def test_global_step_hooks_run_once_per_step(rung: str, pin: str | None) -> None
     assert calls == [("pre", opt), ("post", opt)] * 3
 
 
+@pytest.mark.parametrize(("rung", "pin"), [*CASES, ("8bit", None), ("fp32", "8bit")])
+def test_the_optimizer_is_one_torch_optimizer_initialised_once(
+    rung: str, pin: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``optladder.AdamW`` is one ``torch.optim.Optimizer``: torch's ``__init__`` runs
+    once per optimizer built (not once for a facade and once for an engine), and the
+    object owns its groups, defaults and state (``engine`` is the optimizer itself)."""
+    calls: list[object] = []
+    init = torch.optim.Optimizer.__init__
+
+    def counted(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        calls.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Optimizer, "__init__", counted)
+    model = _model8() if "8bit" in (rung, pin) else _model()
+    opt = choose_optimizer(_groups(model, pin), rung=rung, free_memory="1GiB")
+    assert calls == [opt]
+    assert opt.engine is opt and isinstance(opt, LadderAdamW)
+    assert all(p is opt for p in opt.pinned_engines.values())
+    _grads(model, 0)
+    opt.step()
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    assert calls == [opt]  # nothing built by a step or a new group either
+    assert len(opt.state) == len(list(model.parameters()))
+
+
 @pytest.mark.parametrize(("rung", "pin"), CASES, ids=["fp32", "bf16", "fp32+bf16", "bf16+fp32"])
 def test_the_fp32_and_bf16_groups_share_one_engine(rung: str, pin: str | None) -> None:
     model = _model()
     opt = choose_optimizer(_groups(model, pin), rung=rung, free_memory="1GiB")
-    assert isinstance(opt.engine, LadderAdamW)
-    assert opt._engines() == [opt.engine]
+    assert isinstance(opt, LadderAdamW) and opt.engine is opt  # no engine of its own
     if pin is not None:
-        assert opt.pinned_engines[pin] is opt.engine  # not an engine of its own
+        assert opt.pinned_engines[pin] is opt  # nor one per pinned rung
     _grads(model, 0)
     opt.step()
     moments = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -257,10 +283,9 @@ def test_global_step_hooks_run_once_per_step_on_8bit(rung: str, pin: str | None)
 def test_an_8bit_group_is_a_group_of_the_one_engine(rung: str, pin: str | None) -> None:
     model = _model8()
     opt = choose_optimizer(_groups(model, pin), rung=rung, free_memory="1GiB")
-    assert isinstance(opt.engine, LadderAdamW)
-    assert opt._engines() == [opt.engine]
+    assert isinstance(opt, LadderAdamW) and opt.engine is opt  # no engine of its own
     if pin is not None:
-        assert opt.pinned_engines[pin] is opt.engine  # not an engine of its own
+        assert opt.pinned_engines[pin] is opt  # nor one per pinned rung
     _grads(model, 0)
     opt.step()
     for group, on in zip(opt.param_groups, [pin or rung, rung], strict=True):

@@ -1232,17 +1232,21 @@ class LadderAdamW(torch.optim.Optimizer):
         self._torch_counts: Any = None  # fusedstep.StepCounts of the torch fused calls
         self._torch_routes: _TorchRoutes | None = None  # the plans' torch routes, flat
         self._steady: _SteadyPlans | None = None  # every plan, when all are torch's
-        # each group's first param's index over all the owning optimizer's groups (its
-        # rounding streams' param index, and the index messages name): set by
-        # LadderOptimizer when other engines hold some of its groups; None: counted over
-        # this engine's own groups
+        # each group's first param's index over the groups of a larger optimizer this
+        # one steps a part of (its rounding streams' param index, and the index messages
+        # name), set by its caller; None (optladder.AdamW, which holds every group):
+        # counted over this optimizer's own groups
         self.param_starts: list[int] | None = None
         self._eightbit: Any = None  # eightbit.EightBitGroups, made with the first 8bit group
         self._eight_prepared = False  # the last prepare prepared the 8bit groups' step
         super().__init__(params, defaults)
         self.register_state_dict_post_hook(_wrap_8bit_hook, prepend=True)
 
-    _step_supports_amp_scaling = True
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """True: ``torch.amp.GradScaler`` hands the scale and the inf flag to
+        :meth:`step` (``grad_scale``, ``found_inf``), as to torch's fused AdamW."""
+        return True
 
     @run_eagerly
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -1269,6 +1273,9 @@ class LadderAdamW(torch.optim.Optimizer):
         param_group["params"] = params
         self.format_keys(param_group)
         super().add_param_group(param_group)
+        # torch fills the keys the group lacks from defaults: of torch's AdamW flags (an
+        # optimizer whose defaults hold them, optladder.AdamW), only the format's stay
+        self.format_keys(param_group)
         if hasattr(self, "_group_plans"):  # not while torch's __init__ adds the first groups
             self._group_plans.clear()
             self._torch_routes = None

@@ -1,4 +1,5 @@
-"""Build the engine of one rung over param groups."""
+"""The rung a new optimizer's groups start on: their checks and state format
+(:func:`rung_options`), and :func:`build_engine`, a :class:`LadderAdamW` over them."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from optladder.dtype_names import dtype_name
 from optladder.optimizers import spec
 from optladder.optimizers.adamw import LadderAdamW, refuse_ladder_dtypes
 from optladder.optimizers.checked import first_params_only
-from optladder.optimizers.eightbit import build_8bit_format
-from optladder.optimizers.fp32 import build_fp32
+from optladder.optimizers.eightbit import prepare_8bit_format
+from optladder.optimizers.fp32 import fp32_options
 from optladder.optimizers.rounding import Rounding
 from optladder.rungs import LADDER_DTYPES, RUNG_ACCEPTS, RUNG_KEY, Capabilities, Rung
 from optladder.sharding import is_dtensor
@@ -116,6 +117,67 @@ def dtype_names(param_groups: list[dict[str, Any]]) -> set[str]:
 _DTYPE = operator.attrgetter("dtype")
 
 
+def rung_options(
+    rung: Rung,
+    param_groups: list[dict[str, Any]],
+    *,
+    fused: bool,
+    columns: ParamColumns | None = None,
+    checked: bool = False,
+) -> dict[str, Any]:
+    """Check ``param_groups`` for ``rung`` and put them in its state format (their
+    ``"rung"`` key; :data:`ENGINE_KEYS` cleared); returns the :class:`LadderAdamW`
+    keyword arguments beyond the hyperparameters that an optimizer over them on ``rung``
+    takes (``moment_dtype``, ``torch_fused``).
+
+    The groups are not built over: :func:`build_engine` builds a :class:`LadderAdamW`
+    with these options, :class:`optladder.AdamW` runs its own ``LadderAdamW.__init__``
+    with them.
+
+    Args:
+        rung: ``"fp32"``, ``"bf16"`` or ``"8bit"``.
+        param_groups: the param groups, changed in place.
+        fused, columns, checked: as for :func:`build_engine`.
+
+    Raises:
+        ValueError: for an unknown rung, or params the rung refuses (as
+            :func:`build_engine`); the groups are unchanged for an unknown rung.
+        ImportError: for the 8bit rung without bitsandbytes.
+    """
+    if rung not in ("fp32", "bf16", "8bit"):
+        raise ValueError(f"rung={rung!r} is not a rung; accepted values: fp32, bf16, 8bit")
+    if columns is not None and not columns.plain:
+        columns = None
+    if rung == "fp32":
+        names = dtype_names(param_groups) if columns is None else columns.dtype_names
+        fp32_engine: spec.Fp32Engine | None = spec.fp32_engine(fused, names)
+    else:
+        fp32_engine = None
+    if columns is None:  # plain columns: no DTensor among the params
+        _refuse_dtensors(rung, param_groups, fp32_engine)
+    clear_engine_keys(param_groups)
+    if rung in ("fp32", "bf16"):
+        for group in param_groups:  # their state format in LadderAdamW (a group moving
+            group[RUNG_KEY] = rung  # here from 8bit still says "8bit")
+    if fp32_engine == "foreach" and any(
+        p.is_complex() for group in param_groups for p in group["params"]
+    ):  # complex params take torch's foreach path anyway: the real ones stay fused
+        fp32_engine = "fused"
+    if fp32_engine is not None:
+        return fp32_options(param_groups, engine=fp32_engine, checked=checked)
+    if rung == "bf16":
+        # LadderAdamW's own check of the dtypes, over every param: from the columns when
+        # construction read them (every group's dtypes allowed), else group by group
+        # (which names the first param refused)
+        bulk = columns is not None and columns.dtype_names <= set(LADDER_DTYPES)
+        if checked and not bulk:
+            for group in param_groups:
+                refuse_ladder_dtypes(group["params"], torch.bfloat16)
+        return {"moment_dtype": torch.bfloat16}
+    prepare_8bit_format(param_groups, columns)
+    return {}
+
+
 def build_engine(
     rung: Rung,
     param_groups: list[dict[str, Any]],
@@ -132,7 +194,9 @@ def build_engine(
     columns: ParamColumns | None = None,
     checked: bool = False,
 ) -> LadderAdamW:
-    """Build the optimizer that runs ``rung`` over ``param_groups``.
+    """Build the optimizer that runs ``rung`` over ``param_groups``: a
+    :class:`LadderAdamW` with every group in ``rung``'s state format
+    (:func:`rung_options`).
 
     Args:
         rung: ``"fp32"``, ``"bf16"`` or ``"8bit"``.
@@ -147,10 +211,9 @@ def build_engine(
         param_rounding: how optladder's AdamW writes bfloat16/float16 params,
             ``"stochastic"`` or ``"nearest"`` (bf16 rung, and fp32 rung for such params).
         decoupled_weight_decay: True for AdamW (``param *= 1 - lr * wd``), False for Adam
-            (``grad += wd * param``), kept on every rung: ``torch.optim.Adam`` on fp32,
-            :class:`LadderAdamW` in Adam mode on bf16, and on 8bit bitsandbytes run with
-            weight decay 0 after the decay is added to the grad (bitsandbytes itself only
-            decays the AdamW way).
+            (``grad += wd * param``), kept on every rung (on 8bit, bitsandbytes' kernel
+            runs with weight decay 0 after the decay is added to the grad: bitsandbytes
+            itself only decays the AdamW way).
         columns: the :class:`optladder.columns.ParamColumns` of ``param_groups`` when
             construction has read them already (their dtypes are not read again).
         checked: True when the params passed construction's checks
@@ -170,65 +233,17 @@ def build_engine(
             they are bfloat16/float16, see :data:`DTENSOR_UNSUPPORTED`).
         ImportError: for the 8bit rung without bitsandbytes.
     """
-    hyper: dict[str, Any] = {
-        "lr": lr,
-        "betas": betas,
-        "eps": eps,
-        "weight_decay": weight_decay,
-        "decoupled_weight_decay": decoupled_weight_decay,
-    }
-    if columns is not None and not columns.plain:
-        columns = None
-    if rung == "fp32":
-        names = dtype_names(param_groups) if columns is None else columns.dtype_names
-        fp32_engine: spec.Fp32Engine | None = spec.fp32_engine(fused, names)
-    else:
-        fp32_engine = None
-    if columns is None:  # plain columns: no DTensor among the params
-        _refuse_dtensors(rung, param_groups, fp32_engine)
-    clear_engine_keys(param_groups)
-    if rung in ("fp32", "bf16"):
-        for group in param_groups:  # their state format in LadderAdamW (a group moving
-            group[RUNG_KEY] = rung  # here from 8bit still says "8bit")
-    if fp32_engine == "foreach" and any(
-        p.is_complex() for group in param_groups for p in group["params"]
-    ):  # complex params take torch's foreach path anyway: the real ones stay fused
-        fp32_engine = "fused"
-    if fp32_engine is not None:
-        return build_fp32(
+    options = rung_options(rung, param_groups, fused=fused, columns=columns, checked=checked)
+    with first_params_only(param_groups, checked):
+        return LadderAdamW(
             param_groups,
-            engine=fp32_engine,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
             seed=seed,
             rounding=rounding,
             param_rounding=param_rounding,
-            checked=checked,
-            **hyper,
+            **options,
         )
-    if rung == "bf16":
-        # LadderAdamW's own check of the dtypes, over every param: from the columns when
-        # construction read them (every group's dtypes allowed), else group by group
-        # (which names the first param refused)
-        bulk = columns is not None and columns.dtype_names <= set(LADDER_DTYPES)
-        if checked and not bulk:
-            for group in param_groups:
-                refuse_ladder_dtypes(group["params"], torch.bfloat16)
-        with first_params_only(param_groups, checked):
-            return LadderAdamW(
-                param_groups,
-                moment_dtype=torch.bfloat16,
-                seed=seed,
-                rounding=rounding,
-                param_rounding=param_rounding,
-                **hyper,
-            )
-    if rung == "8bit":
-        return build_8bit_format(
-            param_groups,
-            columns=columns,
-            checked=checked,
-            seed=seed,
-            rounding=rounding,
-            param_rounding=param_rounding,
-            **hyper,
-        )
-    raise ValueError(f"rung={rung!r} is not a rung; accepted values: fp32, bf16, 8bit")

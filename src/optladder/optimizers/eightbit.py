@@ -1334,6 +1334,24 @@ def _require_bitsandbytes() -> None:
         ) from exc
 
 
+def prepare_8bit_format(
+    param_groups: list[dict[str, Any]], columns: ParamColumns | None = None
+) -> None:
+    """Check ``param_groups`` for the 8bit state format (:func:`check_8bit_groups`),
+    import bitsandbytes, and mark each group ``"rung": "8bit"`` (the groups are built
+    over by :func:`build_8bit_format` or :class:`optladder.AdamW`).
+
+    Raises:
+        ImportError: if bitsandbytes does not import (the message says how to install
+            it); no group is marked then.
+        ValueError: as :func:`check_8bit_groups`.
+    """
+    check_8bit_groups(param_groups, columns)
+    _require_bitsandbytes()
+    for group in param_groups:
+        group[RUNG_KEY] = "8bit"
+
+
 def build_8bit_format(
     param_groups: list[dict[str, Any]],
     *,
@@ -1369,10 +1387,7 @@ def build_8bit_format(
         ImportError: if bitsandbytes does not import (the message says how to install it).
         ValueError: as :func:`check_8bit_groups`.
     """
-    check_8bit_groups(param_groups, columns)
-    _require_bitsandbytes()
-    for group in param_groups:
-        group[RUNG_KEY] = "8bit"
+    prepare_8bit_format(param_groups, columns)
     with first_params_only(param_groups, checked):
         return LadderAdamW(
             param_groups,

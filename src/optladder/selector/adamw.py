@@ -95,13 +95,18 @@ class AdamW(LadderOptimizer):
     """AdamW whose state takes the rung (fp32, bf16 or 8bit moments) the params and the
     device's free memory allow, and moves down a rung when a step runs out of memory.
 
-    A ``torch.optim.Optimizer`` that takes ``torch.optim.AdamW``'s arguments in its order.
-    At construction it measures the trainable params' footprint, reads the device's free
-    memory (probed once unless given) and the overrides (``rung=`` beats
+    One ``torch.optim.Optimizer`` that takes ``torch.optim.AdamW``'s arguments in its
+    order and owns its ``param_groups``, ``defaults`` and ``state``; each group's state
+    is in the format of its rung (its ``"rung"`` key), and a move to another rung
+    converts the state in place, so LR schedulers and trainers holding this object keep
+    working. At construction it measures the trainable params' footprint, reads the
+    device's free memory (probed once unless given) and the overrides (``rung=`` beats
     ``OPTLADDER_RUNG``, ``OPTLADDER_BF16_ADAM``, ``OPTLADDER_8BIT_ADAM``, read now),
-    decides with :func:`optladder.decide` and builds the rung. ``defaults`` are fixed
-    here (torch's keys plus ``seed`` and ``rounding``) and stay the same whatever rung
-    the state later moves to.
+    decides with :func:`optladder.decide` and puts the groups in the rung's format.
+    ``defaults`` are fixed here (torch's keys plus ``seed``, ``rounding`` and
+    ``param_rounding``) and stay the same whatever rung the state later moves to. The
+    ladder itself (the two-phase step and its retry, the moves, checkpoints) is
+    :class:`~optladder.selector.optimizer.LadderOptimizer`'s.
 
     A param group may pin its own rung with a ``"rung"`` entry (``{"params":
     model.embed.parameters(), "rung": "fp32"}``, as bitsandbytes users keep embeddings
@@ -113,7 +118,7 @@ class AdamW(LadderOptimizer):
     minimum over ranks, each rung's state bytes the maximum over ranks, and rank 0's
     decision is broadcast. A DTensor (FSDP2) param counts its global elements (for the
     policy's thresholds and bitsandbytes' 4,096-element rule) and the state bytes of
-    this rank's shard; rungs whose engine cannot step DTensors (bf16, see
+    this rank's shard; rungs whose state format cannot step DTensors (bf16, see
     :data:`optladder.optimizers.build.DTENSOR_UNSUPPORTED`) are skipped for such models.
 
     Args:
@@ -237,10 +242,22 @@ class AdamW(LadderOptimizer):
             "rounding": rounding,
             "param_rounding": param_rounding,
         }
+        hyperparams: dict[str, Any] = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "decoupled_weight_decay": decoupled_weight_decay,
+            "seed": seed,
+            "rounding": rounding,
+            "param_rounding": param_rounding,
+        }
         super().__init__(
-            built.engine,
+            built.groups,
             built.decision,
-            param_groups=built.groups,
+            pins=built.pins,
+            hyperparams=hyperparams,
+            options=built.options,
             max_retries=max_retries,
             on_escalate=on_escalate,
             defaults=defaults,

@@ -108,7 +108,7 @@ def checkpoint_states(opt: LadderOptimizer, states: dict[Any, Any]) -> dict[Any,
         for p in group["params"]:
             st = states.get(index)
             if not st and p.requires_grad:
-                st = zero_state(state_target(opt.engine, group, p), p)
+                st = zero_state(state_target(opt, group, p), p)
             if st:
                 form = to_checkpoint_form(st, p, f"param {index}")
                 out[index] = form if is_dtensor(p) else wrap_bnb_state(form)
@@ -162,7 +162,7 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
     saved_state = state_dict.get("state")
     if not isinstance(groups, list) or not isinstance(saved_state, dict):
         raise ValueError("state_dict must have a 'param_groups' list and a 'state' dict")
-    check_checkpoint_groups(groups, decoupled_mode(opt.engine))
+    check_checkpoint_groups(groups, decoupled_mode(opt))
     live_groups = opt.param_groups
     if len(groups) != len(live_groups):
         raise ValueError(
@@ -205,7 +205,7 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
         st = saved_state[key]
         _check_containers(st, f"param {pi}")
         group = live_groups_of[pi]
-        st = _one_form(st, _live_form(state_target(opt.engine, group, p), p), f"param {pi}")
+        st = _one_form(st, _live_form(state_target(opt, group, p), p), f"param {pi}")
         if st:
             st = from_checkpoint_form(st, p, f"param {pi}")
             check_param_state(st, p, f"param {pi}")
@@ -224,11 +224,10 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
         for saved in groups
     ]
     move_to = checkpoint_rung(opt, groups)
-    engine = opt.engine
     saved_groups = [dict(g) for g in live_groups]
     try:
         if move_to is not None:  # the live state is replaced below: nothing to migrate
-            set_formats(engine, opt._following_groups(), move_to)
+            set_formats(opt, opt._following_groups(), move_to)
         new_state: dict[torch.Tensor, dict[str, Any]] = {}
         group_of_param = [g for g in live_groups for _ in g["params"]]
         for pi, ((key, p), group) in enumerate(zip(pairs, group_of_param)):
@@ -237,8 +236,8 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
                 flat = unwrap_bnb_state(saved_param_state)
                 if "step" in flat:
                     where = f"param {pi} of the state_dict"
-                    check_step_range(read_step(flat), engine, p, where, group)
-                target = state_target(engine, group, p)
+                    check_step_range(read_step(flat), opt, p, where, group)
+                target = state_target(opt, group, p)
                 new_state[p] = convert_param_state(saved_param_state, p, target, copy=True)
                 _refuse_overflow(new_state[p], flat, f"param {pi} of the state_dict")
     except BaseException:
@@ -249,7 +248,7 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
         for values, live in zip(options, live_groups):
             live.update(values)
         opt._memo = None  # it holds the state dicts being replaced
-        engine.release_tables()  # its tables hold the state being replaced
+        opt.release_tables()  # its kernel tables point into the state being replaced
         opt.state.clear()
         opt.state.update(new_state)
         if move_to is not None:
@@ -302,7 +301,8 @@ _FORM_NAMES = {
 
 
 def _live_form(target: StateTarget, p: torch.Tensor) -> str:
-    """The form :func:`state_dict` saves ``p``'s state in, on the engine of ``target``."""
+    """The form :func:`state_dict` saves ``p``'s state in, when it is laid out as
+    ``target``."""
     if target.layout == "adam":
         return "adam"
     if is_dtensor(p):
@@ -454,7 +454,7 @@ def follow_checkpoint(opt: LadderOptimizer, param_groups: Sequence[dict[str, Any
             f"the checkpoint has {len(param_groups)} param groups; this optimizer has "
             f"{len(opt.param_groups)}"
         )
-    check_checkpoint_groups(list(param_groups), decoupled_mode(opt.engine), need_params=False)
+    check_checkpoint_groups(list(param_groups), decoupled_mode(opt), need_params=False)
     target = checkpoint_rung(opt, list(param_groups))
     if target is not None:
         opt.migrate_to(target, checkpoint_reason(opt, target), origin="checkpoint")

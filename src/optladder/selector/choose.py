@@ -1,5 +1,5 @@
-"""Probe once, decide, build the rung's engine: what :class:`optladder.AdamW` runs at
-construction."""
+"""Probe once, decide, and ready the groups for the chosen rung: what
+:class:`optladder.AdamW` runs at construction, before it builds itself over them."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from optladder.errors import (  # OptladderWarning re-exported: defined below po
     OptladderWarning,
     user_stacklevel,
 )
-from optladder.optimizers import build_engine, probe_capabilities, validate_hyperparams
-from optladder.optimizers.adamw import LadderAdamW
-from optladder.optimizers.build import without_dtensor_unsupported
+from optladder.optimizers import probe_capabilities, validate_hyperparams
+from optladder.optimizers.build import rung_options, without_dtensor_unsupported
 from optladder.optimizers.rounding import (
     Rounding,
     check_param_rounding,
@@ -35,7 +34,7 @@ from optladder.policies import (
 from optladder.policies.decision import allowed_rungs
 from optladder.policies.footprint import groups_footprint
 from optladder.policies.overrides import ENV_8BIT, ENV_BF16, Overrides
-from optladder.rungs import group_pin
+from optladder.rungs import Rung, group_pin
 from optladder.selector.agreement import largest_over_ranks, min_over_ranks, same_on_all_ranks
 from optladder.selector.checks import (
     check_groups,
@@ -107,14 +106,20 @@ class Built(NamedTuple):
     """What :func:`decide_and_build` returns.
 
     Attributes:
-        engine: the optimizer of the groups that follow the decision.
         decision: the :class:`optladder.Decision`.
-        groups: every param group, in the user's order (plain dicts).
+        groups: every param group, in the user's order (plain dicts); those that follow
+            the decision checked for its rung and in its state format
+            (:func:`optladder.optimizers.build.rung_options`), those that pin a rung
+            as given.
+        pins: per group, the rung it pins, or None when it follows the decision.
+        options: the ``LadderAdamW`` keyword arguments beyond the hyperparameters that
+            the optimizer over ``groups`` takes (``moment_dtype``, ``torch_fused``).
     """
 
-    engine: LadderAdamW
     decision: Decision
     groups: list[dict[str, Any]]
+    pins: list[Rung | None]
+    options: dict[str, Any]
 
 
 def decide_and_build(
@@ -137,14 +142,16 @@ def decide_and_build(
     on_escalate: Callable[[Escalation], None] | None,
     decoupled_weight_decay: bool,
 ) -> Built:
-    """Choose a rung for the model's optimizer state and build its engine (the work of
-    :class:`optladder.AdamW`'s constructor; see there for the user's view, param groups
-    that pin their rung and ranks under ``torch.distributed`` included).
+    """Choose a rung for the model's optimizer state and ready the groups for it (the
+    work of :class:`optladder.AdamW`'s constructor before it builds itself over them; see
+    there for the user's view, param groups that pin their rung and ranks under
+    ``torch.distributed`` included).
 
     Reads the trainable params' footprint and the device's free memory (probed once
     unless given), reads the overrides (``rung=`` beats ``OPTLADDER_RUNG``,
     ``OPTLADDER_BF16_ADAM``, ``OPTLADDER_8BIT_ADAM``, read now), decides with
-    :func:`optladder.decide`, and builds the rung's engine.
+    :func:`optladder.decide`, and checks the groups that follow the decision for its
+    rung (:func:`optladder.optimizers.build.rung_options`).
 
     Args:
         model_or_params, lr, betas, eps, weight_decay, rung, free_memory, device, policy,
@@ -153,7 +160,7 @@ def decide_and_build(
             passes them here unchanged.
 
     Returns:
-        The :class:`Built` engine, decision and param groups.
+        The :class:`Built` decision, param groups, their pins and LadderAdamW options.
 
     Raises:
         ValueError: bad hyperparameters (per group too), ``free_memory``, ``rung``,
@@ -212,7 +219,8 @@ def decide_and_build(
         free, source = parse_bytes(free_memory, "free_memory"), "given as free_memory"
     free, source = min_over_ranks(free, source, target)
     footprint = largest_over_ranks(footprint, target)
-    # Of the params that follow the decision: each pinned engine probes its own.
+    # Of the params that follow the decision (a pinned group steps on its format's kernels
+    # for its params here: the step logs why, where it leaves the fused path).
     capabilities = probe_capabilities(target, footprint.dtypes, footprint.has_complex)
     if footprint.sharded:
         capabilities = without_dtensor_unsupported(capabilities)
@@ -232,18 +240,7 @@ def decide_and_build(
             OptladderWarning,
             stacklevel=user_stacklevel(),
         )
-    hyper: dict[str, Any] = {
-        "lr": lr,
-        "betas": betas,
-        "eps": eps,
-        "weight_decay": weight_decay,
-        "seed": seed,
-        "rounding": rounding,
-        "param_rounding": param_rounding,
-        "decoupled_weight_decay": decoupled_weight_decay,
-    }
-
-    following = []  # the groups that follow the decision; LadderOptimizer builds the pinned
+    following = []  # the groups that follow the decision (the pinned: LadderOptimizer's)
     for gi, g in enumerate(groups):
         if pins[gi] is None:
             if decision.rung != asked:  # (the asked rung's checks ran above)
@@ -251,17 +248,16 @@ def decide_and_build(
                     g["params"], decision.rung, None, f"group {gi}", columns.group(gi)
                 )
             following.append(g)
-    engine = build_engine(  # the columns when they are those of the following groups
+    options = rung_options(  # the columns when they are those of the following groups
         decision.rung,
         following,
         fused=capabilities.fused[decision.rung],
         columns=columns if len(following) == len(groups) else None,
         checked=True,
-        **hyper,
     )
     if logger.isEnabledFor(logging.INFO):  # the summary formats every rung's bytes
         logger.info("optladder decision: %s", decision.summary())
-    return Built(engine, decision, groups)
+    return Built(decision, groups, pins, options)
 
 
 def _asked_by(overrides: Overrides) -> str:

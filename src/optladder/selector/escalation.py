@@ -3,7 +3,7 @@
 An escalation moves them one rung cheaper after an out-of-memory step
 (:func:`escalate`); a checkpoint load may move them to the rung the checkpoint had
 reached (:mod:`optladder.selector.checkpointing`). The fp32, bf16 and 8bit rungs are three state
-formats of one engine (:class:`~optladder.optimizers.adamw.LadderAdamW`): a move
+formats of the one optimizer (:class:`~optladder.optimizers.adamw.LadderAdamW`'s): a move
 (:func:`migrate`) flips the groups' ``"rung"`` and converts their state in place
 (:func:`optladder.optimizers.migrate.migrate_states`: largest param first, one param's
 new state at a time), building nothing. Each move records why in the decision
@@ -14,7 +14,7 @@ rung fixed by ``rung=``, a disabled or unavailable rung) is :func:`move_refused`
 These functions carry out the moves of
 :class:`~optladder.selector.optimizer.LadderOptimizer`, whose methods ``escalate`` and
 ``migrate_to`` call them (their docstrings there are the contract); they read and update
-its decision, engine and escalations.
+its decision, groups, state and escalations.
 """
 
 from __future__ import annotations
@@ -162,7 +162,6 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
         why = move_refused(opt._decision, rung)
         if why is not None:
             raise ValueError(f"cannot move to {rung}: {why} (pass force=True to move anyway)")
-    engine = opt.engine
     following = opt._following_groups()
     ids = {id(g) for g in following}
     for gi, group in enumerate(opt.param_groups):
@@ -174,21 +173,21 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
     saved_groups = [dict(g) for g in following]
     opt._memo = None  # it holds the state dicts the move drops
     params = [p for g in following for p in g["params"]]
-    source_specs = {id(p): state_target(engine, g, p) for g in following for p in g["params"]}
+    source_specs = {id(p): state_target(opt, g, p) for g in following for p in g["params"]}
     # Ctrl-C waits until the move is done: between the conversion and the merge below,
     # the moved params' state is only in the converted dict, which an interrupt would drop
     with deferred_interrupts():
         try:
-            set_formats(engine, following, rung)
+            set_formats(opt, following, rung)
             group_of = {id(p): g for g in following for p in g["params"]}
             converted: dict[torch.Tensor, Any] = {}  # merged into the state once whole
             migrate_states(
-                engine,
+                opt,
                 opt.state,
                 converted,
                 params,
                 lambda p: source_specs[id(p)],
-                lambda p: state_target(engine, group_of[id(p)], p),
+                lambda p: state_target(opt, group_of[id(p)], p),
                 keep_source=RUNGS.index(rung) < RUNGS.index(opt.rung),
             )
         except BaseException:
@@ -198,13 +197,13 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
         switch(opt, rung, reason, origin)
 
 
-def set_formats(engine: LadderAdamW, following: list[dict[str, Any]], rung: Rung) -> None:
+def set_formats(opt: LadderAdamW, following: list[dict[str, Any]], rung: Rung) -> None:
     """Put the groups that follow the decision (``following``) in ``rung``'s state
     format (:meth:`~optladder.optimizers.adamw.LadderAdamW.set_format`: their ``"rung"``
     and the format's group keys), before their state is converted; nothing is built.
     The caller restores the groups' items on failure (:func:`restore_groups`)."""
     for group in following:
-        engine.set_format(group, rung)
+        opt.set_format(group, rung)
 
 
 def steps_refusal(opt: LadderOptimizer, rung: Rung) -> str | None:

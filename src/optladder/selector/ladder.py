@@ -324,8 +324,7 @@ def _other_steps(
 ) -> Callable[[torch.optim.Optimizer, tuple[object, ...], dict[str, object]], None]:
     """A global optimizer step post-hook (torch calls it after every optimizer's
     successful ``step()``) that, while ``ladder`` runs a train step, appends to its
-    ``_others`` the class name of each optimizer that stepped other than its optimizer
-    and that optimizer's engines."""
+    ``_others`` the class name of each optimizer that stepped other than its optimizer."""
 
     @run_eagerly  # in a compiled train step, torch's optimizers call it from traced code
     def hook(
@@ -335,7 +334,7 @@ def _other_steps(
         if owner is None or owner._others is None:
             return
         opt = owner.optimizer
-        if optimizer is opt or any(optimizer is e for e in opt._engines()):
+        if optimizer is opt:
             return
         owner._others.append(type(optimizer).__name__)
 

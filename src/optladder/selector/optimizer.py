@@ -1,8 +1,10 @@
-"""The optladder optimizer: one object per run that delegates to the current rung.
+"""The optladder optimizer: one ``torch.optim.Optimizer`` per run whose groups' state is
+in their rung's format, and which moves to a cheaper rung when a step runs out of memory.
 
-The class holds the torch contract (``step``, ``zero_grad``, ``add_param_group``,
-``state_dict``/``load_state_dict`` with their hooks, AMP's ``grad_scale``/``found_inf``)
-and the engines of the rungs. It steps in two phases (prepare, then commit: see
+:class:`LadderOptimizer` is :class:`~optladder.optimizers.adamw.LadderAdamW` (the state
+formats of the rungs and their kernels) with the torch contract of the ladder on top
+(``step``, ``zero_grad``, ``add_param_group``, ``state_dict``/``load_state_dict`` with
+their hooks, AMP's ``grad_scale``/``found_inf``). It steps in two phases (prepare, then commit: see
 :mod:`optladder.optimizers.transaction`), so an out-of-memory error in a step leaves
 params, moments and step counts as they were; it then moves its state to the next
 cheaper rung and retries the step, once per rung. The rest sits in a module of its own:
@@ -30,8 +32,9 @@ import torch
 from optladder.compilation import run_eagerly
 from optladder.oom import describe_error, is_oom
 from optladder.optimizers.adamw import LadderAdamW, distinct_grads, unscale_grads_
+from optladder.optimizers.build import KERNEL_KEYS
+from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.fusedstep import refuse_resized
-from optladder.optimizers.migrate import is_bnb_engine
 from optladder.optimizers.stepmemo import StepMemo, grad_of, same_objects
 from optladder.optimizers.transaction import (
     commit_step,
@@ -83,34 +86,6 @@ __all__ = [
 ]
 
 _PIN_REASON = "pinned by its param group"
-_FILLED_KEYS = (
-    "lr",
-    "betas",
-    "eps",
-    "weight_decay",
-    "amsgrad",
-    "maximize",
-    "seed",
-    "rounding",
-    "param_rounding",
-)
-"""The ``defaults`` that :meth:`LadderOptimizer.add_param_group` fills into a new group
-that leaves them out, when they were changed by hand since construction (the engines
-fill construction's values; torch's kernel flags stay the engine's)."""
-_MISSING = object()
-
-
-def _same_value(a: object, b: object) -> bool:
-    """Whether two ``defaults`` values are the same (a tensor lr: the same object)."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return False
-    try:
-        return bool(a == b) and type(a) is type(b)
-    except Exception:  # an object whose == raises: changed
-        return False
-
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
@@ -139,8 +114,8 @@ class PartialStepError(RuntimeError):
 
     Attributes:
         stepped: group numbers (places in ``param_groups``) whose params were stepped.
-        partly: group numbers of the engine that failed: some of their params may have
-            been stepped.
+        partly: group numbers whose commit failed: some of their params may have been
+            stepped.
         not_stepped: group numbers not touched.
     """
 
@@ -158,7 +133,7 @@ def _on_the_optimizer(method: _Method) -> _Method:
 
     Lightning's ``LightningOptimizer`` is an instance of a subclass of the optimizer's
     class that holds the optimizer as ``_optimizer`` and reads missing attributes from
-    it: a method that changes attributes (``zero_grad``'s count, a move's engine and
+    it: a method that changes attributes (``zero_grad``'s count, a move's groups and
     decision) must run on the optimizer itself, or its writes land on the wrapper and
     the optimizer Lightning steps never sees them."""
 
@@ -172,36 +147,46 @@ def _on_the_optimizer(method: _Method) -> _Method:
     return cast(_Method, on_the_optimizer)
 
 
-class LadderOptimizer(torch.optim.Optimizer):
-    """A ``torch.optim.Optimizer`` that runs the current rung's engine and climbs down the
-    ladder when a step runs out of memory.
+class LadderOptimizer(LadderAdamW):
+    """AdamW whose groups' state is in their rung's format, climbing down the ladder when
+    a step runs out of memory: one ``torch.optim.Optimizer`` that owns its
+    ``param_groups``, its ``defaults`` and its ``state``.
 
-    The dicts in ``param_groups`` are the engines' own group dicts, and ``state`` is the
-    one dict every engine keeps its state in, so an LR scheduler or a trainer that edits
-    ``opt.param_groups[i]["lr"]`` edits the engine's group. The object stays the same
-    when the rung changes, so references held by schedulers and trainers stay valid.
-    Each param group records ``"rung"``, ``"rung_origin"`` and ``"rung_reason"``, saved
-    in ``state_dict()``.
+    The state formats and kernels are :class:`~optladder.optimizers.adamw.LadderAdamW`'s
+    (the fp32, bf16 and 8bit rungs are its three formats; each group's ``"rung"`` says
+    which); this class adds the ladder: a step in two phases (prepare, then commit: see
+    :mod:`optladder.optimizers.transaction`) that on an out-of-memory error converts the
+    state of the groups that follow the decision to the next cheaper rung in place and
+    retries; checkpoints in one layout whatever the rungs; the agreement of every rank
+    under ``torch.distributed``. The object, its group dicts and its ``state`` dict stay
+    the same when the rung changes, so references held by LR schedulers and trainers
+    stay valid. Each param group records ``"rung"``, ``"rung_origin"`` and
+    ``"rung_reason"``, saved in ``state_dict()``.
 
     Param groups that pin their own rung (``{"params": emb, "rung": "fp32"}``, as
     bitsandbytes users keep embeddings in 32-bit state; see
     :func:`optladder.rungs.group_pin`) keep their state in that rung's format and never
     move: an out-of-memory step escalates the other groups, those that follow the
-    decision. The fp32, bf16 and 8bit rungs are three state formats of one engine
-    (:class:`~optladder.optimizers.adamw.LadderAdamW`): a group pinning one of them is a
-    group of that engine whatever the others are on. ``rung``, ``engine`` and
-    ``decision`` describe the groups that follow the
-    decision (``engine`` may hold pinned groups too); the decision's state bytes include
-    the pinned groups'.
+    decision. ``rung`` and ``decision`` describe the groups that follow the decision;
+    the decision's state bytes include the pinned groups'.
+
+    Built by :class:`optladder.AdamW` (``choose_optimizer``), which decides the rung and
+    readies the groups (:func:`optladder.selector.choose.decide_and_build`).
 
     Args:
-        engine: the optimizer of the groups that follow the decision (built by
-            :func:`optladder.optimizers.build_engine`).
-        decision: the :class:`optladder.Decision` that chose its rung.
         param_groups: every param group in the user's order (the order of
-            ``param_groups`` and of ``state_dict()``): ``engine``'s group dicts, and
-            groups that pin their rung, which join ``engine`` in their rung's state
-            format.
+            ``param_groups`` and of ``state_dict()``): those that follow ``decision``,
+            checked for its rung and in its state format
+            (:func:`optladder.optimizers.build.rung_options`), and groups that pin
+            their rung, which are checked here.
+        pins: per group of ``param_groups``, the rung it pins
+            (:func:`optladder.rungs.group_pin`), or None when it follows the decision.
+        decision: the :class:`optladder.Decision` that chose the rung.
+        hyperparams: ``LadderAdamW``'s hyperparameters and options (``lr``, ``betas``,
+            ``eps``, ``weight_decay``, ``decoupled_weight_decay``, ``seed``,
+            ``rounding``, ``param_rounding``), checked already.
+        options: ``LadderAdamW``'s options for the decided rung (``moment_dtype``,
+            ``torch_fused``; :func:`~optladder.optimizers.build.rung_options`).
         max_retries: escalations allowed within one ``step()`` call, ``>= 0``.
         on_escalate: called with each :class:`Escalation`, after the move and before the
             retry.
@@ -209,16 +194,15 @@ class LadderOptimizer(torch.optim.Optimizer):
             fills in), fixed here for the whole run whatever rung the state moves to.
 
     Raises:
-        ValueError: if ``param_groups`` lacks a group of ``engine``, or holds a group
-            that neither ``engine`` holds nor pins a rung; a pinned group the rung's
-            engine cannot take (naming the group by its place in ``param_groups``).
+        ValueError: a pinned group whose params its rung cannot take (naming the group
+            by its place in ``param_groups``).
 
     Attributes:
         decision: the decision behind the current rung.
         rung: the current rung of the groups that follow the decision.
-        engine: their optimizer.
-        pinned_engines: per pinned rung, the optimizer of the groups that pin it (the
-            engine itself: every rung is a state format of it).
+        engine: the optimizer itself (kept so that code written when the rungs were
+            separate engines runs).
+        pinned_engines: per pinned rung, the optimizer itself.
         escalations: the moves made so far.
         last_step_skipped: whether the last ``torch.amp.GradScaler.step(opt)`` skipped
             the step for an inf/NaN grad (keep an LR scheduler in step with
@@ -265,17 +249,18 @@ class LadderOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        engine: LadderAdamW,
+        param_groups: Sequence[dict[str, Any]],
         decision: Decision,
         *,
-        param_groups: Sequence[dict[str, Any]],
+        pins: Sequence[Rung | None],
+        hyperparams: Mapping[str, Any],
+        options: Mapping[str, Any],
         max_retries: int = 2,
         on_escalate: Callable[[Escalation], None] | None = None,
         defaults: Mapping[str, Any],
     ) -> None:
         check_max_retries(max_retries)
-        self._engine: LadderAdamW | None = None
-        self._pinned: dict[Rung, LadderAdamW] = {}
+        self._built = False  # add_param_group: torch's __init__ adds the groups below
         # id(group) -> the rung it pins, for every group that pins one
         self._pin_rungs: dict[int, Rung] = {}
         self._decision = decision
@@ -296,76 +281,42 @@ class LadderOptimizer(torch.optim.Optimizer):
         self._warned: set[tuple[Rung, str]] = set()
         self._memo: StepMemo | None = None  # what passed the step checks
         self._names: tuple[tuple[int, ...], dict[int, str]] = ((), {})
-        self._numbered: tuple[Any, ...] = ()  # what _number_params last numbered
         order = list(param_groups)
-        held = {id(g) for g in engine.param_groups}
-        if not held <= {id(g) for g in order}:
-            raise ValueError("param_groups must hold every group dict of the engine")
-        pinned: dict[Rung, list[tuple[int, dict[str, Any]]]] = {}
-        for gi, group in enumerate(order):
-            if id(group) not in held:
-                pin = group_pin(group, f"param group {gi}")
-                if pin is None:
-                    raise ValueError(
-                        f"param group {gi} is not one of the engine's groups and pins no rung"
-                    )
-                pinned.setdefault(pin, []).append((gi, group))
-        self._mark_groups(engine.param_groups, decision)
-        super().__init__(engine.param_groups, engine.defaults)
+        following: list[dict[str, Any]] = []
+        pinned: dict[int, Rung] = {}
+        for gi, (group, pin) in enumerate(zip(order, pins, strict=True)):
+            if pin is None:
+                following.append(group)
+            else:
+                self._check_pinned(gi, group, pin)
+                _mark_pinned([group], pin)
+                pinned[id(group)] = pin
+        self._mark_groups(following, decision)
+        # the following groups' params passed construction's checks and the rung's
+        # (rung_options): torch's per-param checks read each one's first param only
+        with first_params_only(following):
+            super().__init__(order, **hyperparams, **options)
+        # LadderAdamW's hook wrapping 8bit state for its own state_dict: this class lays
+        # out every state itself (checkpointing.state_dict), and runs only users' hooks
+        self._optimizer_state_dict_post_hooks.clear()
         self.defaults = dict(defaults)
-        # what the engines fill into a group added without a value: add_param_group
-        # fills what the user changed in self.defaults since (torch's semantics)
-        self._built_defaults = dict(defaults)
-        self.param_groups = order
-        self.state = engine.state
-        self._attach(engine)
-        for pin, indexed in pinned.items():  # one engine per rung, over all its groups
-            for (gi, _), held_group in zip(indexed, self._add_pinned(pin, indexed)):
-                order[gi] = held_group
+        self._pin_rungs = pinned
+        self._built = True
         self._params_checked()
         self._warn_unfused()
 
     # ------------------------------------------------------------------ plumbing
-    def _add_pinned(
-        self, rung: Rung, indexed: list[tuple[int, dict[str, Any]]]
-    ) -> list[dict[str, Any]]:
-        """Put groups that pin ``rung`` (each with its place among all groups) on the
-        engine, in that rung's state format (every rung is a state format of the one
-        engine); returns the engine's dicts of those groups.
+    def _check_pinned(self, gi: int, group: dict[str, Any], rung: Rung) -> None:
+        """Refuse a group (at place ``gi`` among all groups) that pins ``rung`` whose
+        params that rung cannot take.
 
         Raises:
-            ValueError: ``"param group {gi} pins {rung}: ..."`` when the engine cannot
-                take a group's params; nothing is changed then.
+            ValueError: ``"param group {gi} pins {rung}: ..."``, naming the param.
         """
-        engine = self.engine
-        groups = [group for _, group in indexed]
-        for gi, group in indexed:
-            try:
-                check_params_for_rung(group["params"], rung, engine, f"group {gi}")
-            except ValueError as exc:
-                raise ValueError(f"param group {gi} pins {rung}: {exc}") from None
-        places = ", ".join(str(gi) for gi, _ in indexed)
-        label = (
-            f"param group {places} pins {rung}"
-            if len(indexed) == 1
-            else (f"param groups {places} pin {rung}")
-        )
         try:
-            _mark_pinned(groups, rung)
-            for group in groups:
-                engine.add_param_group(group)
+            check_params_for_rung(group["params"], rung, self, f"group {gi}")
         except ValueError as exc:
-            raise ValueError(f"{label}: {exc}") from None
-        held = engine.param_groups[-len(groups) :]
-        self._pinned[rung] = engine
-        self._pin_rungs.update((id(group), rung) for group in held)
-        return held
-
-    def _engines(self, engine: torch.optim.Optimizer | None = None) -> list[torch.optim.Optimizer]:
-        """The engine of the groups that follow the decision, then the pinned engines
-        (each once: the fp32 and bf16 rungs share one engine)."""
-        engines = [self.engine if engine is None else engine, *self._pinned.values()]
-        return list({id(e): e for e in engines}.values())
+            raise ValueError(f"param group {gi} pins {rung}: {exc}") from None
 
     def _following_groups(self) -> list[dict[str, Any]]:
         """The groups that follow the decision (those that pin no rung), in order."""
@@ -376,17 +327,6 @@ class LadderOptimizer(torch.optim.Optimizer):
         """The rung ``group``'s state is on: the rung it pins, or the decision's."""
         return self._pin_rungs.get(id(group), self._decision.rung)
 
-    def _share_state(self, engine: LadderAdamW) -> None:
-        """Move ``engine``'s state into this optimizer's ``state`` dict and make that its
-        state dict: every engine touches only its own params' entries."""
-        if engine.state is not self.state:
-            self.state.update(engine.state)
-            engine.state = self.state
-
-    def _attach(self, engine: LadderAdamW) -> None:
-        self._engine = engine
-        self._share_state(engine)
-
     @staticmethod
     def _mark_groups(groups: list[dict[str, Any]], decision: Decision) -> None:
         reason = decision.reasons[-1] if decision.reasons else decision.origin
@@ -396,15 +336,16 @@ class LadderOptimizer(torch.optim.Optimizer):
             group[REASON_KEY] = reason
 
     @property
-    def engine(self) -> LadderAdamW:
-        """The current rung's optimizer."""
-        assert self._engine is not None
-        return self._engine
+    def engine(self) -> LadderOptimizer:
+        """The optimizer itself: every rung is a state format of it (kept so that code
+        written when the rungs were separate engines, ``opt.engine.param_groups``, runs)."""
+        return self
 
     @property
-    def pinned_engines(self) -> dict[Rung, LadderAdamW]:
-        """Per pinned rung, the optimizer of the groups that pin it (a new dict)."""
-        return dict(self._pinned)
+    def pinned_engines(self) -> dict[Rung, LadderOptimizer]:
+        """Per rung that a group pins, the optimizer itself (a new dict; empty without
+        pins). Kept, as :attr:`engine` is."""
+        return dict.fromkeys(self._pin_rungs.values(), self)
 
     @property
     def decision(self) -> Decision:
@@ -428,9 +369,8 @@ class LadderOptimizer(torch.optim.Optimizer):
         ``choose_optimizer`` (hyperparameters, duplicates, params the rung cannot take);
         the decision's footprint and state bytes are updated.
 
-        The group joins the current rung's engine, or, when it pins a rung
-        (``param_group["rung"]``), that rung's pinned engine (built when it is the first
-        group to pin that rung).
+        The group's state is in the current rung's format, or, when it pins a rung
+        (``param_group["rung"]``), in that rung's.
 
         Values the group leaves out are ``defaults``' (torch's semantics), including
         values set in ``opt.defaults`` by hand after construction.
@@ -439,16 +379,13 @@ class LadderOptimizer(torch.optim.Optimizer):
             ValueError: naming the param or option, what was found and what is allowed;
                 a pinned rung that is disabled or unavailable.
         """
-        if self._engine is None:  # called by torch.optim.Optimizer.__init__ with the
-            self.param_groups.append(param_group)  # engine's groups, which it checked
+        if not self._built:  # torch.optim.Optimizer.__init__ adds construction's groups,
+            LadderAdamW.add_param_group(self, param_group)  # checked there
             return
         group = check_new_group(param_group)
-        for key in _FILLED_KEYS:  # torch fills a new group's missing values from defaults
-            value = self.defaults.get(key, _MISSING)
-            built = self._built_defaults.get(key, _MISSING)
-            if key not in group and value is not _MISSING and not _same_value(value, built):
-                group[key] = value  # changed by hand since construction: the engines
-                # would fill the construction's value
+        for key, value in self.defaults.items():  # torch fills what the group leaves out
+            if key not in KERNEL_KEYS:  # (before the checks); optladder picks the kernel
+                group.setdefault(key, value)
         params = group["params"]
         if ("param_names" in group) != ("param_names" in self.param_groups[0]):
             have = "named" if "param_names" in self.param_groups[0] else "unnamed"
@@ -463,13 +400,18 @@ class LadderOptimizer(torch.optim.Optimizer):
         pin = group_pin(group, f"param group {gi}")
         with deferred_interrupts():  # Ctrl-C waits until the group is added everywhere
             if pin is None:
-                check_params_for_rung(params, self.rung, self._engine)
+                check_params_for_rung(params, self.rung, self)
                 self._mark_groups([group], self._decision)
-                self._engine.add_param_group(group)
-                self.param_groups.append(self._engine.param_groups[-1])
+                LadderAdamW.add_param_group(self, group)
             else:
                 check_pins([*self.param_groups, group], self._decision)
-                self.param_groups += self._add_pinned(pin, [(gi, group)])
+                self._check_pinned(gi, group, pin)
+                _mark_pinned([group], pin)
+                try:
+                    LadderAdamW.add_param_group(self, group)
+                except ValueError as exc:
+                    raise ValueError(f"param group {gi} pins {pin}: {exc}") from None
+                self._pin_rungs[id(group)] = pin
             footprint = measure_footprint(self.param_groups)
             self._decision = self._decision.model_copy(
                 update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
@@ -504,8 +446,7 @@ class LadderOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the grads of all params (to None by default, as torch does)."""
         self._zero_grad_calls += 1
-        for engine in self._engines():
-            engine.zero_grad(set_to_none=set_to_none)
+        torch.optim.Optimizer.zero_grad(self, set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ stepping
     @run_eagerly
@@ -603,8 +544,8 @@ class LadderOptimizer(torch.optim.Optimizer):
         )
 
     def _check_group_rungs(self) -> None:
-        """Refuse a group whose ``"rung"`` entry was edited by hand: its state is on the
-        rung of the engine holding it, and a step or a checkpoint under another name
+        """Refuse a group whose ``"rung"`` entry was edited by hand: its state is in the
+        format of the rung it pins or the decision's, and a step or a checkpoint under another name
         would contradict it (a checkpoint saying bf16 beside float32 moments).
 
         Raises:
@@ -635,12 +576,12 @@ class LadderOptimizer(torch.optim.Optimizer):
         contiguity against the last ones checked (a new size, a dtype of another width,
         another memory format; what keeps all three keeps the state's fit: a param given
         other memory of the same size and layout is stepped there). When they changed,
-        the engines' step memos are dropped too, so the next prepare checks every grad
+        the step memo is dropped too, so the next prepare checks every grad
         and lays out every moment again.
 
         Raises:
             ValueError: what construction would say of the params (a param listed twice,
-                params sharing memory, a dtype the rung or its engine cannot take), or a
+                params sharing memory, a dtype the rung cannot take), or a
                 grad or state tensor of another size than its param
                 (:func:`~optladder.optimizers.fusedstep.refuse_resized`), with a note
                 that the params changed; nothing is changed.
@@ -656,23 +597,15 @@ class LadderOptimizer(torch.optim.Optimizer):
             if sizes == seen_sizes and layouts == seen_layouts:
                 return
         names = self._group_names()
-        place = {id(g): gi for gi, g in enumerate(self.param_groups)}
         try:
             decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
             check_groups(self.param_groups, decoupled)
             refuse_meta_params(self.param_groups)
-            for engine in self._engines():
-                for group in engine.param_groups:
-                    where = f"group {place[id(group)]}"
-                    rung = self._group_rung(group)
-                    check_params_for_rung(group["params"], rung, engine, where)
-                grads = [list(map(grad_of, g["params"])) for g in engine.param_groups]
-                refuse_resized(
-                    engine,
-                    grads,
-                    names,
-                    local=is_bnb_engine(engine),
-                )
+            for gi, group in enumerate(self.param_groups):
+                rung = self._group_rung(group)
+                check_params_for_rung(group["params"], rung, self, f"group {gi}")
+            grads = [list(map(grad_of, g["params"])) for g in self.param_groups]
+            refuse_resized(self, grads, names, local=False)
         except ValueError as exc:
             raise ValueError(
                 f"{exc} (the params changed since the last step: a group's params list was "
@@ -695,7 +628,7 @@ class LadderOptimizer(torch.optim.Optimizer):
         """Whether each param is contiguous, where a group is in the fp32 format (whose
         torch kernels pair a param's elements with its moments' by memory order; the
         other formats step any layout): empty otherwise."""
-        if self.rung != "fp32" and "fp32" not in self._pinned:
+        if self.rung != "fp32" and "fp32" not in self._pin_rungs.values():
             return []
         return list(map(_IS_CONTIGUOUS, flat))
 
@@ -713,15 +646,13 @@ class LadderOptimizer(torch.optim.Optimizer):
     def _two_phase_step(
         self, retries: int, unscale: tuple[list[torch.Tensor], torch.Tensor] | None
     ) -> tuple[str, Rung, bool] | None:
-        """Prepare every engine, agree with the other ranks, commit. Returns None when
+        """Prepare, agree with the other ranks, commit. Returns None when
         the step committed; otherwise, with nothing committed, ``(reason, rung,
         follow)``: escalate below ``rung`` (an out-of-memory error on some rank; ``rung``
         is the most escalated rank's), or, when ``follow``, move to ``rung`` itself
         (another rank moved there outside a step)."""
-        engines = self._engines()
         names = self._group_names()
-        self._number_params(engines)
-        prepared: list[tuple[torch.optim.Optimizer, list[torch.Tensor]]] = []
+        created: list[torch.Tensor] | None = None  # the state the prepare created
         error: BaseException | None = None
         status = STEP_OK
         try:
@@ -729,12 +660,8 @@ class LadderOptimizer(torch.optim.Optimizer):
             self._check_params()
             if self._memo is None:
                 self._memo = StepMemo()
-            for engine in engines:
-                prepared.append((engine, prepare_step(engine, names, self._memo)))
-        except BaseException as exc:
-            for engine, created in prepared:  # the failing engine rolled itself back
-                rollback_step(engine, created, self._memo)
-            prepared = []
+            created = prepare_step(self, names, self._memo)
+        except BaseException as exc:  # the prepare rolled itself back
             error = exc
             status = STEP_OUT_OF_MEMORY if is_oom(exc) else STEP_FAILED
         mine = RUNGS.index(self.rung)
@@ -742,15 +669,15 @@ class LadderOptimizer(torch.optim.Optimizer):
             # every rank takes part, also one whose prepare failed: none waits for it
             worst, furthest, nearest = agree_step(status, mine, self.device)
         except BaseException:  # a peer died or timed out: nothing of this step stays
-            for engine, created in prepared:
-                rollback_step(engine, created, self._memo)
+            if created is not None:
+                rollback_step(self, created, self._memo)
             raise
         if worst == STEP_OK and furthest == nearest:
-            self._commit(engines, unscale)
+            self._commit(unscale)
             self._warn_unfused()
             return None
-        for engine, created in prepared:  # this rank prepared, another did not
-            rollback_step(engine, created, self._memo)
+        if created is not None:  # this rank prepared, another did not
+            rollback_step(self, created, self._memo)
         if status == STEP_FAILED:
             assert error is not None
             raise error
@@ -791,36 +718,6 @@ class LadderOptimizer(torch.optim.Optimizer):
             False,
         )
 
-    def _number_params(self, engines: list[torch.optim.Optimizer]) -> None:
-        """Tell each engine that keeps ``param_starts`` (:class:`LadderAdamW`) where its
-        groups' params stand over all groups, so that a param's stochastic rounding
-        stream (keyed by its index over all groups, :mod:`optladder.optimizers.rounding`)
-        is its own when pinned groups live in other engines (each engine had counted
-        from 0, so a pinned group's first param shared the first decided param's
-        stream). With one engine holding the groups in their order (no pin, or none
-        added after construction) its own count is that index already."""
-        groups = self.param_groups
-        if len(engines) == 1 and same_objects(engines[0].param_groups, groups):
-            if getattr(engines[0], "param_starts", None) is not None:
-                engines[0].param_starts = None  # type: ignore[attr-defined]
-            return
-        key = (
-            tuple(map(id, groups)),
-            tuple(len(g["params"]) for g in groups),
-            tuple(map(id, engines)),
-        )
-        if key == self._numbered:
-            return
-        first: dict[int, int] = {}
-        start = 0
-        for group in groups:
-            first[id(group)] = start
-            start += len(group["params"])
-        for engine in engines:
-            if hasattr(engine, "param_starts"):
-                engine.param_starts = [first[id(g)] for g in engine.param_groups]
-        self._numbered = key
-
     def _group_names(self) -> dict[int, str]:
         """``id(group) -> "group {place}"`` for messages, kept while the groups are."""
         key = tuple(map(id, self.param_groups))
@@ -828,47 +725,35 @@ class LadderOptimizer(torch.optim.Optimizer):
             self._names = (key, {gid: f"group {gi}" for gi, gid in enumerate(key)})
         return self._names[1]
 
-    def _commit(
-        self,
-        engines: list[torch.optim.Optimizer],
-        unscale: tuple[list[torch.Tensor], torch.Tensor] | None,
-    ) -> None:
-        """Run every engine's commit (they allocate nothing), with Ctrl-C held back until
-        all are done, after dividing the grads of ``unscale`` (the distinct grads,
-        :meth:`_grads_to_unscale`) by its ``grad_scale``, when given. Should one fail
-        anyway, record which groups were written (``partial_step``) and raise
-        :class:`PartialStepError` (a KeyboardInterrupt or other ``BaseException`` is
-        re-raised as it is, after the record)."""
+    def _commit(self, unscale: tuple[list[torch.Tensor], torch.Tensor] | None) -> None:
+        """Run the commit (it allocates nothing), with Ctrl-C held back until it is
+        done, after dividing the grads of ``unscale`` (the distinct grads,
+        :meth:`_grads_to_unscale`) by its ``grad_scale``, when given. Should it fail
+        anyway, record that the groups may be partly written (``partial_step``) and
+        raise :class:`PartialStepError` (a KeyboardInterrupt or other ``BaseException``
+        is re-raised as it is, after the record)."""
         self._commits += 1  # before the first write: Ladder must never rerun this step
-        done: list[torch.optim.Optimizer] = []
+        done = False
         try:
             with deferred_interrupts():
                 if unscale is not None:
                     unscale_grads_(*unscale)
-                for engine in engines:
-                    commit_step(engine, self._memo)
-                    done.append(engine)
+                commit_step(self, self._memo)
+                done = True
         except BaseException as exc:
-            if len(done) == len(engines):  # Ctrl-C held back until the step was whole
+            if done:  # Ctrl-C held back until the step was whole
                 self._steps += 1
                 self.partial_step = None
                 raise
-            failing = engines[len(done)]
-            place = {id(g): gi for gi, g in enumerate(self.param_groups)}
-
-            def places(es: list[torch.optim.Optimizer]) -> list[int]:
-                return sorted(place[id(g)] for e in es for g in e.param_groups)
-
-            stepped, partly = places(done), places([failing])
-            rest = places(engines[len(done) + 1 :])
+            partly = list(range(len(self.param_groups)))  # one commit steps every group
             error = PartialStepError(
                 f"the optimizer step failed in its commit ({describe_error(exc)}) after it "
-                f"had written params: param groups {stepped} were stepped, {partly} may be "
-                f"partly stepped, {rest} were not. The step is not retried (that would step "
+                f"had written params: param groups [] were stepped, {partly} may be "
+                "partly stepped, [] were not. The step is not retried (that would step "
                 "the written params twice); resume from a checkpoint to continue exactly.",
-                stepped,
+                [],
                 partly,
-                rest,
+                [],
             )
             self.partial_step = error
             logger.error("optladder: %s", error)
@@ -894,24 +779,17 @@ class LadderOptimizer(torch.optim.Optimizer):
 
     def _warn_unfused(self) -> None:
         """Log each distinct reason for leaving the fused path once per optimizer and
-        rung: the decision's, a pinned rung's, and those of params an engine stepped
-        eagerly."""
+        rung: the decision's, and those of params the last step stepped eagerly (each
+        under the rung of its param's group)."""
         reasons: list[tuple[Rung, str]] = []
         if not self._decision.fused:
             reasons.append((self.rung, self._decision.unfused_reason or ""))
-        rungs: list[Rung] | None = None  # per param over all groups, its group's rung
-        for rung, engine in [(self.rung, self.engine), *self._pinned.items()]:
-            if engine is self.engine and rung != self.rung:
-                continue  # a pin on the decision's engine: its reasons are listed once
-            eager = getattr(engine, "eager_reasons", {})
-            if eager and isinstance(engine, LadderAdamW):  # indices over all groups: each
-                if rungs is None:  # reason under the rung of its param's group
-                    groups = self.param_groups
-                    rungs = [self._group_rung(g) for g in groups for _ in g["params"]]
-                said = {(rungs[i] if i < len(rungs) else rung, r) for i, r in eager.items()}
-                reasons += sorted(said)
-                continue
-            reasons += [(rung, reason) for reason in sorted(set(eager.values()))]
+        eager = self.eager_reasons  # by param index over all groups
+        if eager:
+            groups = self.param_groups
+            rungs = [self._group_rung(g) for g in groups for _ in g["params"]]
+            said = {(rungs[i] if i < len(rungs) else self.rung, r) for i, r in eager.items()}
+            reasons += sorted(said)
         for rung, reason in reasons:
             if (rung, reason) not in self._warned:
                 self._warned.add((rung, reason))
@@ -936,8 +814,8 @@ class LadderOptimizer(torch.optim.Optimizer):
         """Move the groups that follow the decision to ``rung`` and convert their params'
         state there, keeping this object, the param-group dicts (per-group
         hyperparameters, a tensor lr included), param order and per-param step counts.
-        Every rung is a state format of one engine: the state is converted in place
-        and no engine is built. Groups that pin their rung stay where they are.
+        Every rung is a state format of this optimizer: the state is converted in place
+        and nothing is built. Groups that pin their rung stay where they are.
 
         On failure (an OOM while converting) the groups are put back and every param gets
         its state back, and the error is re-raised. Moving up (to a wider format) keeps
@@ -1012,8 +890,8 @@ class LadderOptimizer(torch.optim.Optimizer):
         converted into this optimizer's rung. Groups that pin their rung keep it: their
         state is converted into it, whatever the checkpoint had. bf16 moments stay
         bfloat16, 8-bit state stays uint8 codes with float32 absmax, ``step`` lands where
-        the engine keeps it, and this optimizer's engine flags (``fused``, ``foreach``)
-        are kept. Sharded 8-bit state saved per row (by :meth:`state_dict` under FSDP2)
+        the rung's format keeps it, and this optimizer's kernel flags (``fused``,
+        ``foreach``) are kept. Sharded 8-bit state saved per row (by :meth:`state_dict` under FSDP2)
         loads exactly when its blocks are this rank's blocks, and is requantized
         otherwise (another world size; see :mod:`optladder.optimizers.checkpoint`). A
         saved state with ``step`` 0 (a param that had not stepped) loads as no state.
@@ -1075,8 +953,9 @@ class LadderOptimizer(torch.optim.Optimizer):
         return checkpointing.follow_checkpoint(self, param_groups)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Refused: the optimizer holds its engines and a build function, which a copy
-        could not share. Save ``state_dict()`` and load it into a new optimizer.
+        """Refused: the optimizer holds kernel tables, step plans and scratch buffers that
+        point into its state's memory, which a copy could not share. Save
+        ``state_dict()`` and load it into a new optimizer.
 
         Raises:
             TypeError: always (``pickle``, ``copy.deepcopy``).
@@ -1088,17 +967,17 @@ class LadderOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         """torch's optimizer repr (every group's options but ``params``, keys sorted,
-        ``rung`` among them) after a header with the rung, whether it is fused, and the
-        engines."""
+        ``rung`` among them) after a header with the rung, whether it is fused, the class
+        whose state formats and kernels step the groups (``engine=LadderAdamW``), and
+        per pinned rung its number of groups."""
         fused = "fused" if self.decision.fused else "not fused"
-        engine = type(self.engine).__name__
+        engine = LadderAdamW.__name__
+        pins = list(self._pin_rungs.values())
         pinned = "".join(
-            f", pinned {rung}: {type(e).__name__} "
-            f"({sum(self._pin_rungs.get(id(g)) == rung for g in e.param_groups)} groups)"
-            for rung, e in self._pinned.items()
+            f", pinned {rung}: {engine} ({pins.count(rung)} groups)" for rung in dict.fromkeys(pins)
         )
         name = type(self).__name__
-        groups = super().__repr__().removeprefix(f"{name} (")
+        groups = torch.optim.Optimizer.__repr__(self).removeprefix(f"{name} (")
         return f"{name} (rung={self.rung!r}, {fused}, engine={engine}{pinned}{groups}"
 
 
