@@ -14,7 +14,7 @@ How the ladder's retry fits this loop:
   whole ``train_step`` on the same batch. So the guarded function must contain the whole
   gradient-accumulation window (here: one batch).
 - ``scheduler.step()`` runs once per batch, outside the guard: a retried step is still
-  one step of the schedule. The optimizer object never changes (only its engine does), so
+  one step of the schedule. The optimizer object never changes (only its state format does), so
   the scheduler keeps driving the learning rate across an escalation.
 
 Run it::

@@ -318,3 +318,29 @@ def test_signature_matches_torch_adamw_for_frameworks_that_build_by_name() -> No
     model = _model()
     opt = cls(params=model.parameters(), lr=2e-3, weight_decay=0.0, free_memory=FREE)
     assert (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]) == (2e-3, 0.0)
+
+
+@pytest.mark.parametrize("rung", ["fp32", "bf16", "8bit"])
+def test_construction_checks_the_hyperparameters_once(
+    rung: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Construction's fixed cost (issue 9, "Host cost"): ``lr``, ``betas``, ``eps`` and
+    ``weight_decay`` are checked once, where ``AdamW`` names its arguments, not again
+    when the optimizer sets itself up over the groups (each group's own values are
+    checked per group, as before); a bad value is still refused, naming it."""
+    from optladder.optimizers import adamw as adamw_module
+    from optladder.selector import choose as choose_module
+
+    calls: list[object] = []
+    real = adamw_module.validate_hyperparams
+
+    def counted(*args: object) -> None:
+        calls.append(args)
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(adamw_module, "validate_hyperparams", counted)
+    monkeypatch.setattr(choose_module, "validate_hyperparams", counted)
+    AdamW(_model().parameters(), 2e-3, free_memory=FREE, rung=rung)
+    assert calls.count((2e-3, (0.9, 0.999), 1e-8, 1e-2)) == 1  # (the group's check aside)
+    with pytest.raises(ValueError, match="lr"):
+        AdamW(_model().parameters(), -1.0, free_memory=FREE, rung=rung)

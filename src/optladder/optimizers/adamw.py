@@ -1159,6 +1159,10 @@ class LadderAdamW(torch.optim.Optimizer):
             complex params step on torch's kernels (:mod:`~optladder.optimizers.torchroute`):
             its fused kernel where the device has one (True), or its foreach path
             everywhere (False: a device whose fused kernel did not run).
+        checked: True when the caller has checked ``lr``, ``betas``, ``eps``,
+            ``weight_decay``, ``rounding``, ``param_rounding`` and ``seed`` already
+            (:class:`optladder.AdamW`'s construction checks them once, naming its own
+            arguments); they are not checked again here.
 
     AMP: like torch's fused AdamW, this optimizer takes ``grad_scale`` and ``found_inf``
     from ``torch.amp.GradScaler`` (``_step_supports_amp_scaling``): grads are unscaled in
@@ -1186,17 +1190,19 @@ class LadderAdamW(torch.optim.Optimizer):
         seed: int = 0,
         backend: Backend = "auto",
         torch_fused: bool = True,
+        checked: bool = False,
     ) -> None:
-        validate_hyperparams(lr, betas, eps, weight_decay)
+        if not checked:
+            validate_hyperparams(lr, betas, eps, weight_decay)
+            check_rounding(rounding)
+            check_param_rounding(param_rounding)
+            check_seed(seed)
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
         if moment_dtype not in _MOMENT_DTYPES:
             raise ValueError(
                 f"moment_dtype must be torch.bfloat16 or torch.float32, got {moment_dtype}"
             )
-        check_rounding(rounding)
-        check_param_rounding(param_rounding)
-        check_seed(seed)
         defaults: dict[str, Any] = {
             "lr": lr,
             "betas": tuple(betas),

@@ -164,7 +164,10 @@ def rung_options(
     ):  # complex params take torch's foreach path anyway: the real ones stay fused
         fp32_engine = "fused"
     if fp32_engine is not None:
-        return fp32_options(param_groups, engine=fp32_engine, checked=checked)
+        # its dtype check over every param, unless the columns construction read show
+        # every dtype is one the fp32 format steps (then it would find nothing)
+        bulk = columns is not None and columns.dtype_names <= set(RUNG_ACCEPTS["fp32"].dtypes)
+        return fp32_options(param_groups, engine=fp32_engine, checked=checked and not bulk)
     if rung == "bf16":
         # LadderAdamW's own check of the dtypes, over every param: from the columns when
         # construction read them (every group's dtypes allowed), else group by group

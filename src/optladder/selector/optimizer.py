@@ -184,7 +184,7 @@ class LadderOptimizer(LadderAdamW):
         decision: the :class:`optladder.Decision` that chose the rung.
         hyperparams: ``LadderAdamW``'s hyperparameters and options (``lr``, ``betas``,
             ``eps``, ``weight_decay``, ``decoupled_weight_decay``, ``seed``,
-            ``rounding``, ``param_rounding``), checked already.
+            ``rounding``, ``param_rounding``), checked already (not checked again).
         options: ``LadderAdamW``'s options for the decided rung (``moment_dtype``,
             ``torch_fused``; :func:`~optladder.optimizers.build.rung_options`).
         max_retries: escalations allowed within one ``step()`` call, ``>= 0``.
@@ -294,8 +294,8 @@ class LadderOptimizer(LadderAdamW):
         self._mark_groups(following, decision)
         # the following groups' params passed construction's checks and the rung's
         # (rung_options): torch's per-param checks read each one's first param only
-        with first_params_only(following):
-            super().__init__(order, **hyperparams, **options)
+        with first_params_only(following):  # the hyperparameters checked once, before
+            super().__init__(order, **hyperparams, **options, checked=True)
         # LadderAdamW's hook wrapping 8bit state for its own state_dict: this class lays
         # out every state itself (checkpointing.state_dict), and runs only users' hooks
         self._optimizer_state_dict_post_hooks.clear()
