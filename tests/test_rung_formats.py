@@ -363,3 +363,54 @@ def test_a_move_to_8bit_converts_in_place_as_a_fresh_8bit_load(
         for name in opt.state[a]:
             assert _bitwise_equal(opt.state[a][name], fresh.state[b][name]), name
     assert opt.state_dict()["state"].keys() == fresh.state_dict()["state"].keys()
+
+
+@pytest.mark.parametrize(
+    ("rung", "pin"),
+    [*CASES, *CASES_8BIT],
+    ids=["fp32", "bf16", "fp32+bf16", "bf16+fp32", *IDS_8BIT],
+)
+def test_checkpoint_hooks_run_once_per_call_and_see_the_one_layout(
+    rung: str, pin: str | None
+) -> None:
+    """``state_dict``/``load_state_dict`` pre and post hooks run once per call, in
+    torch's order, on every rung with and without a pin; a state-dict post hook sees the
+    checkpoint layout (8bit state wrapped as bitsandbytes' ``state_dict`` wraps it, as
+    before: the wrapping is the optimizer's own, not a hook of its), and what a
+    load pre hook returns is what loads."""
+    model = _model8()
+    opt = choose_optimizer(_groups(model, pin), rung=rung, free_memory="1GiB")
+    _grads(model, 0)
+    opt.step()
+    calls: list[str] = []
+    seen: list[dict[str, Any]] = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: (calls.append("save post"), seen.append(sd))[0])
+    opt.register_load_state_dict_pre_hook(lambda o, sd: (calls.append("load pre"), sd)[1])
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    saved = opt.state_dict()
+    assert calls == ["save pre", "save post"] and seen == [saved]
+    on = [pin or rung, rung]
+    for gi, group in enumerate(saved["param_groups"]):
+        assert group["rung"] == on[gi]
+        for key in group["params"]:
+            st = saved["state"][key]
+            if on[gi] == "8bit":
+                assert set(st) == {"step", "__bnb_optimizer_quant_state__"}
+            else:
+                assert {"step", "exp_avg", "exp_avg_sq"} == set(st)
+    calls.clear()
+    opt.load_state_dict(copy.deepcopy(saved))
+    assert calls == ["load pre", "load post"]
+    assert _nested_equal(opt.state_dict()["state"], saved["state"])
+
+
+def _nested_equal(a: Any, b: Any) -> bool:
+    """:func:`_bitwise_equal` through dicts (a saved state: param -> key -> tensor)."""
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(_nested_equal(a[k], b[k]) for k in a)
+        )
+    return _bitwise_equal(a, b)
