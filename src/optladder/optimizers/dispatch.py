@@ -9,9 +9,11 @@ moments, ``"bf16"``: bfloat16 moments, ``"8bit"``: bitsandbytes' ``AdamW8bit`` s
 (which the engine reports in ``eager_reasons``); a key the engine does not take gives
 no entry and the reason it is refused. The rules, in order:
 
-- ``"8bit"``: float32, bfloat16 and float16 params: the ``"8bit"`` entry, the 8bit
-  groups' step (:class:`~optladder.optimizers.eightbit.EightBitGroups`: optladder's 8-bit
-  C kernel on the CPU, bitsandbytes' block-wise 8-bit update elsewhere).
+- a param dtype the rung does not take (:data:`optladder.rungs.RUNG_ACCEPTS`, the
+  rungs' one table): refused.
+- ``"8bit"``: the ``"8bit"`` entry, the 8bit groups' step
+  (:class:`~optladder.optimizers.eightbit.EightBitGroups`: optladder's 8-bit C kernel on
+  the CPU, bitsandbytes' block-wise 8-bit update elsewhere).
 - ``"fp32"`` with ``backend="auto"``, float32/float64/complex params (whose moments
   torch's AdamW keeps in their own dtype, :mod:`~optladder.optimizers.torchroute`):
   grads of the param's dtype only; torch's fused AdamW kernel (``"torch_fused"``) where
@@ -32,15 +34,16 @@ C kernel steps a non-contiguous param through contiguous copies, ``"staged"``; g
 another shape or device go eagerly or are refused). Both run when a group's plan is
 made (prepare, when something changed), never per param per step.
 
-Every entry has one signature: ``run(payload, grad_scale, found_inf)``, the payload its
-``prepare`` made (:class:`~optladder.optimizers.adamw.LadderAdamW` makes them in
-``prepare_step``: tables, lists and scratch), so the commit is one call per prepared
-entry and allocates nothing (torch's foreach AdamW, which allocates as it steps, steps
-copies in its ``stage``, before anything is written). An entry whose kernel takes
-``grad_scale``/``found_inf`` on the device (``amp="kernel"``: torch's fused kernel,
-Triton) gets them; for the others (``amp="host"``) the commit reads ``found_inf`` once
-on the host (skipping them all, :attr:`Entry.skip`) and divides their grads by the
-scale once per distinct memory (:attr:`Entry.grads`), then runs them with None.
+Every entry has one signature: ``run(payload, grad_scale, found_inf)``, its payload made
+by the engine's prepare (:meth:`~optladder.optimizers.adamw.LadderAdamW.prepare_step`:
+tables, lists and scratch, :class:`FusedCalls`, :class:`CpuCall`, ...), so the commit is
+one call per prepared entry and allocates nothing (torch's foreach AdamW, which
+allocates as it steps, steps copies in its ``stage``, before anything is written). An
+entry whose kernel takes ``grad_scale``/``found_inf`` on the device (``amp="kernel"``:
+torch's fused kernel, Triton) gets them; for the others (``amp="host"``) the commit
+reads ``found_inf`` once on the host (skipping them all, :attr:`Entry.skip`) and divides
+their grads by the scale once per distinct memory (:attr:`Entry.grads`), then runs them
+with None.
 """
 
 from __future__ import annotations
@@ -53,7 +56,13 @@ import torch
 
 from optladder.columns import PLAIN_TYPES
 from optladder.dtype_names import dtype_name
-from optladder.rungs import FLOAT32_MATH_DTYPES, LADDER_DTYPES
+from optladder.rungs import (
+    FLOAT32_MATH_DTYPES,
+    LADDER_DTYPES,
+    RUNG_ACCEPTS,
+    Rung,
+    param_refusal,
+)
 
 Key = tuple[str, str, torch.dtype, torch.dtype]
 """``(rung, device type, param dtype, grad dtype)``: ``("bf16", "cuda", torch.bfloat16,
@@ -418,9 +427,6 @@ device first, then the grads of the rest are unscaled)."""
 ROUTES = tuple(ENTRIES)
 """The entries' names, in commit order."""
 
-EIGHTBIT_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""Param dtypes of the 8bit format (:data:`optladder.rungs.RUNG_ACCEPTS`)."""
-
 TORCH_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 """Param dtypes the fp32 format steps on torch's kernels (``backend="auto"``)."""
 
@@ -520,14 +526,15 @@ class DispatchTable:
         from optladder.optimizers.kernels import cpu
 
         name = dtype_name(param_dtype)
+        if rung not in RUNG_ACCEPTS:
+            return Choice(
+                None, f"no state format {rung!r}: the rungs are {', '.join(RUNG_ACCEPTS)}"
+            )
+        refusal = param_refusal(cast(Rung, rung), name)  # the rungs' one table
+        if refusal is not None:
+            return Choice(None, refusal)
         if rung == "8bit":
-            if param_dtype not in EIGHTBIT_PARAM_DTYPES:
-                return Choice(
-                    None, f"the 8bit rung steps float32, bfloat16, float16 params, not {name}"
-                )
             return Choice("8bit")
-        if rung not in ("fp32", "bf16"):
-            return Choice(None, f"no state format {rung!r}: the rungs are fp32, bf16, 8bit")
         moment_dtype = torch.float32 if rung == "fp32" else torch.bfloat16
         if rung == "fp32" and self.backend == "auto" and param_dtype in TORCH_DTYPES:
             if grad_dtype != param_dtype:
@@ -546,11 +553,12 @@ class DispatchTable:
                 )
             return Choice("torch_fused")
         accepted = LADDER_DTYPES if rung == "bf16" else FLOAT32_MATH_DTYPES
-        if name not in accepted:
+        if name not in accepted:  # the fp32 rung's float64 and complex params, off torch's
             return Choice(
                 None,
                 f"optladder's AdamW with {dtype_name(moment_dtype)} moments takes "
-                f"{', '.join(accepted)} params, not {name}",
+                f"{', '.join(accepted)} params, not {name} (backend={self.backend!r}; "
+                "backend='auto' steps it on torch's AdamW)",
             )
         if self.backend == "eager":
             return Choice("eager", "backend='eager' was asked for")
