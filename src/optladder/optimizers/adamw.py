@@ -26,7 +26,7 @@ from torch.optim.optimizer import ParamsT
 from optladder.columns import PLAIN_TYPES
 from optladder.compilation import run_eagerly
 from optladder.dtype_names import dtype_name
-from optladder.optimizers import torchroute
+from optladder.optimizers import dispatch, torchroute
 from optladder.optimizers.eager import step_scalars
 from optladder.optimizers.rounding import (
     Rounding,
@@ -392,12 +392,13 @@ class _GroupPlan:
         group: the group dict.
         params: its params then (identity).
         start: the index of its first param over all groups.
-        routes: backend -> ``(param, index)`` of the params it steps (``"cpu"``: rows of
-            the C kernel's table; ``"staged"``: the C kernel on contiguous copies of a
-            param and its grad that are not contiguous; ``"eager"``; ``"triton"``;
+        routes: entry of the dispatch table (:mod:`~optladder.optimizers.dispatch`) ->
+            ``(param, index)`` of the params it steps (``"cpu"``: rows of the C kernel's
+            table; ``"staged"``: the C kernel on contiguous copies of a param and its
+            grad that are not contiguous; ``"eager"``; ``"triton"``;
             ``"torch_fused"``/``"torch_foreach"``: torch's kernels, for the fp32 format's
             float32, float64 and complex params, :mod:`~optladder.optimizers.torchroute`).
-        reasons: index -> why that param is not on a fused kernel.
+        reasons: index -> why that param is not on a fused kernel (the table's).
         states: the state dicts of the C kernel's params, in table order.
         table: the C kernel's table these params are rows of (one table for all groups,
             :meth:`LadderAdamW.prepare_step`), or None before it is made.
@@ -620,7 +621,7 @@ class _GroupPlan:
         """Check the torch routes' state and grads where a kept plan would not see a
         change: make a param's state ready (:func:`~.torchroute.ready_state`, which
         refuses moments of another format) when a state tensor was replaced, and check a
-        grad (:func:`_refuse_torch_grad`) that is the same tensor as at the last step
+        grad (:func:`~.dispatch.check_torch_grad`) that is the same tensor as at the last step
         but was given other memory (``grad.data = ...``; a new grad tensor is checked
         by :meth:`check`'s kinds). torch's kernels bump the step counts before they read
         the rest, so what they would refuse is refused here, before anything is written.
@@ -642,7 +643,7 @@ class _GroupPlan:
             fused = len(self.routes["torch_fused"])
             for k, ((p, i), st, grad) in enumerate(zip(items, sts, grads)):
                 if moved and grad is not None:
-                    _refuse_torch_grad(p, grad, i)
+                    dispatch.check_torch_grad(p, grad, i)
                 if replaced and st:  # a param that never had a grad has no state yet
                     torchroute.ready_state(p, st, k < fused, f"param {i}")
             tensors = [*map(_GET_AVG, sts), *map(_GET_AVG_SQ, sts), *map(_GET_STEP, sts)]
@@ -661,7 +662,7 @@ class _GroupPlan:
         :meth:`torch_steps` then gives every step tensor and which have a grad.
 
         Raises:
-            ValueError: a grad laid out unlike its param (:func:`_refuse_torch_grad`).
+            ValueError: a grad laid out unlike its param (:func:`~.dispatch.check_torch_grad`).
             Whatever allocating the copies raised (an OOM); nothing is written.
         """
         from optladder.optimizers.fusedstep import group_call, nondense_places, numbers_only
@@ -685,7 +686,7 @@ class _GroupPlan:
             picks += map(operator.not_, absent)
             for p, i in strided:
                 if p.grad is not None and p.grad.stride() != p.stride():
-                    _refuse_torch_grad(p, p.grad, i)
+                    dispatch.check_torch_grad(p, p.grad, i)
             if any(absent):  # left out of this step
                 params = list(compress(params, map(operator.not_, absent)))
                 states = list(compress(states, map(operator.not_, absent)))
@@ -947,36 +948,6 @@ def _kernel_moments(st: Mapping[str, Any], p: torch.Tensor, moment_dtype: torch.
     )
 
 
-def _refuse_torch_grad(p: torch.Tensor, grad: torch.Tensor, index: int) -> None:
-    """Refuse a grad torch's AdamW kernels cannot take for ``p`` (the fp32 format's
-    float32/float64/complex params, :mod:`~optladder.optimizers.torchroute`): another
-    dtype, shape or device, or (for a dense param) laid out unlike it, which torch's
-    fused kernel pairs by memory order. Before anything is written.
-
-    Raises:
-        ValueError: naming the param (its index over all groups) and what to do.
-    """
-    from optladder.optimizers.fusedstep import steps_through_copy
-
-    if grad.dtype != p.dtype or grad.shape != p.shape or grad.device != p.device:
-        raise ValueError(
-            f"param {index} has a {grad.dtype} grad of shape {tuple(grad.shape)} on "
-            f"{grad.device}; the param is {p.dtype} of shape {tuple(p.shape)} on {p.device} "
-            "(torch's AdamW, which steps it on the fp32 rung, takes grads of its dtype)"
-        )
-    if (
-        type(p) in PLAIN_TYPES
-        and grad.stride() != p.stride()
-        and p.numel() > 1
-        and not steps_through_copy(p)
-    ):
-        raise ValueError(
-            f"param {index} has a grad with strides {grad.stride()} but the param has "
-            f"{p.stride()}; torch's fused AdamW needs them laid out alike (autograd's grads "
-            "are; set hand-made grads with torch.empty_like(param))"
-        )
-
-
 def _stage_offset(p: torch.Tensor) -> int:
     """Where a staged param's grad copy starts in the stage buffer: after the param's
     copy, rounded up to 64 bytes."""
@@ -1122,9 +1093,12 @@ class LadderAdamW(torch.optim.Optimizer):
     Each param group's state format is its own: a group's ``"rung"`` key
     (:data:`optladder.rungs.RUNG_KEY`) ``"fp32"`` keeps float32 moments, ``"bf16"``
     bfloat16 moments; a group without the key keeps ``moment_dtype`` moments
-    (:meth:`group_moment_dtype`). One step steps groups of both formats: the C kernel's
-    one table (its options per group carry the moment dtype), a Triton launch per group,
-    or the eager loop.
+    (:meth:`group_moment_dtype`); a group whose key is ``"8bit"`` keeps bitsandbytes'
+    ``AdamW8bit`` state (:class:`~optladder.optimizers.eightbit.EightBitGroups`). Which
+    kernel steps which param is the engine's dispatch table (:attr:`dispatch`,
+    :mod:`~optladder.optimizers.dispatch`), looked up when a group's plan is made; a
+    step is :meth:`prepare_step` (state, scratch, kernel tables and calls) then
+    :meth:`commit_step` (one call per entry of the table that has params this step).
 
     State per param (as torch names it): ``step`` (0-d float64 tensor on the CPU, the
     number of steps this param took; stepped from counts up to
@@ -1218,8 +1192,11 @@ class LadderAdamW(torch.optim.Optimizer):
         self.backend: Backend = backend
         self.torch_fused = torch_fused
         self.eager_reasons: dict[int, str] = {}
-        self._cpu_kernel_error: str | None = None
-        self._plan: Any = None
+        # which kernel steps which (rung, device, param dtype, grad dtype), and why not
+        # fused (:mod:`~optladder.optimizers.dispatch`)
+        self.dispatch = dispatch.DispatchTable(backend, torch_fused)
+        # the prepared step: (entry, payload) per entry with params, in commit order
+        self._buckets: list[tuple[dispatch.Entry, Any]] | None = None
         self._created: list[torch.Tensor] = []  # the state the last prepare created
         self._scratch: dict[torch.device, Any] = {}
         self._stage: dict[torch.device, torch.Tensor] = {}  # staged params' copies (bytes)
@@ -1231,10 +1208,7 @@ class LadderAdamW(torch.optim.Optimizer):
         self._options_memo = StepMemo()  # group options that passed their checks
         self._state_seen: list[Any] = []  # self.state's values after the last prepare
         self._state_lens: list[int] = []  # and their lengths then (a dict emptied by hand)
-        self._lr_tensors: dict[tuple[int, torch.device], torch.Tensor] = {}  # Triton's lr
         self._untracked_steps = False  # a plan has params off the C kernel (see prepare)
-        # torch's fused AdamW's devices (none: every fp32-format param on its foreach path)
-        self._fused_devices: tuple[str, ...] | None = None if torch_fused else ()
         self._torch_counts: Any = None  # fusedstep.StepCounts of the torch fused calls
         self._torch_routes: _TorchRoutes | None = None  # the plans' torch routes, flat
         self._steady: _SteadyPlans | None = None  # every plan, when all are torch's
@@ -1244,7 +1218,6 @@ class LadderAdamW(torch.optim.Optimizer):
         # counted over this optimizer's own groups
         self.param_starts: list[int] | None = None
         self._eightbit: Any = None  # eightbit.EightBitGroups, made with the first 8bit group
-        self._eight_prepared = False  # the last prepare prepared the 8bit groups' step
         super().__init__(params, defaults)
         self.register_state_dict_post_hook(_wrap_8bit_hook, prepend=True)
 
@@ -1502,7 +1475,6 @@ class LadderAdamW(torch.optim.Optimizer):
         """
         from optladder.optimizers import eager
 
-        env: dict[str, str | None] = {}
         plans: list[_GroupPlan] = []
         eight_starts: list[int] = []  # each 8bit group's first param's index
         writes: list[tuple[list[torch.Tensor | None], tuple[bool, list[int] | None]]] = []
@@ -1526,6 +1498,7 @@ class LadderAdamW(torch.optim.Optimizer):
         groups = self.param_groups
         if checked is None:
             self._check_options(groups)
+        self._buckets = None
         steady, self._steady = self._steady, None
         if steady is not None and state_same and steady.reuse(groups, starts, checked):
             try:  # every plan holds and steps on torch's kernels alone: checked flat
@@ -1534,11 +1507,12 @@ class LadderAdamW(torch.optim.Optimizer):
                 self._drop_created(created)
                 raise
             self._steady = steady  # the state dicts are those _see_state recorded: no
-            self._plan = steady.plans  # state was created (a change replans, next step)
-            self._eight_prepared = False
+            # state was created (a change replans, next step)
+            self._buckets = self._torch_buckets(steady.plans)
             self._created = created
             self.eager_reasons = dict(steady.reasons)
             return created
+        self.dispatch.forget()  # plans made below look the environment up again
         try:
             start = 0
             for gi, group in enumerate(groups):
@@ -1556,7 +1530,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 if plan is not None and state_same:
                     written = plan.check(group, start, grads)
                 if plan is None or written is None:
-                    plan = self._plan_group(group, params, grads, start, env, created, plan)
+                    plan = self._plan_group(group, params, grads, start, created, plan)
                     self._group_plans[gi] = plan
                     written = (False, None)
                     replanned = True
@@ -1575,9 +1549,7 @@ class LadderAdamW(torch.optim.Optimizer):
                 self._refuse_shared_steps(plans)
             for plan, (grads, written) in zip(plans, writes):
                 plan.write_grads(grads, written)
-            for plan in plans:
-                if plan.routes["triton"]:
-                    self._prepare_triton(plan.group, plan.routes["triton"])
+            launches = self._prepare_triton(plans)
             self._write_cpu_steps()
             self._check_steps(plans)
             self._prepare_staged(plans)
@@ -1595,12 +1567,12 @@ class LadderAdamW(torch.optim.Optimizer):
             if eight_starts:  # the 8bit groups: their state, copies and kernel tables
                 eight = self.eightbit_groups()
                 created += eight.prepare()
+            buckets = self._make_buckets(plans, launches, eight)
         except BaseException:
             self._drop_created(created)
             raise
         self._see_state()
-        self._plan = plans
-        self._eight_prepared = eight is not None
+        self._buckets = buckets
         self._created = created
         self.eager_reasons = {i: r for plan in plans for i, r in plan.reasons.items()}
         if eight is not None and eight.eager_reasons:
@@ -1683,18 +1655,12 @@ class LadderAdamW(torch.optim.Optimizer):
             self._eightbit.drop_kernel_step()
             self._eightbit.release_scratch()
             self._eightbit.release_tables()
-        self._eight_prepared = False
+        self._buckets = None
         self._group_plans.clear()
         self._torch_routes = None
         self._steady = None
         self._cpu_table, self._table_plans = None, []
         self._table_held, self._table_ptrs = [], []
-
-    def _torch_fused_devices(self) -> tuple[str, ...]:
-        """Device types of torch's fused AdamW kernel (read once per engine)."""
-        if self._fused_devices is None:
-            self._fused_devices = torchroute.fused_devices()
-        return self._fused_devices
 
     def _prepare_torch(self, plans: list[_GroupPlan]) -> None:
         """Make this step's torch fused kernel calls of every plan and make ready the
@@ -1769,17 +1735,18 @@ class LadderAdamW(torch.optim.Optimizer):
         params: list[torch.Tensor],
         grads: list[torch.Tensor | None],
         start: int,
-        env: dict[str, str | None],
         created: list[torch.Tensor],
         previous: _GroupPlan | None = None,
     ) -> _GroupPlan:
-        """Route each param of a group with a grad, create the state of those stepping
-        for the first time (appended to ``created``), and build the group's C kernel
-        table: a new :class:`_GroupPlan`.
+        """Route each param of a group with a grad to an entry of the dispatch table
+        (:meth:`~.dispatch.DispatchTable.route`), create the state of those stepping for
+        the first time (appended to ``created``): a new :class:`_GroupPlan`.
 
         Raises:
-            ValueError: if a grad is sparse, or ``backend`` names a kernel that cannot
-                step a param.
+            ValueError: if a grad is sparse, a grad torch's kernels cannot take, or
+                ``backend`` names a kernel that cannot step a param.
+            optladder.optimizers.kernels.cpu.KernelBuildError: with ``backend="cpu"``,
+                when the C kernel cannot be built.
         """
         routes: dict[str, list[tuple[torch.Tensor, int]]] = {
             "eager": [],
@@ -1795,8 +1762,8 @@ class LadderAdamW(torch.optim.Optimizer):
         # then covers every param that had a grad, and steps that change which have
         # one keep it (:meth:`_GroupPlan.check`)
         moment_dtype = self.group_moment_dtype(group)
-        # the fp32 format's float32/float64/complex params: torch's kernels (torchroute)
-        torch_format = self.backend == "auto" and moment_dtype == torch.float32
+        rung = "fp32" if moment_dtype == torch.float32 else "bf16"
+        route = self.dispatch.route
         kept = {}
         torch_kept: dict[int, str] = {}  # torch's kernels' params kept without a grad
         if previous is not None:
@@ -1816,15 +1783,8 @@ class LadderAdamW(torch.optim.Optimizer):
                 raise ValueError(
                     f"param {start + k} has a sparse grad; optladder's AdamW needs dense grads"
                 )
-            if torch_format and torchroute.torch_steps(p):
-                _refuse_torch_grad(p, grad, start + k)
-                torch_kernel, reason = torchroute.kernel_of(p, self._torch_fused_devices())
-                routes[f"torch_{torch_kernel}"].append((p, start + k))
-                if reason is not None:
-                    reasons[start + k] = reason
-                continue
-            backend, reason = self._route(p, start + k, env, moment_dtype)
-            routes[backend].append((p, start + k))
+            name, reason = route(rung, p, grad, start + k, moment_dtype)
+            routes[name].append((p, start + k))
             if reason is not None:
                 reasons[start + k] = reason
         for name in ("torch_fused", "torch_foreach"):
@@ -1863,11 +1823,6 @@ class LadderAdamW(torch.optim.Optimizer):
                     routes["eager"].append((p, i))
                     reasons[i] = "its moments are not contiguous tensors of its shape"
             routes["staged"] = staged
-        for name in ("cpu", "staged"):
-            if routes[name] and not self._load_cpu_kernel(routes[name], reasons):
-                routes["eager"] += [(p, i) for p, i in routes[name] if i - start not in carried]
-                routes[name] = []
-                carried = {}
         states = [self.state[p] for p, _ in routes["cpu"]]
         return _GroupPlan(
             group, params, grads, start, routes, reasons, states, carried, moment_dtype
@@ -1946,8 +1901,8 @@ class LadderAdamW(torch.optim.Optimizer):
         )
 
     def release_scratch(self) -> None:
-        """Drop the prepared plan, the eager path's scratch buffers and the kernel tables."""
-        self._plan = None
+        """Drop the prepared step, the eager path's scratch buffers and the kernel tables."""
+        self._buckets = None
         self._scratch.clear()
         self._stage.clear()
         self._cpu_table, self._table_plans = None, []
@@ -1955,8 +1910,6 @@ class LadderAdamW(torch.optim.Optimizer):
         self._group_plans.clear()
         self._torch_routes = None
         self._steady = None
-        self._lr_tensors.clear()
-        self._eight_prepared = False
         if self._eightbit is not None:
             self._eightbit.drop_kernel_step()
             self._eightbit.release_scratch()
@@ -2102,20 +2055,6 @@ class LadderAdamW(torch.optim.Optimizer):
                 self._write_group_scalars(table, plan.group, [step + 1.0], 0, 0, keys, corrections)
                 plan.staged.append((p, i, table, work, work_grad))
 
-    @staticmethod
-    def _step_staged(plan: _GroupPlan) -> None:
-        """Step ``plan``'s staged params (:meth:`_prepare_staged`), one after another:
-        copy the param and its grad into the copies, run the kernel, copy the param
-        back in place (so tensors that view it stay tied) and count the step."""
-        from optladder.optimizers.kernels import cpu
-
-        for p, _, table, work, work_grad in plan.staged:
-            work.copy_(p.detach())  # the same dtype: the bits as they are
-            work_grad.copy_(cast(torch.Tensor, p.grad).detach())
-            cpu.run_table(table)
-            table.bump_steps()
-            p.detach().copy_(work)
-
     def _check_steps(self, plans: list[_GroupPlan]) -> None:
         """Refuse a step count this rung cannot step from, before anything is written
         (the eager path's; the C kernel's are checked where they are read,
@@ -2138,127 +2077,111 @@ class LadderAdamW(torch.optim.Optimizer):
                         f"[0, {limit:,}]"
                     )
 
+    def _make_buckets(
+        self, plans: list[_GroupPlan], launches: list[dispatch.TritonLaunch], eight: Any
+    ) -> list[tuple[dispatch.Entry, Any]]:
+        """The prepared step: per entry of the dispatch table that steps some param this
+        step, the entry and its payload (:mod:`~optladder.optimizers.dispatch`), in the
+        commit's order. Everything was allocated before: the Triton ``launches``
+        (:meth:`_prepare_triton`), torch's fused calls (:meth:`_prepare_torch`), the C
+        kernel's table, the staged copies, the eager scratch, the 8bit groups' step
+        (``eight``, prepared, or None)."""
+        entries = self.dispatch.entries
+        payloads: dict[str, Any] = {}
+        if launches:
+            payloads["triton"] = launches
+        for entry, payload in self._torch_buckets(plans):
+            payloads[entry.name] = payload
+        if self._cpu_table is not None:
+            payloads["cpu"] = dispatch.CpuCall(self._cpu_table, self._table_plans)
+        if eight is not None:
+            payloads["8bit"] = eight
+        staged = [item for plan in plans for item in plan.staged]
+        if staged:
+            payloads["staged"] = staged
+        state, scratch = self.state, self._scratch
+        eager = [
+            dispatch.EagerItem(p, state[p], plan.group, i, plan.moment_dtype, scratch[p.device])
+            for plan in plans
+            for p, i in plan.routes["eager"]
+        ]
+        if eager:
+            payloads["eager"] = eager
+        return [(entries[name], payloads[name]) for name in dispatch.ROUTES if name in payloads]
+
+    def _torch_buckets(self, plans: list[_GroupPlan]) -> list[tuple[dispatch.Entry, Any]]:
+        """The prepared step's torch entries: the plans' fused calls (made by
+        :meth:`_prepare_torch`) and their foreach params' lists."""
+        entries = self.dispatch.entries
+        buckets: list[tuple[dispatch.Entry, Any]] = []
+        with_calls = [plan for plan in plans if plan.torch_calls]
+        if with_calls:
+            calls = [c for plan in with_calls for c in plan.torch_calls]
+            direct = all(plan.torch_numbers for plan in with_calls)  # read in prepare
+            fused = dispatch.FusedCalls(calls, with_calls, direct, self._torch_counts)
+            buckets.append((entries["torch_fused"], fused))
+        parts = [
+            (plan.group, self._torch_lists(plan.routes["torch_foreach"]))
+            for plan in plans
+            if plan.routes["torch_foreach"]
+        ]
+        if parts:
+            buckets.append((entries["torch_foreach"], dispatch.ForeachCalls(parts)))
+        return buckets
+
     def commit_step(
         self, grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
     ) -> None:
-        """Phase two of a step: write params, moments and step counts, allocating nothing
-        (the kernels update in place; the eager path uses the prepared scratch).
+        """Phase two of a step: one call per prepared entry of the dispatch table
+        (:mod:`~optladder.optimizers.dispatch`), writing params, moments and step counts,
+        allocating nothing (the kernels update in place; the eager path uses the prepared
+        scratch; torch's foreach AdamW, which allocates, steps copies before anything is
+        written, copied back after).
 
         Args:
             grad_scale: ``torch.amp.GradScaler``'s scale, when the grads are still scaled:
-                the grads of the params stepped on the host are divided in place, each
-                distinct memory once (:func:`distinct_grads`: :meth:`step` refuses
-                grads that partly share memory before anything is written); the
-                Triton kernel divides its params' grads itself, as torch's fused kernel
-                (a grad two of its params share is divided for each).
-            found_inf: its inf/NaN flag; when set, nothing changes, step counts included.
+                the entries whose kernel takes it (Triton, torch's fused kernel) divide
+                their grads themselves, as torch's fused kernel does (a grad two of their
+                params share is divided for each); the grads of the others are divided
+                in place here, each distinct memory once (:func:`distinct_grads`:
+                :meth:`step` refuses grads that partly share memory before anything is
+                written).
+            found_inf: its inf/NaN flag; when set, nothing changes, step counts included
+                (read on the host once when an entry steps on the host).
 
         Raises:
             RuntimeError: if :meth:`prepare_step` did not run first.
+            Whatever torch's foreach AdamW raised on the copies (an OOM): nothing was
+                written, the state the prepare created is dropped.
         """
-        from optladder.optimizers import eager
-
-        plans = self._plan
-        if plans is None:
+        buckets = self._buckets
+        if buckets is None:
             raise RuntimeError("commit_step() needs prepare_step() first")
-        self._plan = None
-        skip_host: bool | None = None
-        host_plans: list[_GroupPlan] = []
-        for plan in plans:
-            routes = plan.routes
-            if not (
-                routes["cpu"] or routes["staged"] or routes["eager"] or routes["torch_foreach"]
-            ):
-                continue
-            if found_inf is not None and skip_host is None:
-                skip_host = bool(found_inf.item() != 0)  # host backends must sync
-            if skip_host:
-                continue
-            host_plans.append(plan)
-        eight = self._eightbit if self._eight_prepared else None
-        self._eight_prepared = False
-        if eight is not None and found_inf is not None:
-            if skip_host is None:
-                skip_host = bool(found_inf.item() != 0)  # bitsandbytes' ops take no flag
-            if skip_host:
-                eight.drop_kernel_step()
-                eight.release_scratch()
-                eight = None
-        eight_grads: list[torch.Tensor] = []
-        if eight is not None and grad_scale is not None:
-            eight_grads = [
-                p.grad for g in eight.param_groups for p in g["params"] if p.grad is not None
-            ]
-        unscale: list[torch.Tensor] = []
-        if grad_scale is not None and (host_plans or eight_grads):  # each grad once, also
-            host_grads = eight_grads + [  # one held twice, found before the first write
-                p.grad
-                for plan in host_plans
-                for p, _ in chain(
-                    plan.routes["cpu"],
-                    plan.routes["staged"],
-                    plan.routes["eager"],
-                    plan.routes["torch_foreach"],
-                )
-                if p.grad is not None
-            ]
-            unscale = distinct_grads(host_grads)
-        # torch's foreach AdamW allocates as it steps (its sqrt, its complex views): it
-        # steps copies first, before anything is written, which are copied back below
+        self._buckets = None
         created, self._created = self._created, []
+        host = [bucket for bucket in buckets if bucket[0].amp == "host"]
+        if host and found_inf is not None and bool(found_inf.item() != 0):  # host: a sync
+            for entry, payload in host:
+                if entry.skip is not None:
+                    entry.skip(payload)
+            host = []
+        unscale: list[torch.Tensor] = []
+        if grad_scale is not None and host:  # each grad once, also one held twice
+            unscale = distinct_grads([g for entry, payload in host for g in entry.grads(payload)])
         try:
-            foreach = {
-                id(plan): self._step_foreach_copies(plan, grad_scale)
-                for plan in host_plans
-                if plan.routes["torch_foreach"]
-            }
+            for entry, payload in host:
+                if entry.stage is not None:
+                    entry.stage(payload, grad_scale)
         except BaseException:  # nothing written yet: as before the prepare
             self._drop_created(created)
             raise
-        for plan in plans:
-            if plan.routes["triton"]:
-                self._step_triton(plan.group, plan.routes["triton"], grad_scale, found_inf)
-        self._step_torch_fused(plans, grad_scale, found_inf)
+        for entry, payload in buckets:
+            if entry.amp == "kernel":
+                entry.run(payload, grad_scale, found_inf)
         if grad_scale is not None:
             unscale_grads_(unscale, grad_scale)
-        # every group's C kernel params, one call; the table the prepared plans point
-        # into (kept by them even if the engine let go of it since, release_tables)
-        table = next((plan.table for plan in host_plans if plan.table is not None), None)
-        if table is not None:
-            self._step_cpu(table)
-        if eight is not None:
-            eight.commit_step()  # the 8bit groups: their kernel table, bitsandbytes' ops
-        for plan in host_plans:
-            self._step_staged(plan)
-            if plan.routes["torch_foreach"]:
-                live, stepped = self._torch_lists(plan.routes["torch_foreach"]), foreach[id(plan)]
-                with torch.no_grad():  # as torch's step: the update is not recorded
-                    for k in (0, 2, 3, 5):  # params, exp_avg, exp_avg_sq, step (not grads)
-                        for dst, src in zip(live[k], stepped[k]):
-                            dst.copy_(src)
-            for p, i in plan.routes["eager"]:
-                eager.eager_step(
-                    p, self.state[p], plan.group, i, plan.moment_dtype, self._scratch[p.device]
-                )
-
-    def _step_foreach_copies(
-        self, plan: _GroupPlan, grad_scale: torch.Tensor | None
-    ) -> tuple[list[Any], ...]:
-        """Step copies of ``plan``'s ``"torch_foreach"`` params, grads (unscaled as
-        :func:`unscale_grads_` unscales the grads) and state with torch's functional
-        foreach AdamW (:func:`~.torchroute.step_functional`), leaving the live tensors
-        as they are: torch's foreach AdamW allocates as it steps, so an OOM there loses
-        nothing. The copies' lists (params, grads, ``exp_avg``, ``exp_avg_sq``, (empty),
-        ``step``) are copied back in the commit, after every other route stepped.
-
-        Raises:
-            Whatever allocating raised (an OOM); nothing live is written."""
-        lists = self._torch_lists(plan.routes["torch_foreach"])
-        copies = tuple([t.detach().clone() for t in ts] for ts in lists)
-        if grad_scale is not None:
-            unscale_grads_(copies[1], grad_scale)
-        torchroute.step_functional(plan.group, copies, fused=False)
-        return copies
+        for entry, payload in host:
+            entry.run(payload, None, None)
 
     def _torch_lists(self, items: list[tuple[torch.Tensor, int]]) -> tuple[list[Any], ...]:
         """Torch's functional AdamW's lists for ``items``: params, grads, ``exp_avg``,
@@ -2273,124 +2196,6 @@ class LadderAdamW(torch.optim.Optimizer):
             [],
             [st["step"] for st in states],
         )
-
-    def _step_torch_fused(
-        self,
-        plans: list[_GroupPlan],
-        grad_scale: torch.Tensor | None,
-        found_inf: torch.Tensor | None,
-    ) -> None:
-        """Step the fp32 format's params on torch's fused kernel: the direct calls of
-        :func:`~.fusedstep.run_fused_plan` (all groups' step counts bumped at once), or,
-        with ``grad_scale``/``found_inf`` or a hyperparameter that is not a Python number
-        (a tensor ``lr``), torch's functional fused AdamW per call, which takes them."""
-        from optladder.optimizers.fusedstep import release_grads, run_fused_plan
-
-        with_calls = [plan for plan in plans if plan.torch_calls]
-        if not with_calls:
-            return
-        calls = [c for plan in with_calls for c in plan.torch_calls]
-        direct = grad_scale is None and found_inf is None
-        if direct and all(plan.torch_numbers for plan in with_calls):  # read in prepare
-            run_fused_plan(calls, self._torch_counts)
-        else:
-            with torch.no_grad():  # the copies of params that are not dense
-                for plan in with_calls:
-                    for _, lists, _, (fills, writeback) in plan.torch_calls:
-                        for buffer, source in fills:
-                            buffer.copy_(source)
-                        torchroute.step_functional(
-                            plan.group,
-                            lists,
-                            fused=True,
-                            grad_scale=grad_scale,
-                            found_inf=found_inf,
-                        )
-                        for param, buffer in writeback:
-                            param.copy_(buffer)
-        release_grads(calls)  # every plan's, at once
-
-    def _route(
-        self,
-        p: torch.Tensor,
-        param_index: int,
-        env: dict[str, str | None],
-        moment_dtype: torch.dtype,
-    ) -> tuple[str, str | None]:
-        """Pick the backend of one param: ``(backend, why not fused or None)``.
-
-        Args:
-            p: the param (its grad is not None).
-            param_index: its index over all groups, for messages.
-            env: per-step memo of why each kernel cannot run here (filled on first use).
-            moment_dtype: its group's moment dtype (:meth:`group_moment_dtype`).
-
-        Raises:
-            ValueError: if ``backend`` names a kernel that cannot step this param.
-        """
-        from optladder.optimizers import kernels
-
-        if self.backend == "eager":
-            return "eager", "backend='eager' was asked for"
-        grad = p.grad
-        assert grad is not None
-        wants_triton = self.backend == "triton" or (
-            self.backend == "auto" and p.device.type == "cuda"
-        )
-        if wants_triton:
-            name = "triton"
-            if "triton" not in env:
-                env["triton"] = kernels.triton_unavailable_reason()
-            reason = env["triton"] or kernels.triton_param_unsupported_reason(p, grad, moment_dtype)
-        elif p.device.type == "cpu":
-            name = "cpu"
-            if "cpu" not in env:
-                env["cpu"] = self._cpu_kernel_error or kernels.cpu_unavailable_reason()
-            reason = env["cpu"] or kernels.cpu.param_unsupported_reason(p, grad)
-            # not contiguous (a transposed or channels_last param): the kernel steps
-            # contiguous copies of param and grad (:meth:`_step_staged`)
-            if (
-                reason is not None
-                and env["cpu"] is None
-                and kernels.cpu.param_unsupported_reason(p, grad, contiguous=False) is None
-            ):
-                return "staged", None
-        else:
-            name, reason = "eager", f"no fused bf16 kernel for {p.device.type} tensors"
-        if reason is None:
-            return name, None
-        if self.backend != "auto":
-            raise ValueError(
-                f"backend={self.backend!r} cannot step param {param_index}: {reason}; "
-                "use backend='auto' to step such params eagerly"
-            )
-        return "eager", reason
-
-    def _load_cpu_kernel(
-        self, items: list[tuple[torch.Tensor, int]], reasons: dict[int, str]
-    ) -> bool:
-        """Build or load the C kernel; False (with the reason per param) if it cannot."""
-        from optladder.optimizers.kernels import cpu
-
-        try:
-            cpu.load_library()
-        except cpu.KernelBuildError as exc:
-            if self.backend == "cpu":
-                raise
-            self._cpu_kernel_error = f"the CPU kernel could not be built: {exc}"
-            for _, i in items:
-                reasons[i] = self._cpu_kernel_error
-            return False
-        return True
-
-    def _step_cpu(self, table: Any) -> None:
-        """Step every group's C kernel params through the one table, whose grads,
-        per-step scalars and group options :meth:`prepare_step` wrote, in one call, then
-        bump every step count in one call."""
-        from optladder.optimizers.kernels import cpu
-
-        cpu.run_table(table)
-        table.bump_steps()
 
     @staticmethod
     def _triton_batches(
@@ -2408,8 +2213,7 @@ class LadderAdamW(torch.optim.Optimizer):
 
     def _launch_lists(self, batch: list[tuple[torch.Tensor, int]]) -> tuple[list[Any], ...]:
         """The Triton launch's per-param lists for ``batch``: params, grads, ``exp_avg``,
-        ``exp_avg_sq``, ``step`` tensors and param indices (the same in prepare and in
-        the commit, so the prepared tables are the ones the launch finds)."""
+        ``exp_avg_sq``, ``step`` tensors and param indices."""
         states = [self.state[p] for p, _ in batch]
         return (
             [p.detach() for p, _ in batch],
@@ -2420,52 +2224,26 @@ class LadderAdamW(torch.optim.Optimizer):
             [i for _, i in batch],
         )
 
-    def _prepare_triton(self, group: dict[str, Any], items: list[tuple[torch.Tensor, int]]) -> None:
-        """Build the Triton launches' device tables for one group's params and a tensor
-        lr's float32 copy on each device, so that the commit's launches allocate nothing."""
-        from optladder.optimizers.kernels import triton_adamw
+    def _prepare_triton(self, plans: list[_GroupPlan]) -> list[dispatch.TritonLaunch]:
+        """The Triton launches of this step, one per group and (device, param dtype, grad
+        dtype): their lists, device tables and a tensor lr's float32 copy on the device,
+        so that the commit's launches allocate nothing."""
+        launches: list[dispatch.TritonLaunch] = []
+        for plan in plans:
+            items = plan.routes["triton"]
+            if not items:
+                continue
+            from optladder.optimizers.kernels import triton_adamw
 
-        lr = group["lr"]
-        for (device, _, _), batch in self._triton_batches(items).items():
-            if isinstance(lr, torch.Tensor):
-                self._lr_tensors[(id(group), device)] = (
-                    lr.detach().to(device=device, dtype=torch.float32).reshape(())
-                )
-            triton_adamw.prepare_tables(*self._launch_lists(batch))
-
-    def _step_triton(
-        self,
-        group: dict[str, Any],
-        items: list[tuple[torch.Tensor, int]],
-        grad_scale: torch.Tensor | None,
-        found_inf: torch.Tensor | None,
-    ) -> None:
-        """Step params with the Triton custom op: one launch per (device, param dtype,
-        grad dtype)."""
-        from optladder.optimizers.kernels import ops
-
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        for (device, _, _), batch in self._triton_batches(items).items():
-            lr_tensor = (
-                self._lr_tensors[(id(group), device)] if isinstance(lr, torch.Tensor) else None
-            )
-            torch.ops.optladder.adamw_bf16_(
-                *self._launch_lists(batch),
-                0.0 if lr_tensor is not None else float(lr),
-                lr_tensor,
-                float(beta1),
-                float(beta2),
-                float(group["eps"]),
-                float(group["weight_decay"]),
-                bool(group["decoupled_weight_decay"]),
-                bool(group["maximize"]),
-                group["rounding"] == "stochastic",
-                group.get("param_rounding", "stochastic") == "stochastic",
-                ops.seed_prefix(group["seed"]),
-                None if grad_scale is None else grad_scale.to(device),
-                None if found_inf is None else found_inf.to(device),
-            )
+            lr = plan.group["lr"]
+            for (device, _, _), batch in self._triton_batches(items).items():
+                lists = self._launch_lists(batch)
+                triton_adamw.prepare_tables(*lists)
+                lr_tensor = None
+                if isinstance(lr, torch.Tensor):
+                    lr_tensor = lr.detach().to(device=device, dtype=torch.float32).reshape(())
+                launches.append(dispatch.TritonLaunch(plan.group, lists, device, lr_tensor))
+        return launches
 
     def _step_param(self, p: torch.Tensor, group: dict[str, Any], param_index: int) -> None:
         moment_dtype = self.group_moment_dtype(group)

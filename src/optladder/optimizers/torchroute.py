@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from optladder.columns import PLAIN_TYPES
-from optladder.dtype_names import dtype_name
 from optladder.optimizers.steps import STEP_DTYPE
 
 TORCH_GROUP_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused")
@@ -80,23 +79,6 @@ def fused_devices() -> tuple[str, ...]:
     from optladder.optimizers.spec import torch_fused_device_types
 
     return torch_fused_device_types()
-
-
-def kernel_of(p: torch.Tensor, devices: tuple[str, ...]) -> tuple[str, str | None]:
-    """Which of torch's kernels steps ``p`` (:func:`torch_steps`): ``("fused", None)``, or
-    ``("foreach", why not fused)``.
-
-    Args:
-        p: the param.
-        devices: :func:`fused_devices`.
-    """
-    from optladder.optimizers.spec import fp32_fused_miss
-
-    on_device = p.device.type in devices
-    if p.is_complex() or not on_device:
-        why = fp32_fused_miss(on_device, str(p.device), (dtype_name(p.dtype),), p.is_complex())
-        return "foreach", why
-    return "fused", None
 
 
 def init_state(p: torch.Tensor, fused: bool) -> dict[str, Any]:

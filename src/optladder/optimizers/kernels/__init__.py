@@ -18,6 +18,7 @@ from optladder.optimizers.kernels.cpu import unavailable_reason as cpu_unavailab
 
 __all__ = [
     "cpu_unavailable_reason",
+    "triton_dtype_unsupported_reason",
     "triton_param_unsupported_reason",
     "triton_unavailable_reason",
 ]
@@ -49,16 +50,29 @@ def triton_param_unsupported_reason(
         return "Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1)"
     if p.device.type not in ("cpu", "cuda"):
         return f"param is on {p.device}; the Triton kernel runs on CUDA"
-    if p.dtype not in _KERNEL_DTYPES:
-        return f"param dtype {p.dtype}: the Triton kernel steps float32, bfloat16, float16 params"
-    if grad.dtype not in _KERNEL_DTYPES:
-        return f"grad dtype {grad.dtype}: the Triton kernel reads float32, bfloat16, float16"
-    if moment_dtype not in (torch.float32, torch.bfloat16):
-        return f"moment dtype {moment_dtype}: the Triton kernel keeps float32 or bfloat16"
+    why = triton_dtype_unsupported_reason(p.dtype, grad.dtype, moment_dtype)
+    if why is not None:
+        return why
     if grad.is_sparse or grad.device != p.device or grad.shape != p.shape:
         return "grad is sparse, on another device or of another shape"
     if not (p.is_contiguous() and grad.is_contiguous()):
         return "param or grad is not contiguous"
+    return None
+
+
+def triton_dtype_unsupported_reason(
+    param_dtype: torch.dtype, grad_dtype: torch.dtype, moment_dtype: torch.dtype
+) -> str | None:
+    """Why the Triton kernel cannot step a param of ``param_dtype`` with a grad of
+    ``grad_dtype`` and moments of ``moment_dtype``, or None if it can."""
+    if param_dtype not in _KERNEL_DTYPES:
+        return (
+            f"param dtype {param_dtype}: the Triton kernel steps float32, bfloat16, float16 params"
+        )
+    if grad_dtype not in _KERNEL_DTYPES:
+        return f"grad dtype {grad_dtype}: the Triton kernel reads float32, bfloat16, float16"
+    if moment_dtype not in (torch.float32, torch.bfloat16):
+        return f"moment dtype {moment_dtype}: the Triton kernel keeps float32 or bfloat16"
     return None
 
 

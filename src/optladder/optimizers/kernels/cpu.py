@@ -383,6 +383,16 @@ def _load_bytes(data: bytes, path: Path, name: str = _BF16_NAME) -> ctypes.CDLL:
         raise KernelBuildError(f"loading {name} {path} failed: {exc}") from exc
 
 
+def dtype_unsupported_reason(param_dtype: torch.dtype, grad_dtype: torch.dtype) -> str | None:
+    """Why the CPU kernel cannot step a param of ``param_dtype`` with a grad of
+    ``grad_dtype`` (it steps and reads :data:`DTYPE_CODES`' dtypes), or None if it can."""
+    if param_dtype not in DTYPE_CODES:
+        return f"param dtype {param_dtype}: the CPU kernel steps float32, bfloat16, float16 params"
+    if grad_dtype not in DTYPE_CODES:
+        return f"grad dtype {grad_dtype}: the CPU kernel reads float32, bfloat16, float16"
+    return None
+
+
 def param_unsupported_reason(
     p: torch.Tensor, grad: torch.Tensor, *, contiguous: bool = True
 ) -> str | None:
@@ -398,10 +408,9 @@ def param_unsupported_reason(
     """
     if p.device.type != "cpu":
         return f"param is on {p.device}, the CPU kernel needs CPU tensors"
-    if p.dtype not in DTYPE_CODES:
-        return f"param dtype {p.dtype}: the CPU kernel steps float32, bfloat16, float16 params"
-    if grad.dtype not in DTYPE_CODES:
-        return f"grad dtype {grad.dtype}: the CPU kernel reads float32, bfloat16, float16"
+    why = dtype_unsupported_reason(p.dtype, grad.dtype)
+    if why is not None:
+        return why
     if grad.is_sparse or grad.device != p.device or grad.shape != p.shape:
         return "grad is sparse, on another device or of another shape"
     if contiguous and not (p.is_contiguous() and grad.is_contiguous()):
