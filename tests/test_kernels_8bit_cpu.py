@@ -1104,3 +1104,78 @@ def test_params_without_a_grad_through_grad_scale_and_found_inf() -> None:
         for name in ("state1", "state2", "absmax1", "absmax2"):
             if name in want:
                 assert torch.equal(state[p][name].view(torch.uint8), want[name].view(torch.uint8))
+
+
+def _kept_or_full(kind: str, params: list[torch.nn.Parameter]) -> Any:
+    """An 8bit optimizer over ``params``: optladder's (``"ladder"``: an 8bit group of
+    LadderAdamW) or the bitsandbytes subclass (``"engine"``)."""
+    from optladder.optimizers.adamw import LadderAdamW
+
+    if kind == "ladder":
+        return LadderAdamW([{"params": params, "rung": "8bit", "lr": 1e-2}])
+    return _engine([{"params": params}], lr=1e-2, weight_decay=1e-2)
+
+
+def _eight(opt: Any) -> Any:
+    """What holds the kept kernel table: the engine, or LadderAdamW's 8bit groups."""
+    return opt.eightbit_groups() if hasattr(opt, "eightbit_groups") else opt
+
+
+@pytest.mark.parametrize("kind", ["ladder", "engine"])
+def test_a_state_cleared_between_steps_on_the_kept_table_starts_afresh(kind: str) -> None:
+    """While nothing changes, a step on the kept kernel table skips the per-param pass
+    (state creation, the refusal of foreign state). A param's state dict emptied in
+    place between steps (the dicts stay the same objects) is still seen: the param
+    starts afresh, as on a full table made at every step (the twin, whose per-param
+    pass runs at every step), bit for bit, and the other params' steps go on."""
+    gen = torch.Generator().manual_seed(3)
+    start = [torch.randn(n, generator=gen) for n in SIZES]
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    twins = [torch.nn.Parameter(t.clone()) for t in start]
+    opt, full = _kept_or_full(kind, params), _kept_or_full(kind, twins)
+    for step in range(5):
+        for p, q, g in zip(params, twins, _grads(params, step), strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        if step == 3:
+            opt.state[params[0]].clear()
+            full.state[twins[0]].clear()
+        _eight(full)._kernel_plan = None  # the twin makes a full table at every step
+        opt.step()
+        full.step()
+        assert _eight(opt)._kernel_plan is not None
+    assert [opt.state[p]["step"] for p in params] == [2, 5, 5]
+    for k, (p, q) in enumerate(zip(params, twins, strict=True)):
+        assert torch.equal(p.detach().view(torch.int32), q.detach().view(torch.int32)), k
+        for name, value in opt.state[p].items():
+            want = full.state[q][name]
+            assert (value == want) if name == "step" else torch.equal(value, want), (k, name)
+
+
+def test_a_step_count_lost_between_steps_on_the_kept_table_is_refused() -> None:
+    """A param's ``step`` deleted from its state between steps on the kept kernel table
+    (the per-param pass, which refuses state that is not AdamW8bit's, is skipped while
+    nothing changes): the step is refused naming the param, as on a full table, and
+    changes no param and no other state."""
+    from optladder.optimizers.adamw import LadderAdamW
+
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in SIZES]
+    opt = LadderAdamW([{"params": params, "rung": "8bit", "lr": 1e-2}])
+    for step in range(3):
+        for p, g in zip(params, _grads(params, step), strict=True):
+            p.grad = g
+        opt.step()
+    assert opt.eightbit_groups()._kernel_plan is not None
+    del opt.state[params[1]]["step"]
+    before = [p.detach().clone() for p in params]
+    states = [
+        {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[p].items()} for p in params
+    ]
+    with pytest.raises(ValueError, match=r"param 1 of param group 0 \(8bit\) holds state"):
+        opt.step()
+    for k, p in enumerate(params):
+        assert torch.equal(p.detach(), before[k]), k
+        assert opt.state[p].keys() == states[k].keys(), k
+        for name, value in opt.state[p].items():
+            want = states[k][name]
+            assert (value == want) if name == "step" else torch.equal(value, want), (k, name)

@@ -302,6 +302,26 @@ class EightBitMethods:
         self._prepared = None
         self._prepared = _prepare_step(self)
 
+    def _kept_step(self) -> _PreparedStep | None:
+        """The next step on the kept kernel table (:class:`_KernelPlan`), when it still
+        fits and the step needs nothing else, so the per-param pass that creates state,
+        refuses foreign state and makes contiguous copies can be skipped: the table's
+        params are then every param with a grad (each with its state, in the same state
+        dicts holding the same tensors), every param is contiguous and none is stepped
+        by bitsandbytes (whose state the table does not check). None otherwise (the
+        full prepare runs, keeping or remaking the table).
+
+        Raises:
+            ValueError: a step count out of the kernel's range (:meth:`_KernelPlan.refresh`).
+        """
+        plan = self._kernel_plan
+        if plan is None or plan.prepared.others:
+            return None
+        groups = self.param_groups
+        if not all(all(map(torch.Tensor.is_contiguous, g["params"])) for g in groups):
+            return None
+        return plan.refresh(self)
+
     def release_tables(self) -> None:
         """Drop the kept kernel table (it holds the state's tensors): before the
         state moves to another format or is replaced; the next step makes it again."""
@@ -339,6 +359,8 @@ class EightBitMethods:
             self.initialized = True
         prepared, self._prepared = self._prepared, None
         if prepared is None or not (just_prepared or prepared.still_valid(self)):
+            prepared = self._kept_step()
+        if prepared is None:
             self.prepare_contiguous()
             for gindex, group in enumerate(self.param_groups):
                 for pindex, p in enumerate(group["params"]):
@@ -550,6 +572,10 @@ class EightBitGroups(EightBitMethods):
         created: list[torch.Tensor] = []
         state = self.owner.state
         try:
+            kept = self._kept_step()
+            if kept is not None:  # nothing to create, copy or refuse: see _kept_step
+                self._prepared = kept
+                return created
             for gi, group in enumerate(self.param_groups):
                 for pi, p in enumerate(group["params"]):
                     if p.grad is None:
@@ -952,7 +978,10 @@ class _KernelPlan:
             or self.addresses(held, qmaps) != self.held_ptrs
         ):
             return None
-        steps = list(map(_STEP, self.states))
+        try:
+            steps = list(map(_STEP, self.states))
+        except KeyError:  # a hand edit: the full prepare refuses the state, naming the param
+            return None
         if not all(isinstance(step, int) for step in (min(steps), max(steps))):
             return None
         if min(steps) < 0 or max(steps) > MAX_STEP:
