@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import torch
 
 from optladder.optimizers.adamw import Backend, LadderAdamW
-from optladder.optimizers.eightbit import build_8bit
+from optladder.optimizers.eightbit import build_8bit_format
 from optladder.optimizers.kernels import cpu_unavailable_reason as cpu_kernel_unavailable_reason
 
 
@@ -166,13 +166,13 @@ def implementations(
         impls["bnb-adamw8bit"] = lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3)
     except ImportError as exc:
         impls["bnb-adamw8bit"] = f"bitsandbytes not importable: {exc}"
-    if device.type == "cpu":  # the 8bit rung's own CPU kernel, bitsandbytes' state format
+    if device.type == "cpu":  # the 8bit rung (LadderAdamW's 8bit format): bitsandbytes' state
         if isinstance(impls["bnb-adamw8bit"], str):
             impls["optladder-8bit-cpu"] = impls["bnb-adamw8bit"]
         elif (why := cpu_kernel_unavailable_reason()) is not None:
             impls["optladder-8bit-cpu"] = why
         else:
-            impls["optladder-8bit-cpu"] = lambda ps: build_8bit(
+            impls["optladder-8bit-cpu"] = lambda ps: build_8bit_format(
                 [{"params": list(ps)}], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01
             )
     try:
