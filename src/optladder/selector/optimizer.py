@@ -967,18 +967,17 @@ class LadderOptimizer(LadderAdamW):
 
     def __repr__(self) -> str:
         """torch's optimizer repr (every group's options but ``params``, keys sorted,
-        ``rung`` among them) after a header with the rung, whether it is fused, the class
-        whose state formats and kernels step the groups (``engine=LadderAdamW``), and
-        per pinned rung its number of groups."""
+        ``rung`` among them) after a header with the rung, whether it is fused, and per
+        pinned rung its number of groups: ``AdamW (rung='bf16', fused, pinned fp32: 1
+        groups\nParameter Group 0 ...)``."""
         fused = "fused" if self.decision.fused else "not fused"
-        engine = LadderAdamW.__name__
         pins = list(self._pin_rungs.values())
         pinned = "".join(
-            f", pinned {rung}: {engine} ({pins.count(rung)} groups)" for rung in dict.fromkeys(pins)
+            f", pinned {rung}: {pins.count(rung)} groups" for rung in dict.fromkeys(pins)
         )
         name = type(self).__name__
         groups = torch.optim.Optimizer.__repr__(self).removeprefix(f"{name} (")
-        return f"{name} (rung={self.rung!r}, {fused}, engine={engine}{pinned}{groups}"
+        return f"{name} (rung={self.rung!r}, {fused}{pinned}{groups}"
 
 
 def _mark_pinned(groups: list[dict[str, Any]], rung: Rung) -> None:
