@@ -322,3 +322,43 @@ def test_without_bitsandbytes_the_8bit_rung_says_how_to_install_it(
     assert "No module named 'bitsandbytes'" in message
     assert "pip install 'bitsandbytes>=0.45'" in message
     assert "rung" not in groups[0]  # nothing marked before the import failed
+
+
+@pytest.mark.parametrize(
+    "dropped",
+    [("qmap1",), ("qmap2",), ("qmap1", "qmap2"), ("absmax1",), ("absmax2",)],
+)
+def test_an_8bit_checkpoint_missing_its_code_books_is_refused_at_load(
+    dropped: tuple[str, ...],
+) -> None:
+    """An 8bit checkpoint whose uint8 codes lost their code book (``qmap1``/``qmap2``) or
+    block scales (``absmax1``/``absmax2``), loaded into :class:`LadderAdamW` directly, is
+    refused by the load, naming the param and the key, and changes nothing (it loaded,
+    then the step raised KeyError 'qmap1'); the intact checkpoint loads and steps as the
+    optimizer that saved it."""
+    from snapshots import assert_same, snapshot
+
+    gen = torch.Generator().manual_seed(7)
+    start = [torch.randn(5000, generator=gen), torch.randn(30, generator=gen)]
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    saver = LadderAdamW([{"params": params, "rung": "8bit", "lr": 1e-2}])
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    saver.step()
+    saved = saver.state_dict()
+    broken = copy.deepcopy(saved)
+    for key in dropped:
+        del broken["state"][0][BNB_WRAPPED_KEY][key]
+    twins = [torch.nn.Parameter(t.clone()) for t in params]
+    loaded = LadderAdamW([{"params": twins, "rung": "8bit", "lr": 1e-3}])
+    before = snapshot(loaded)
+    with pytest.raises(ValueError, match=rf"param 0: .*{dropped[0]}"):
+        loaded.load_state_dict(broken)
+    assert_same(snapshot(loaded), before)
+    loaded.load_state_dict(copy.deepcopy(saved))
+    for p, q in zip(params, twins):
+        p.grad = torch.randn(p.shape, generator=gen)
+        q.grad = p.grad.clone()
+    saver.step()
+    loaded.step()
+    assert_same(snapshot(loaded), snapshot(saver))

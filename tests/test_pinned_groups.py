@@ -656,3 +656,44 @@ def test_a_pinned_groups_params_keep_their_own_rounding_streams(rung: str, pin: 
         stepped([*ahead, {"params": [alone]}], [alone], pin if i % 2 else rung)
         assert torch.equal(p, alone), i
     assert not torch.equal(ps[0], ps[1])
+
+
+def test_a_pin_survives_group_dicts_replaced_by_hand() -> None:
+    """``opt.param_groups[:] = [dict(g) for g in opt.param_groups]`` (torch accepts it):
+    a group that pins fp32 keeps its rung and its state when the rest escalates, as the
+    same optimizer whose dicts were not replaced (the pins were keyed by the group
+    dicts' identity: the pinned group moved to bf16 with the rest)."""
+    import optladder
+
+    def build() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (300, 40, 500)]
+        opt = optladder.AdamW(
+            [{"params": params[:2], "rung": "fp32"}, {"params": params[2:]}],
+            1e-2,
+            free_memory="64GiB",
+        )
+        return params, opt
+
+    def grads(params: list[torch.nn.Parameter], k: int) -> None:
+        gen = torch.Generator().manual_seed(10 + k)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+
+    params, opt = build()
+    ref_params, ref = build()
+    for k in range(3):
+        grads(params, k)
+        grads(ref_params, k)
+        if k == 1:
+            opt.param_groups[:] = [dict(g) for g in opt.param_groups]
+            opt.escalate("test")
+            ref.escalate("test")
+        opt.step()
+        ref.step()
+    assert [g["rung"] for g in opt.param_groups] == ["fp32", "bf16"]
+    a, b = snapshot(opt), snapshot(ref)
+    for sd in (a[1], b[1]):
+        for g in sd["param_groups"]:
+            g.pop("rung_reason", None)
+    assert_same(a, b)

@@ -261,7 +261,7 @@ class LadderOptimizer(LadderAdamW):
     ) -> None:
         check_max_retries(max_retries)
         self._built = False  # add_param_group: torch's __init__ adds the groups below
-        # id(group) -> the rung it pins, for every group that pins one
+        # _pin_key(group) -> the rung it pins, for every group that pins one
         self._pin_rungs: dict[int, Rung] = {}
         self._decision = decision
         self.max_retries = max_retries
@@ -290,7 +290,7 @@ class LadderOptimizer(LadderAdamW):
             else:
                 self._check_pinned(gi, group, pin)
                 _mark_pinned([group], pin)
-                pinned[id(group)] = pin
+                pinned[_pin_key(group)] = pin
         self._mark_groups(following, decision)
         # the following groups' params passed construction's checks and the rung's
         # (rung_options): torch's per-param checks read each one's first param only
@@ -321,11 +321,11 @@ class LadderOptimizer(LadderAdamW):
     def _following_groups(self) -> list[dict[str, Any]]:
         """The groups that follow the decision (those that pin no rung), in order."""
         pins = self._pin_rungs
-        return [g for g in self.param_groups if id(g) not in pins]
+        return [g for g in self.param_groups if _pin_key(g) not in pins]
 
     def _group_rung(self, group: Mapping[str, Any]) -> Rung:
         """The rung ``group``'s state is on: the rung it pins, or the decision's."""
-        return self._pin_rungs.get(id(group), self._decision.rung)
+        return self._pin_rungs.get(_pin_key(group), self._decision.rung)
 
     @staticmethod
     def _mark_groups(groups: list[dict[str, Any]], decision: Decision) -> None:
@@ -411,7 +411,7 @@ class LadderOptimizer(LadderAdamW):
                     LadderAdamW.add_param_group(self, group)
                 except ValueError as exc:
                     raise ValueError(f"param group {gi} pins {pin}: {exc}") from None
-                self._pin_rungs[id(group)] = pin
+                self._pin_rungs[_pin_key(group)] = pin
             footprint = measure_footprint(self.param_groups)
             self._decision = self._decision.model_copy(
                 update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
@@ -978,6 +978,15 @@ class LadderOptimizer(LadderAdamW):
         name = type(self).__name__
         groups = torch.optim.Optimizer.__repr__(self).removeprefix(f"{name} (")
         return f"{name} (rung={self.rung!r}, {fused}{pinned}{groups}"
+
+
+def _pin_key(group: Mapping[str, Any]) -> int:
+    """The key of a group's pin: its first param's identity (a param is in one group
+    only), so that a pin holds when the group dicts are replaced by copies
+    (``opt.param_groups[:] = [dict(g) for g in opt.param_groups]``, which torch
+    accepts); the dict's own identity for a group without params."""
+    params = group["params"]
+    return id(params[0]) if params else id(group)
 
 
 def _mark_pinned(groups: list[dict[str, Any]], rung: Rung) -> None:
