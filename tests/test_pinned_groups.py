@@ -137,7 +137,7 @@ def test_a_pinned_group_runs_its_rung_and_the_rest_runs_the_decision() -> None:
     assert any(g is pinned for g in opt.engine.param_groups)  # the engine's own dicts
     assert pinned["lr"] == 1e-3
     assert decided["lr"] == 5e-4
-    assert "pinned fp32: 1 groups" in repr(opt)
+    assert "pinned fp32: 1 group\n" in repr(opt)
     assert "in groups that pin their rung" in opt.decision.summary()
 
 

@@ -969,11 +969,12 @@ class LadderOptimizer(LadderAdamW):
         """torch's optimizer repr (every group's options but ``params``, keys sorted,
         ``rung`` among them) after a header with the rung, whether it is fused, and per
         pinned rung its number of groups: ``AdamW (rung='bf16', fused, pinned fp32: 1
-        groups\nParameter Group 0 ...)``."""
+        group\nParameter Group 0 ...)``."""
         fused = "fused" if self.decision.fused else "not fused"
         pins = list(self._pin_rungs.values())
         pinned = "".join(
-            f", pinned {rung}: {pins.count(rung)} groups" for rung in dict.fromkeys(pins)
+            f", pinned {rung}: {n} group{'s' * (n != 1)}"
+            for rung, n in ((r, pins.count(r)) for r in dict.fromkeys(pins))
         )
         name = type(self).__name__
         groups = torch.optim.Optimizer.__repr__(self).removeprefix(f"{name} (")
