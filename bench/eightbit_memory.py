@@ -41,20 +41,30 @@ def _reset_peak() -> None:
 
 
 def measure(elements: int, engine: str) -> list[dict[str, Any]]:
-    """Extra peak bytes of two steps of ``engine`` ("kernel" or "bitsandbytes") on one
-    float32 param of ``elements`` elements, with the state's bytes."""
+    """Extra peak bytes of two steps of ``engine`` on one float32 param of ``elements``
+    elements, with the state's bytes: ``"kernel"``, the 8bit rung (LadderAdamW's 8bit
+    state format, stepped by optladder's 8-bit CPU kernel), or ``"bitsandbytes"``, plain
+    ``bitsandbytes.optim.AdamW8bit`` (its per-tensor CPU update, the same state)."""
     import torch
 
-    from optladder.optimizers.eightbit import ladder_adamw8bit_class
+    from optladder.optimizers.adamw import LadderAdamW
+
+    def build(p: torch.nn.Parameter) -> torch.optim.Optimizer:
+        if engine == "kernel":
+            return LadderAdamW([{"params": [p], "rung": "8bit"}], lr=1e-3)
+        if engine == "bitsandbytes":
+            import bitsandbytes as bnb
+
+            return bnb.optim.AdamW8bit([p], lr=1e-3)
+        raise ValueError(f"engine must be 'kernel' or 'bitsandbytes', got {engine!r}")
 
     warm = torch.nn.Parameter(torch.zeros(4096))  # load the kernel library and threads
     warm.grad = torch.ones(4096)
-    adamw8bit: Any = ladder_adamw8bit_class()  # built at run time: bitsandbytes' subclass
-    adamw8bit([warm], lr=1e-3, cpu_kernel=engine == "kernel").step()
+    build(warm).step()
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.empty(elements).normal_())
     p.grad = torch.empty(elements).normal_()
-    opt = adamw8bit([p], lr=1e-3, cpu_kernel=engine == "kernel")
+    opt = build(p)
     rows = []
     for step in (1, 2):
         gc.collect()

@@ -44,7 +44,6 @@ from typing import Any, Protocol
 import torch
 
 from optladder.optimizers.adamw import Backend, LadderAdamW
-from optladder.optimizers.eightbit import build_8bit_format
 from optladder.optimizers.kernels import cpu_unavailable_reason as cpu_kernel_unavailable_reason
 
 
@@ -172,8 +171,8 @@ def implementations(
         elif (why := cpu_kernel_unavailable_reason()) is not None:
             impls["optladder-8bit-cpu"] = why
         else:
-            impls["optladder-8bit-cpu"] = lambda ps: build_8bit_format(
-                [{"params": list(ps)}], lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01
+            impls["optladder-8bit-cpu"] = lambda ps: LadderAdamW(
+                [{"params": list(ps), "rung": "8bit"}], lr=1e-3, weight_decay=0.01
             )
     try:
         from torchao.optim import AdamW8bit as AoAdamW8bit

@@ -1,12 +1,12 @@
 """The 8bit state format of :class:`LadderAdamW`: a group whose ``"rung"`` is ``"8bit"``
 keeps bitsandbytes' ``AdamW8bit`` state (uint8 codes with one float32 absmax per
-256-element block, float32 moments for params under ``min_8bit_size``) and steps as
-optladder's 8bit engine (:func:`~optladder.optimizers.eightbit.ladder_adamw8bit_class`:
-the 8-bit CPU kernel here, bitsandbytes' ops elsewhere) steps it.
+256-element block, float32 moments for params under ``min_8bit_size``) and steps it
+(the 8-bit CPU kernel here, bitsandbytes' ops elsewhere) as an optimizer holding only
+8bit groups does.
 
 The expected values are those of separate engines over copies of the same groups: a
 :class:`LadderAdamW` per fp32/bf16 group set (each param at its index over all groups,
-``param_starts``) and the 8bit engine for the 8bit groups (its grads unscaled as
+``param_starts``) and one holding only the 8bit groups (its grads unscaled as
 :func:`~optladder.optimizers.adamw.unscale_grads_` does, its step skipped on a nonzero
 ``found_inf``), over 4 steps: params and every state tensor bit for bit.
 """
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from engines import build_engine, eightbit
 from optladder.optimizers.adamw import LadderAdamW, unscale_grads_
-from optladder.optimizers.eightbit import build_8bit
 from optladder.optimizers.migrate import BNB_WRAPPED_KEY
 from snapshots import same_bits
 
@@ -73,14 +73,7 @@ def _engines(
     single = LadderAdamW([copies[k] for k in ladder], decoupled_weight_decay=decoupled)
     single.param_starts = [starts[k] for k in ladder]
     bnb_groups = [{k: v for k, v in copies[k].items() if k != "rung"} for k in eight]
-    reference = build_8bit(
-        bnb_groups,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=1e-2,
-        decoupled_weight_decay=decoupled,
-    )
+    reference = eightbit(bnb_groups, decoupled_weight_decay=decoupled)
     params = [p for g in copies for p in g["params"]]
     return mixed, [single, reference], params
 
@@ -156,7 +149,26 @@ def test_state_dict_holds_the_8bit_engine_layout() -> None:
         single.step()
         reference.step()
     saved = mixed.state_dict()
-    want = reference.state_dict()
+    # the layout bitsandbytes' own AdamW8bit saves: its groups as it builds them, its
+    # state_dict of the reference's state (loaded into it)
+    bnb = pytest.importorskip("bitsandbytes")
+    plain = bnb.optim.AdamW8bit(
+        [
+            {
+                "params": [torch.nn.Parameter(p.detach().clone()) for p in g["params"]],
+                **{k: v for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay")},
+            }
+            for g in groups
+            if g["rung"] == "8bit"
+        ],
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+    )
+    plain_groups = plain.state_dict()["param_groups"]
+    plain.load_state_dict(copy.deepcopy(reference.state_dict()))
+    want = {**plain.state_dict(), "param_groups": plain_groups}
     index, ref_index = 0, 0
     for group, saved_group in zip(groups, saved["param_groups"]):
         n = len(group["params"])
@@ -234,14 +246,7 @@ def test_a_torch_adamw_state_in_an_8bit_group_is_refused_before_anything_changes
     opt = LadderAdamW([{"params": params, "rung": "8bit", "lr": 1e-2}])
     opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
     twins = [torch.nn.Parameter(t.clone()) for t in start]
-    reference = build_8bit(
-        [{"params": twins, "lr": 1e-2}],
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=1e-2,
-        decoupled_weight_decay=True,
-    )
+    reference = eightbit([{"params": twins, "lr": 1e-2}])
     grads = [torch.randn(p.shape, generator=gen) for p in params]
     for p, q, g in zip(params, twins, grads, strict=True):
         p.grad, q.grad = g.clone(), g.clone()
@@ -304,20 +309,23 @@ def test_a_load_failing_at_any_allocation_changes_nothing() -> None:
             once.load_state_dict(copy.deepcopy(saved))
 
 
-@pytest.mark.parametrize("build", ["build_8bit_format", "build_8bit"])
+@pytest.mark.parametrize("build", ["prepare_8bit_format", "build_engine"])
 def test_without_bitsandbytes_the_8bit_rung_says_how_to_install_it(
     build: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from optladder.optimizers import eightbit
+    from optladder.optimizers import eightbit as eightbit_module
 
     def missing() -> None:
         raise ImportError("No module named 'bitsandbytes'")
 
-    monkeypatch.setattr(eightbit, "import_bitsandbytes", missing)
+    monkeypatch.setattr(eightbit_module, "import_bitsandbytes", missing)
     p = torch.nn.Parameter(torch.zeros(8))
     groups = [{"params": [p]}]
     with pytest.raises(ImportError) as info:
-        getattr(eightbit, build)(groups, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        if build == "prepare_8bit_format":
+            eightbit_module.prepare_8bit_format(groups)
+        else:
+            build_engine("8bit", groups, fused=False, lr=1e-3, weight_decay=0.0)
     message = str(info.value)
     assert "No module named 'bitsandbytes'" in message
     assert "pip install 'bitsandbytes>=0.45'" in message

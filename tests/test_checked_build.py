@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optladder.optimizers import build_engine
+from engines import build_engine
 from optladder.optimizers.checked import first_params_only
 from optladder.rungs import RUNGS
 

@@ -81,6 +81,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engines import build_engine
 from memtools import FailNthAllocation
 from optladder import (
     Ladder,
@@ -91,7 +92,6 @@ from optladder import (
     measure_footprint,
     measure_state_bytes,
 )
-from optladder.optimizers import build_engine
 from optladder.optimizers.migrate import read_step
 from optladder.optimizers.transaction import prepare_step
 from optladder.sharding import is_dtensor, local_tensor

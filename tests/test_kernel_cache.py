@@ -349,7 +349,7 @@ def test_a_failed_8bit_build_falls_back_to_bitsandbytes_naming_the_8bit_kernel(
     bitsandbytes' own CPU update (bit for bit plain ``AdamW8bit``) and its reason names
     the 8-bit kernel's build, not the bf16 kernel's."""
     bnb = pytest.importorskip("bitsandbytes")
-    from optladder.optimizers.eightbit import ladder_adamw8bit_class
+    from engines import eightbit
     from optladder.optimizers.kernels import cpu8bit
 
     monkeypatch.setenv("CC", "/bin/false")
@@ -360,7 +360,7 @@ def test_a_failed_8bit_build_falls_back_to_bitsandbytes_naming_the_8bit_kernel(
         q = torch.nn.Parameter(p.detach().clone())
         p.grad = torch.randn(5000)
         q.grad = p.grad.clone()
-        opt = ladder_adamw8bit_class()([p], lr=1e-3)
+        opt = eightbit([p], lr=1e-3)
         opt.step()
         bnb.optim.AdamW8bit([q], lr=1e-3).step()
     finally:

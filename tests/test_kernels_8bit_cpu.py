@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from engines import eightbit
 from memtools import FailNthAllocation
 from optladder.optimizers import kernels, transaction
 
@@ -36,11 +37,10 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = (20_000, 5_000, 1_000)
 
 
-def _engine(params: Any, **kwargs: Any) -> Any:
-    from optladder.optimizers.eightbit import ladder_adamw8bit_class
-
-    kwargs.setdefault("min_8bit_size", 4096)
-    return ladder_adamw8bit_class()(params, **kwargs)
+def _engine(params: Any, *, coupled_weight_decay: bool = False, **kwargs: Any) -> Any:
+    """The 8bit rung over ``params`` (LadderAdamW's 8bit state format; min_8bit_size
+    4,096), in Adam mode with ``coupled_weight_decay``."""
+    return eightbit(params, decoupled_weight_decay=not coupled_weight_decay, **kwargs)
 
 
 def _params(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -415,14 +415,14 @@ def test_the_prepared_commit_allocates_nothing() -> None:
         for p, g in zip(params, _grads(params, s)):
             p.grad = g
         transaction.prepare_step(opt)
-        assert opt._prepared is not None
+        assert opt.eightbit_groups()._prepared is not None
         with FailNthAllocation(None) as counter:
             transaction.commit_step(opt)
         assert counter.count == 0
         assert all(opt.state[p]["step"] == s + 1 for p in params)
     transaction.prepare_step(opt)
     transaction.rollback_step(opt, [])
-    assert opt._prepared is None
+    assert opt.eightbit_groups()._prepared is None
 
 
 def test_stale_tables_are_not_used() -> None:
@@ -441,8 +441,8 @@ def test_stale_tables_are_not_used() -> None:
     # a param that gets a grad after prepare is stepped too
     p2, q2 = torch.nn.Parameter(torch.randn(5_000)), torch.nn.Parameter(torch.empty(5_000))
     q2.data.copy_(p2.detach())
-    opt.add_param_group({"params": [p2]})
-    ref.add_param_group({"params": [q2]})
+    opt.add_param_group({"params": [p2], "rung": "8bit"})
+    ref.add_param_group({"params": [q2], "rung": "8bit"})
     p.grad, q.grad = None, None
     transaction.prepare_step(opt)
     p.grad, p2.grad = torch.ones(10_000), torch.ones(5_000)
@@ -929,7 +929,7 @@ def test_a_numpy_eps_steps_float32_state_as_the_same_python_float() -> None:
             for p, g in zip(params, step_grads):
                 p.grad = g.clone()
             opt.step()
-        assert opt._kernel_plan is not None  # the later steps took the kept table
+        assert _eight(opt)._kernel_plan is not None  # the later steps took the kept table
         assert all(opt.state[p]["state1"].dtype == torch.float32 for p in params)
         finals.append([p.detach().clone() for p in params])
     for a, b in zip(*finals):
@@ -964,7 +964,7 @@ def test_state_moved_to_other_memory_between_steps_is_stepped_there(name: str, h
                     else:
                         state[name] = state[name].clone()
             opt.step()
-        assert opt._kernel_plan is not None and opt.eager_reasons == {}
+        assert _eight(opt)._kernel_plan is not None and opt.eager_reasons == {}
         results.append(
             [p.detach().clone() for p in params]
             + [opt.state[p][k].clone() for p in params for k in ("state1", "state2")]
@@ -1021,7 +1021,7 @@ def _skip_reference(coupled: bool) -> tuple[list[torch.Tensor], list[dict[str, A
             if k in having:
                 q.grad = _skip_grads(s)[k]
                 opt.step()
-                opt._kernel_plan = None  # a full table at every step
+                _eight(opt)._kernel_plan = None  # a full table at every step
         finals.append(q.detach())
         states.append(opt.state[q])
     return finals, states
@@ -1053,7 +1053,7 @@ def test_params_without_a_grad_at_some_steps_keep_the_table_and_step_as_if_alone
         for k, p in enumerate(params):
             p.grad = grads[k] if k in having else None
         opt.step()
-        plans.append(opt._kernel_plan)
+        plans.append(_eight(opt)._kernel_plan)
     assert opt.eager_reasons == {}
     assert plans[1] is not None and all(plan is plans[1] for plan in plans[1:])
     counts = [sum(k in having for having in _SKIP_SCHEDULE) for k in range(len(_SKIP_SIZES))]
@@ -1106,23 +1106,12 @@ def test_params_without_a_grad_through_grad_scale_and_found_inf() -> None:
                 assert torch.equal(state[p][name].view(torch.uint8), want[name].view(torch.uint8))
 
 
-def _kept_or_full(kind: str, params: list[torch.nn.Parameter]) -> Any:
-    """An 8bit optimizer over ``params``: optladder's (``"ladder"``: an 8bit group of
-    LadderAdamW) or the bitsandbytes subclass (``"engine"``)."""
-    from optladder.optimizers.adamw import LadderAdamW
-
-    if kind == "ladder":
-        return LadderAdamW([{"params": params, "rung": "8bit", "lr": 1e-2}])
-    return _engine([{"params": params}], lr=1e-2, weight_decay=1e-2)
-
-
 def _eight(opt: Any) -> Any:
-    """What holds the kept kernel table: the engine, or LadderAdamW's 8bit groups."""
-    return opt.eightbit_groups() if hasattr(opt, "eightbit_groups") else opt
+    """What holds the kept kernel table: LadderAdamW's 8bit groups."""
+    return opt.eightbit_groups()
 
 
-@pytest.mark.parametrize("kind", ["ladder", "engine"])
-def test_a_state_cleared_between_steps_on_the_kept_table_starts_afresh(kind: str) -> None:
+def test_a_state_cleared_between_steps_on_the_kept_table_starts_afresh() -> None:
     """While nothing changes, a step on the kept kernel table skips the per-param pass
     (state creation, the refusal of foreign state). A param's state dict emptied in
     place between steps (the dicts stay the same objects) is still seen: the param
@@ -1132,7 +1121,7 @@ def test_a_state_cleared_between_steps_on_the_kept_table_starts_afresh(kind: str
     start = [torch.randn(n, generator=gen) for n in SIZES]
     params = [torch.nn.Parameter(t.clone()) for t in start]
     twins = [torch.nn.Parameter(t.clone()) for t in start]
-    opt, full = _kept_or_full(kind, params), _kept_or_full(kind, twins)
+    opt, full = (_engine([{"params": ps, "lr": 1e-2}]) for ps in (params, twins))
     for step in range(5):
         for p, q, g in zip(params, twins, _grads(params, step), strict=True):
             p.grad, q.grad = g.clone(), g.clone()

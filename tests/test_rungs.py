@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from optladder.optimizers import build_engine
+from engines import build_engine
 from optladder.optimizers.adamw import LadderAdamW
 
 K, LR, BETAS, EPS, WD = 5, 1e-2, (0.9, 0.999), 1e-8, 0.01

@@ -325,15 +325,13 @@ def test_a_group_option_no_rung_keeps_says_what_is_allowed(
 
 
 def _bnb_reference(base: torch.Tensor, steps: int, wd: float, coupled: bool) -> torch.Tensor:
-    """The same updates by the 8bit rung's engine (bitsandbytes' AdamW8bit subclass: on
-    the CPU optladder's 8-bit kernel, see tests/test_kernels_8bit_cpu.py for it against
-    plain bitsandbytes) on a contiguous copy of the param."""
-    from optladder.optimizers.eightbit import ladder_adamw8bit_class
+    """The same updates by the 8bit rung (LadderAdamW's 8bit state format: on the CPU
+    optladder's 8-bit kernel, see tests/test_kernels_8bit_cpu.py for it against plain
+    bitsandbytes) on a contiguous copy of the param."""
+    from engines import eightbit
 
     q = torch.nn.Parameter(base.t().contiguous().clone())
-    ref = ladder_adamw8bit_class()(
-        [q], lr=0.01, weight_decay=wd, min_8bit_size=4096, coupled_weight_decay=coupled
-    )
+    ref = eightbit([q], lr=0.01, weight_decay=wd, decoupled_weight_decay=not coupled)
     for s in range(steps):
         _grads([q], s)
         ref.step()

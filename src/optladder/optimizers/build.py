@@ -1,5 +1,5 @@
 """The rung a new optimizer's groups start on: their checks and state format
-(:func:`rung_options`), and :func:`build_engine`, a :class:`LadderAdamW` over them."""
+(:func:`rung_options`)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,9 @@ import torch
 from optladder.columns import ParamColumns, plain_types
 from optladder.dtype_names import dtype_name
 from optladder.optimizers import spec
-from optladder.optimizers.adamw import LadderAdamW, refuse_ladder_dtypes
-from optladder.optimizers.checked import first_params_only
+from optladder.optimizers.adamw import refuse_ladder_dtypes
 from optladder.optimizers.eightbit import prepare_8bit_format
 from optladder.optimizers.fp32 import fp32_options
-from optladder.optimizers.rounding import Rounding
 from optladder.rungs import LADDER_DTYPES, RUNG_ACCEPTS, RUNG_KEY, Capabilities, Rung
 from optladder.sharding import is_dtensor
 
@@ -52,7 +50,7 @@ DTENSOR_UNSUPPORTED: dict[Rung, str] = {
 """Rungs whose engine cannot step DTensor params, and why (from
 :data:`optladder.rungs.RUNG_ACCEPTS`). torch's AdamW (the fp32 rung
 of float32 params) steps DTensors; the 8bit rung steps their local shards
-(:func:`optladder.optimizers.eightbit.ladder_adamw8bit_class`). The fp32 rung of
+(:class:`optladder.optimizers.eightbit.EightBitGroups`). The fp32 rung of
 bfloat16/float16 params runs LadderAdamW too and refuses DTensors at build time."""
 
 
@@ -130,18 +128,33 @@ def rung_options(
     keyword arguments beyond the hyperparameters that an optimizer over them on ``rung``
     takes (``moment_dtype``, ``torch_fused``).
 
-    The groups are not built over: :func:`build_engine` builds a :class:`LadderAdamW`
-    with these options, :class:`optladder.AdamW` runs its own ``LadderAdamW.__init__``
-    with them.
+    The groups are not built over: :class:`optladder.AdamW` runs its own
+    ``LadderAdamW.__init__`` with these options.
 
     Args:
         rung: ``"fp32"``, ``"bf16"`` or ``"8bit"``.
         param_groups: the param groups, changed in place.
-        fused, columns, checked: as for :func:`build_engine`.
+        fused: whether the rung runs fused here (``Decision.fused``); for the fp32 rung it
+            selects torch's fused AdamW over foreach (or optladder's AdamW with float32
+            moments for bf16/fp16 params, see :func:`optladder.optimizers.spec.fp32_engine`).
+        columns: the :class:`optladder.columns.ParamColumns` of ``param_groups`` when
+            construction has read them already (their dtypes are not read again).
+        checked: True when the params passed construction's checks
+            (:func:`optladder.selector.checks.check_groups`) and the optimizer built over
+            the groups runs torch's per-param checks over each group's first param only
+            (:mod:`optladder.optimizers.checked`): the rung's dtype checks then run here,
+            over every param (in bulk from ``columns`` where they can).
+
+    Returns:
+        ``{"moment_dtype": torch.bfloat16}`` (bf16), the fp32 format's options
+        (:func:`optladder.optimizers.fp32.fp32_options`), or ``{}`` (8bit: bitsandbytes'
+        ``AdamW8bit`` state).
 
     Raises:
-        ValueError: for an unknown rung, or params the rung refuses (as
-            :func:`build_engine`); the groups are unchanged for an unknown rung.
+        ValueError: for an unknown rung, or params the rung refuses (complex params on
+            bf16 and 8bit; DTensor params on bf16, and on fp32 when they are
+            bfloat16/float16, see :data:`DTENSOR_UNSUPPORTED`); the groups are unchanged
+            for an unknown rung.
         ImportError: for the 8bit rung without bitsandbytes.
     """
     if rung not in ("fp32", "bf16", "8bit"):
@@ -179,74 +192,3 @@ def rung_options(
         return {"moment_dtype": torch.bfloat16}
     prepare_8bit_format(param_groups, columns)
     return {}
-
-
-def build_engine(
-    rung: Rung,
-    param_groups: list[dict[str, Any]],
-    *,
-    fused: bool,
-    lr: float | torch.Tensor = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    seed: int = 0,
-    rounding: Rounding = "stochastic",
-    param_rounding: Rounding = "stochastic",
-    decoupled_weight_decay: bool = True,
-    columns: ParamColumns | None = None,
-    checked: bool = False,
-) -> LadderAdamW:
-    """Build the optimizer that runs ``rung`` over ``param_groups``: a
-    :class:`LadderAdamW` with every group in ``rung``'s state format
-    (:func:`rung_options`).
-
-    Args:
-        rung: ``"fp32"``, ``"bf16"`` or ``"8bit"``.
-        param_groups: param groups; the dicts are used as given (their hyperparameters
-            override the defaults per group) after :data:`ENGINE_KEYS` are cleared.
-        fused: whether the rung runs fused here (``Decision.fused``); for the fp32 rung it
-            selects torch's fused AdamW over foreach (or optladder's AdamW with float32
-            moments for bf16/fp16 params, see :func:`optladder.optimizers.spec.fp32_engine`).
-        lr, betas, eps, weight_decay: AdamW hyperparameters (torch's meaning).
-        seed: the bf16 rung's stochastic-rounding seed, ``0 <= seed < 2**64``.
-        rounding: the bf16 rung's rounding, ``"stochastic"`` or ``"nearest"``.
-        param_rounding: how optladder's AdamW writes bfloat16/float16 params,
-            ``"stochastic"`` or ``"nearest"`` (bf16 rung, and fp32 rung for such params).
-        decoupled_weight_decay: True for AdamW (``param *= 1 - lr * wd``), False for Adam
-            (``grad += wd * param``), kept on every rung (on 8bit, bitsandbytes' kernel
-            runs with weight decay 0 after the decay is added to the grad: bitsandbytes
-            itself only decays the AdamW way).
-        columns: the :class:`optladder.columns.ParamColumns` of ``param_groups`` when
-            construction has read them already (their dtypes are not read again).
-        checked: True when the params passed construction's checks
-            (:func:`optladder.selector.checks.check_groups`: tensors, leaves, each listed
-            once, no shared memory): torch's ``add_param_group`` then checks each group's
-            first param only (:mod:`optladder.optimizers.checked`); the rung's own checks
-            (dtypes, bitsandbytes' overrides) read every param either way.
-
-    Returns:
-        A :class:`LadderAdamW` whose groups are in ``rung``'s state format: float32
-        moments, on torch's kernels for float32/float64/complex params (fp32); bfloat16
-        moments (bf16); bitsandbytes' ``AdamW8bit`` state (8bit).
-
-    Raises:
-        ValueError: for an unknown rung, bad hyperparameters, or params the rung refuses
-            (complex params on bf16 and 8bit; DTensor params on bf16, and on fp32 when
-            they are bfloat16/float16, see :data:`DTENSOR_UNSUPPORTED`).
-        ImportError: for the 8bit rung without bitsandbytes.
-    """
-    options = rung_options(rung, param_groups, fused=fused, columns=columns, checked=checked)
-    with first_params_only(param_groups, checked):
-        return LadderAdamW(
-            param_groups,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            decoupled_weight_decay=decoupled_weight_decay,
-            seed=seed,
-            rounding=rounding,
-            param_rounding=param_rounding,
-            **options,
-        )

@@ -3,8 +3,9 @@
 Dettmers et al., "8-bit Optimizers via Block-wise Quantization" (ICLR 2022). bitsandbytes
 is imported only when this rung is built.
 
-The rung runs a subclass of ``AdamW8bit`` (:func:`ladder_adamw8bit_class`), so its state
-and checkpoints are bitsandbytes' own. It steps every CPU param it can with one call of
+The rung is a state format of :class:`~optladder.optimizers.adamw.LadderAdamW`: its groups
+(:class:`EightBitGroups`) keep bitsandbytes' own state, so their checkpoints continue in
+``AdamW8bit``. It steps every CPU param it can with one call of
 optladder's 8-bit CPU kernel (:mod:`optladder.optimizers.kernels.cpu8bit`: same state
 format, no float32 copies), CUDA params with bitsandbytes' kernel, and the rest (no C
 compiler, ``max_unorm``, a non-contiguous param) with bitsandbytes' per-tensor update,
@@ -39,8 +40,6 @@ from optladder.bnb_overrides import no_overrides, quantized_8bit
 from optladder.columns import ParamColumns
 from optladder.dtype_names import dtype_name
 from optladder.oom import is_oom
-from optladder.optimizers.adamw import LadderAdamW
-from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.migrate import check_step_range
 from optladder.optimizers.stepmemo import grad_of, kind_columns, same_objects
 from optladder.optimizers.steps import MAX_STEP
@@ -87,100 +86,6 @@ def _code_book_values() -> tuple[tuple[float, ...], tuple[float, ...]]:
 
 
 @functools.cache
-def ladder_adamw8bit_class() -> type[torch.optim.Optimizer]:
-    """bitsandbytes' ``AdamW8bit``, taught to keep the state format of
-    :func:`optladder.bnb_overrides.quantized_8bit`, to step DTensor params on their
-    local shards and, with ``coupled_weight_decay=True``, to decay the Adam way.
-
-    State format: for each param, ``get_config`` (bitsandbytes' per-param configuration
-    hook, read by ``init_state``) reports ``optim_bits`` 8 with ``min_8bit_size`` 0 when
-    the shared rule quantizes the param, else ``optim_bits`` 32. The rule reads
-    bitsandbytes' own overrides by param identity, module overrides included, so a
-    ``StableEmbedding`` keeps float32 moments from the first state allocated (plain
-    bitsandbytes reads module overrides in ``step``, which optladder's prepare phase
-    comes before), and a migration or checkpoint load creates the same format.
-
-    CPU kernel: :meth:`step` steps every CPU param whose state is ``AdamW8bit``'s (8-bit
-    codes, or float32 under ``min_8bit_size``) with one call of
-    :mod:`optladder.optimizers.kernels.cpu8bit`, which writes the same state format
-    (nearest code, bitsandbytes' reference rule) without float32 copies of any tensor,
-    then bumps their ``step``. ``prepare_kernel_step`` writes its tables ahead (the
-    prepare phase of :mod:`optladder.optimizers.transaction`); the commit allocates
-    nothing, except for a DTensor param whose grad is laid out unlike it (``Partial``):
-    that grad is redistributed (a collective, run only once every rank commits) and the
-    param stepped with its own small table. DTensor params step on their local shard.
-    ``cpu_kernel=False``, a missing C compiler, a non-contiguous param or
-    ``max_unorm``/``skip_zeros`` send a param to bitsandbytes' per-tensor update
-    instead, with the reason in ``eager_reasons`` (param index over all groups).
-    In Adam mode the kernel adds ``weight_decay * param`` to the grad in float32 without
-    writing the grad tensor.
-
-    Adam mode: bitsandbytes decays decoupled (``param *= 1 - lr * wd``, its CPU fallback
-    and CUDA kernel alike), so the decay is folded into the grad instead
-    (``grad += wd * param``, in place, before the update: the grad then holds the
-    decayed grad, as ``torch.optim.Adam`` computes it) and bitsandbytes runs with
-    weight decay 0.
-
-    bitsandbytes' kernels take plain tensors (a DTensor reaching them raises "got mixed
-    torch.Tensor and DTensor"). For each DTensor param this class hands bitsandbytes'
-    own ``init_state`` and ``update_step`` the rank's local shard (``p.to_local()``, a
-    view of the DTensor's memory, so the update lands in the param) and its grad's
-    local shard. The state is keyed by the DTensor param, as torch's optimizers key it,
-    and holds plain tensors of the shard: uint8 codes of the shard's shape and one
-    float32 absmax per started 256-element block of the shard (blocks never straddle a
-    shard boundary, so they depend on where the boundaries are; ``state_dict()`` saves
-    them per row of the param, see :mod:`optladder.optimizers.checkpoint`).
-
-    The size rule follows the *global* element count (``p.numel()`` of the DTensor,
-    equal on every rank): a param of at least ``min_8bit_size`` elements is quantized on
-    every rank even where its shard is smaller, and a smaller one keeps float32 moments
-    everywhere. Plain params take bitsandbytes' update unchanged.
-
-    A non-contiguous plain param is stepped through a contiguous copy (allocated by
-    :meth:`prepare_contiguous` in the prepare phase of a two-phase step, dropped after
-    the step), and the result is copied back into the param's own memory; its state is
-    kept contiguous, in the param's logical order. bitsandbytes alone would run
-    ``p.data = p.data.contiguous()`` and move the param to new storage.
-
-    Created on first use, so bitsandbytes is imported only when the 8-bit rung is built.
-
-    Raises:
-        ImportError: if bitsandbytes does not import.
-    """
-    bnb = import_bitsandbytes()
-
-    class LadderAdamW8bit(EightBitMethods, bnb.optim.AdamW8bit):  # type: ignore[name-defined]
-        """``AdamW8bit`` stepping DTensor params on their local shards, and decaying
-        the Adam way when ``coupled_weight_decay``; see
-        :func:`optladder.optimizers.eightbit.ladder_adamw8bit_class`."""
-
-        def __init__(
-            self,
-            *args: Any,
-            coupled_weight_decay: bool = False,
-            cpu_kernel: bool = True,
-            **kwargs: Any,
-        ) -> None:
-            self.coupled_weight_decay = coupled_weight_decay
-            self.cpu_kernel = cpu_kernel
-            self._init_kernel_state()
-            self._books_on_first_use = True  # fill_qmap below: none made in construction
-            try:
-                super().__init__(*args, **kwargs)
-            finally:
-                self._books_on_first_use = False
-
-        @torch.no_grad()
-        def step(self, closure: Any = None) -> Any:
-            try:
-                return self._step(closure)
-            finally:
-                self.release_scratch()
-
-    return LadderAdamW8bit
-
-
-@functools.cache
 def _bnb_optimizer() -> ModuleType:
     """bitsandbytes' ``optim.optimizer`` module (``Optimizer8bit``, ``Optimizer2State``)."""
     import_bitsandbytes()
@@ -194,24 +99,83 @@ def _sync_gpu() -> Any:
     return importlib.import_module("bitsandbytes.utils").sync_gpu
 
 
-class EightBitMethods:
-    """The 8-bit state format's methods (see :func:`ladder_adamw8bit_class`), shared by
-    bitsandbytes' ``AdamW8bit`` subclass and :class:`EightBitGroups` (the 8bit groups of a
-    :class:`~optladder.optimizers.adamw.LadderAdamW`). bitsandbytes' own methods
-    (``Optimizer8bit.get_config``, ``Optimizer2State.init_state``/``update_step``, ...)
-    are called with the object itself, which holds the attributes they read
-    (``param_groups``, ``state``, ``args``, ``mng``, ``name2qmap``, ``is_paged``,
-    ``optimizer_name``)."""
+class EightBitGroups:
+    """The 8bit groups of a :class:`~optladder.optimizers.adamw.LadderAdamW` (those whose
+    ``"rung"`` is ``"8bit"``): their state is bitsandbytes' ``AdamW8bit`` state
+    (``step`` a Python int, ``state1``/``state2`` uint8 codes of the param's shape with
+    ``qmap1``/``qmap2`` the signed/unsigned dynamic code books and ``absmax1``/``absmax2``
+    one float32 per started 256-element block; float32 ``state1``/``state2`` for params
+    :func:`optladder.bnb_overrides.quantized_8bit` keeps in 32 bits), made by
+    bitsandbytes' ``init_state`` and stepped by the 8-bit CPU kernel's table over these
+    groups, bitsandbytes' ``update_step`` for the rest (CUDA params included).
+    bitsandbytes' own methods (``Optimizer8bit.get_config``,
+    ``Optimizer2State.init_state``/``update_step``, ...) are called with this object,
+    which holds the attributes they read (``param_groups``, ``state``, ``args``,
+    ``mng``, ``name2qmap``, ``is_paged``, ``optimizer_name``).
 
-    param_groups: list[dict[str, Any]]
-    state: Any
+    State format: for each param, :meth:`get_config` (bitsandbytes' per-param
+    configuration hook, read by ``init_state``) reports ``optim_bits`` 8 with
+    ``min_8bit_size`` 0 when the shared rule quantizes the param, else ``optim_bits`` 32.
+    The rule reads bitsandbytes' own overrides by param identity, module overrides
+    included, so a ``StableEmbedding`` keeps float32 moments from the first state
+    allocated (plain bitsandbytes reads module overrides in ``step``, which optladder's
+    prepare phase comes before), and a migration or checkpoint load creates the same
+    format.
+
+    CPU kernel: every CPU param whose state is ``AdamW8bit``'s (8-bit codes, or float32
+    under ``min_8bit_size``) steps in one call of :mod:`optladder.optimizers.kernels.cpu8bit`,
+    which writes the same state format (nearest code, bitsandbytes' reference rule)
+    without float32 copies of any tensor, then bumps their ``step``.
+    :meth:`prepare_kernel_step` writes its tables ahead (the prepare phase); the commit
+    allocates nothing, except for a DTensor param whose grad is laid out unlike it
+    (``Partial``): that grad is redistributed (a collective, run only once every rank
+    commits) and the param stepped with its own small table. A missing C compiler, a
+    non-contiguous param or ``max_unorm``/``skip_zeros`` send a param to bitsandbytes'
+    per-tensor update instead, with the reason in ``eager_reasons`` (param index over
+    these groups). In Adam mode the kernel adds ``weight_decay * param`` to the grad in
+    float32 without writing the grad tensor; bitsandbytes' update (which decays
+    decoupled, ``param *= 1 - lr * wd``) gets the decay folded into the grad instead
+    (``grad += wd * param``, in place, before the update: the grad then holds the decayed
+    grad, as ``torch.optim.Adam`` computes it) and runs with weight decay 0.
+
+    Sharded params: bitsandbytes' kernels take plain tensors (a DTensor reaching them
+    raises "got mixed torch.Tensor and DTensor"). For each DTensor param, bitsandbytes'
+    own ``init_state`` and ``update_step`` get the rank's local shard (``p.to_local()``,
+    a view of the DTensor's memory, so the update lands in the param) and its grad's
+    local shard. The state is keyed by the DTensor param, as torch's optimizers key it,
+    and holds plain tensors of the shard: uint8 codes of the shard's shape and one
+    float32 absmax per started 256-element block of the shard (blocks never straddle a
+    shard boundary, so they depend on where the boundaries are; ``state_dict()`` saves
+    them per row of the param, see :mod:`optladder.optimizers.checkpoint`). The size rule
+    follows the *global* element count (``p.numel()`` of the DTensor, equal on every
+    rank): a param of at least ``min_8bit_size`` elements is quantized on every rank
+    even where its shard is smaller, and a smaller one keeps float32 moments everywhere.
+
+    A non-contiguous plain param is stepped through a contiguous copy (allocated by
+    :meth:`prepare_contiguous` in the prepare phase, dropped after the step), and the
+    result is copied back into the param's own memory; its state is kept contiguous, in
+    the param's logical order. bitsandbytes alone would run
+    ``p.data = p.data.contiguous()`` and move the param to new storage.
+
+    Not an optimizer: it reads the owner's groups and ``state`` when asked
+    (:attr:`param_groups` lists the 8bit groups in their order among the owner's; the
+    group and param indices of its tables, messages of its own and bitsandbytes'
+    per-index overrides count over these groups, as an engine holding only them would).
+
+    Args:
+        owner: the optimizer whose 8bit groups these are; its ``defaults``'
+            ``decoupled_weight_decay`` False decays the Adam way.
+
+    Raises:
+        ImportError: if bitsandbytes does not import.
+    """
+
     name2qmap: dict[str, torch.Tensor]
     is_paged: bool
     args: Any
     mng: Any
     initialized: bool
     coupled_weight_decay: bool
-    cpu_kernel: bool
     eager_reasons: dict[int, str]
     _kernel_error: str | None
     _prepared: _PreparedStep | None
@@ -219,7 +183,92 @@ class EightBitMethods:
     _bounds: dict[int, tuple[torch.Tensor, int, Any]]
     _books: list[tuple[torch.Tensor, Any]]
     _contiguous: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]
-    _books_on_first_use: bool
+
+    optimizer_name = "adam"  # bitsandbytes' update op's name for Adam and AdamW
+
+    def __init__(self, owner: torch.optim.Optimizer) -> None:
+        optimizer = _bnb_optimizer()
+        self.owner = owner
+        self.args = optimizer.MockArgs(
+            {
+                "optim_bits": 8,
+                "min_8bit_size": BNB_MIN_8BIT_SIZE,
+                "max_unorm": 0.0,
+                "skip_zeros": False,
+            }
+        )  # what AdamW8bit(min_8bit_size=BNB_MIN_8BIT_SIZE) holds
+        self.mng = optimizer.GlobalOptimManager.get_instance()
+        self.name2qmap = {}
+        self.is_paged = False
+        self.initialized = False
+        self.coupled_weight_decay = not bool(owner.defaults.get("decoupled_weight_decay", True))
+        self._init_kernel_state()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The owner's 8bit groups, in order (a new list)."""
+        return [g for g in self.owner.param_groups if g.get(RUNG_KEY) == "8bit"]
+
+    @property
+    def state(self) -> Any:
+        """The owner's ``state``."""
+        return self.owner.state
+
+    def prepare(self) -> list[torch.Tensor]:
+        """The prepare phase of these groups' step: create the state of params with a
+        grad and none (bitsandbytes' ``init_state``), allocate the contiguous copies and
+        write the CPU kernel's tables (:meth:`prepare_kernel_step`).
+
+        Returns:
+            The params whose state this call created.
+
+        Raises:
+            ValueError: a stepping param whose state is not ``AdamW8bit``'s (it lacks
+                ``step``, ``state1`` or ``state2``: torch's AdamW state loaded into the
+                group, say), naming the param; from :meth:`prepare_kernel_step`; an OOM
+                while allocating. The state created is dropped first, and the copies
+                and tables.
+        """
+        created: list[torch.Tensor] = []
+        state = self.owner.state
+        try:
+            kept = self._kept_step()
+            if kept is not None:  # nothing to create, copy or refuse: see _kept_step
+                self._prepared = kept
+                return created
+            for gi, group in enumerate(self.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    if p.grad is None:
+                        continue
+                    st = state.get(p)
+                    if st:
+                        if not _EIGHTBIT_KEYS.issubset(st):
+                            raise ValueError(self._foreign_state(group, pi, st))
+                        continue
+                    created.append(p)
+                    self.init_state(group, p, gi, pi)
+            self.prepare_contiguous()
+            self.prepare_kernel_step()
+        except BaseException:
+            for p in created:
+                state.pop(p, None)
+            self.release_scratch()
+            self.drop_kernel_step()
+            raise
+        return created
+
+    def _foreign_state(self, group: dict[str, Any], pi: int, st: Mapping[str, Any]) -> str:
+        """The message refusing param ``pi`` of ``group`` whose state is not
+        ``AdamW8bit``'s (a torch AdamW checkpoint loaded into the group, or state set by
+        hand): bitsandbytes' ``update_step`` would count its step, then fail."""
+        gi = next(k for k, g in enumerate(self.owner.param_groups) if g is group)
+        return (
+            f"param {pi} of param group {gi} (8bit) holds state {sorted(st)}; the 8bit "
+            f"format keeps bitsandbytes' AdamW8bit state ({', '.join(sorted(_EIGHTBIT_KEYS))}"
+            ", and qmap1/qmap2, absmax1/absmax2 for uint8 codes). Drop its state (del "
+            "opt.state[param]) to start it afresh, or load the checkpoint through "
+            "optladder's AdamW, which converts it to the group's rung"
+        )
 
     def _init_kernel_state(self) -> None:
         """Set the attributes the methods below keep between calls, before any runs."""
@@ -236,7 +285,7 @@ class EightBitMethods:
     def fill_qmap(self) -> None:
         # bitsandbytes' two code books, made from their values computed once per
         # process (its own fill_qmap computes them anew, ~0.3 ms a construction) the
-        # way it makes them (torch.tensor of the values); each engine owns its pair.
+        # way it makes them (torch.tensor of the values); each optimizer owns its pair.
         # Made when first needed, not in construction (Optimizer8bit.__init__ calls
         # this): every reader fills them when "dynamic" is missing (bitsandbytes'
         # init_state, migrate.bnb_qmaps), as a state is first made. Two tensor
@@ -245,8 +294,6 @@ class EightBitMethods:
         # Both are made before either is kept: the first state may be made in a
         # step's prepare phase, where an allocation can fail (out of memory) between
         # the two, and readers take "dynamic" present to mean both are.
-        if self._books_on_first_use:
-            return
         signed, unsigned = _code_book_values()
         books = (
             torch.tensor(signed, dtype=torch.float32),
@@ -347,7 +394,7 @@ class EightBitMethods:
     def _step(self, closure: Any, just_prepared: bool = False) -> Any:
         """One step, as bitsandbytes' ``Optimizer8bit.step``, with every CPU param the
         8-bit CPU kernel can take stepped by one kernel call (see
-        :func:`ladder_adamw8bit_class`); the rest through bitsandbytes' ``update_step``.
+        :class:`EightBitGroups`); the rest through bitsandbytes' ``update_step``.
         """
         loss = None
         if closure is not None:
@@ -497,127 +544,13 @@ class EightBitMethods:
         p.copy_(work)
 
 
-class EightBitGroups(EightBitMethods):
-    """The 8bit groups of a :class:`~optladder.optimizers.adamw.LadderAdamW` (those whose
-    ``"rung"`` is ``"8bit"``): their state is bitsandbytes' ``AdamW8bit`` state
-    (``step`` a Python int, ``state1``/``state2`` uint8 codes of the param's shape with
-    ``qmap1``/``qmap2`` the signed/unsigned dynamic code books and ``absmax1``/``absmax2``
-    one float32 per started 256-element block; float32 ``state1``/``state2`` for params
-    :func:`optladder.bnb_overrides.quantized_8bit` keeps in 32 bits), made and stepped
-    exactly as :func:`ladder_adamw8bit_class`'s engine does (the methods of
-    :class:`EightBitMethods`: the 8-bit CPU kernel's table over these groups, bitsandbytes'
-    ``init_state`` and ``update_step`` for the rest, CUDA params included).
-
-    Not an optimizer: it reads the owner's groups and ``state`` when asked
-    (:attr:`param_groups` lists the 8bit groups in their order among the owner's; the
-    group and param indices of its tables, messages of its own and bitsandbytes'
-    per-index overrides count over these groups, as an engine holding only them would).
-
-    Args:
-        owner: the optimizer whose 8bit groups these are; its ``defaults``'
-            ``decoupled_weight_decay`` False decays the Adam way (see
-            :func:`ladder_adamw8bit_class`).
-
-    Raises:
-        ImportError: if bitsandbytes does not import.
-    """
-
-    optimizer_name = "adam"  # bitsandbytes' update op's name for Adam and AdamW
-
-    def __init__(self, owner: torch.optim.Optimizer) -> None:
-        optimizer = _bnb_optimizer()
-        self.owner = owner
-        self.args = optimizer.MockArgs(
-            {
-                "optim_bits": 8,
-                "min_8bit_size": BNB_MIN_8BIT_SIZE,
-                "max_unorm": 0.0,
-                "skip_zeros": False,
-            }
-        )  # what AdamW8bit(min_8bit_size=BNB_MIN_8BIT_SIZE) holds
-        self.mng = optimizer.GlobalOptimManager.get_instance()
-        self.name2qmap = {}
-        self.is_paged = False
-        self.initialized = False
-        self.coupled_weight_decay = not bool(owner.defaults.get("decoupled_weight_decay", True))
-        self.cpu_kernel = True
-        self._init_kernel_state()
-        self._books_on_first_use = False
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """The owner's 8bit groups, in order (a new list)."""
-        return [g for g in self.owner.param_groups if g.get(RUNG_KEY) == "8bit"]
-
-    @property
-    def state(self) -> Any:
-        """The owner's ``state``."""
-        return self.owner.state
-
-    def prepare(self) -> list[torch.Tensor]:
-        """The prepare phase of these groups' step: create the state of params with a
-        grad and none (bitsandbytes' ``init_state``), allocate the contiguous copies and
-        write the CPU kernel's tables (:meth:`prepare_kernel_step`).
-
-        Returns:
-            The params whose state this call created.
-
-        Raises:
-            ValueError: a stepping param whose state is not ``AdamW8bit``'s (it lacks
-                ``step``, ``state1`` or ``state2``: torch's AdamW state loaded into the
-                group, say), naming the param; from :meth:`prepare_kernel_step`; an OOM
-                while allocating. The state created is dropped first, and the copies
-                and tables.
-        """
-        created: list[torch.Tensor] = []
-        state = self.owner.state
-        try:
-            kept = self._kept_step()
-            if kept is not None:  # nothing to create, copy or refuse: see _kept_step
-                self._prepared = kept
-                return created
-            for gi, group in enumerate(self.param_groups):
-                for pi, p in enumerate(group["params"]):
-                    if p.grad is None:
-                        continue
-                    st = state.get(p)
-                    if st:
-                        if not _EIGHTBIT_KEYS.issubset(st):
-                            raise ValueError(self._foreign_state(group, pi, st))
-                        continue
-                    created.append(p)
-                    self.init_state(group, p, gi, pi)
-            self.prepare_contiguous()
-            self.prepare_kernel_step()
-        except BaseException:
-            for p in created:
-                state.pop(p, None)
-            self.release_scratch()
-            self.drop_kernel_step()
-            raise
-        return created
-
-    def _foreign_state(self, group: dict[str, Any], pi: int, st: Mapping[str, Any]) -> str:
-        """The message refusing param ``pi`` of ``group`` whose state is not
-        ``AdamW8bit``'s (a torch AdamW checkpoint loaded into the group, or state set by
-        hand): bitsandbytes' ``update_step`` would count its step, then fail."""
-        gi = next(k for k, g in enumerate(self.owner.param_groups) if g is group)
-        return (
-            f"param {pi} of param group {gi} (8bit) holds state {sorted(st)}; the 8bit "
-            f"format keeps bitsandbytes' AdamW8bit state ({', '.join(sorted(_EIGHTBIT_KEYS))}"
-            ", and qmap1/qmap2, absmax1/absmax2 for uint8 codes). Drop its state (del "
-            "opt.state[param]) to start it afresh, or load the checkpoint through "
-            "optladder's AdamW, which converts it to the group's rung"
-        )
-
-
 _EIGHTBIT_KEYS = frozenset({"step", "state1", "state2"})
 """The keys every param's ``AdamW8bit`` state holds (bitsandbytes' ``init_state``)."""
 
 
 @dataclasses.dataclass
 class _PreparedStep:
-    """What :func:`_prepare_step` decided for one step of a ``LadderAdamW8bit``.
+    """What :func:`_prepare_step` decided for one step of a :class:`EightBitGroups`.
 
     Attributes:
         table: the CPU kernel's tables, or None when no param takes the kernel.
@@ -687,7 +620,7 @@ def _row_bytes(rows: ctypes.Array[Any]) -> torch.Tensor:
 
 
 class _KernelPlan:
-    """The 8-bit CPU kernel's table of a ``LadderAdamW8bit``, kept between steps while
+    """The 8-bit CPU kernel's table of a :class:`EightBitGroups`, kept between steps while
     the groups, params (and their memory), grads' kinds, state (the same tensors, in
     the same memory) and bitsandbytes' per-param overrides stay the same; a step then
     writes only the grad pointers and, per (group, state format, step count), the
@@ -1070,8 +1003,6 @@ def _kernel_miss(
     from :func:`_local_pair`), or None if it does."""
     from optladder.optimizers.kernels import cpu8bit
 
-    if not engine.cpu_kernel:
-        return "cpu_kernel=False: bitsandbytes' per-tensor CPU path was asked for"
     if engine._kernel_error is None:
         why = cpu8bit.unavailable_reason()
         if why is None:
@@ -1095,7 +1026,7 @@ def _kernel_miss(
 
 
 def _prepare_step(engine: Any) -> _PreparedStep:
-    """The prepared step of a ``LadderAdamW8bit``: on the engine's kept
+    """The prepared step of a :class:`EightBitGroups`: on the engine's kept
     :class:`_KernelPlan` when it still fits, else from a full table
     (:func:`_build_step`, keeping the last table's rows whose param has no grad now),
     kept for the next steps when it can be."""
@@ -1128,7 +1059,7 @@ class _Built(NamedTuple):
 
 
 def _build_step(engine: Any, carry: dict[tuple[int, int], torch.Tensor] | None = None) -> _Built:
-    """Route each param with a grad of a ``LadderAdamW8bit`` to the 8-bit CPU kernel or
+    """Route each param with a grad of a :class:`EightBitGroups` to the 8-bit CPU kernel or
     to bitsandbytes, and prepare the kernel's tables; record why each CPU param that
     is not on the kernel is not, in ``engine.eager_reasons`` (param index over all
     groups -> reason).
@@ -1299,14 +1230,6 @@ def _skip_rows(table: Any, skipped: list[bool], out: Any = None) -> Any:
     return dataclasses.replace(table, items=out, n_items=n)
 
 
-def steps_noncontiguous(engine: torch.optim.Optimizer) -> bool:
-    """Whether ``engine`` (an 8bit engine) steps non-contiguous params in place, through
-    a contiguous copy (:func:`ladder_adamw8bit_class`, and
-    :class:`~optladder.optimizers.adamw.LadderAdamW`'s 8bit groups); bitsandbytes' plain
-    ``AdamW8bit`` would move them to new storage."""
-    return isinstance(engine, LadderAdamW) or hasattr(engine, "prepare_contiguous")
-
-
 def check_8bit_param(p: torch.Tensor, where: str) -> None:
     """Raise unless the 8-bit rung can take ``p`` (:data:`optladder.rungs.RUNG_ACCEPTS`:
     real float32, bfloat16 or float16).
@@ -1368,7 +1291,7 @@ def prepare_8bit_format(
 ) -> None:
     """Check ``param_groups`` for the 8bit state format (:func:`check_8bit_groups`),
     import bitsandbytes, and mark each group ``"rung": "8bit"`` (the groups are built
-    over by :func:`build_8bit_format` or :class:`optladder.AdamW`).
+    over by :class:`optladder.AdamW`, a :class:`~optladder.optimizers.adamw.LadderAdamW`).
 
     Raises:
         ImportError: if bitsandbytes does not import (the message says how to install
@@ -1379,103 +1302,3 @@ def prepare_8bit_format(
     _require_bitsandbytes()
     for group in param_groups:
         group[RUNG_KEY] = "8bit"
-
-
-def build_8bit_format(
-    param_groups: list[dict[str, Any]],
-    *,
-    lr: float | torch.Tensor,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool = True,
-    seed: int = 0,
-    rounding: Any = "stochastic",
-    param_rounding: Any = "stochastic",
-    columns: ParamColumns | None = None,
-    checked: bool = False,
-) -> LadderAdamW:
-    """Build the 8bit rung's optimizer: :class:`~optladder.optimizers.adamw.LadderAdamW`
-    with every group in the 8bit state format (each group's ``"rung"`` set to ``"8bit"``):
-    bitsandbytes' ``AdamW8bit`` state, stepped as :func:`ladder_adamw8bit_class`'s engine
-    steps it (:class:`EightBitGroups`). Its ``defaults`` are LadderAdamW's, so a move to
-    another rung keeps them.
-
-    Args:
-        param_groups: the param groups (each dict's other keys override the defaults).
-        lr, betas, eps, weight_decay: AdamW hyperparameters.
-        decoupled_weight_decay: True for AdamW, False for Adam (the decay is added to
-            the grad, see :func:`ladder_adamw8bit_class`).
-        seed, rounding, param_rounding: kept in the defaults and each group, for a move
-            to the bf16 rung (see :class:`~optladder.optimizers.adamw.LadderAdamW`).
-        columns: the groups' :class:`optladder.columns.ParamColumns`, when read already.
-        checked: the params passed construction's checks: torch's per-param checks run
-            over each group's first param only (:mod:`optladder.optimizers.checked`).
-
-    Raises:
-        ImportError: if bitsandbytes does not import (the message says how to install it).
-        ValueError: as :func:`check_8bit_groups`.
-    """
-    prepare_8bit_format(param_groups, columns)
-    with first_params_only(param_groups, checked):
-        return LadderAdamW(
-            param_groups,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            decoupled_weight_decay=decoupled_weight_decay,
-            seed=seed,
-            rounding=rounding,
-            param_rounding=param_rounding,
-        )
-
-
-def build_8bit(
-    param_groups: list[dict[str, Any]],
-    *,
-    lr: float | torch.Tensor,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    decoupled_weight_decay: bool = True,
-    columns: ParamColumns | None = None,
-    checked: bool = False,
-) -> torch.optim.Optimizer:
-    """Build :func:`ladder_adamw8bit_class` (bitsandbytes' ``AdamW8bit``) over
-    ``param_groups``.
-
-    Tensors under bitsandbytes' ``min_8bit_size`` (4096 elements, the global count for
-    a DTensor) keep float32 moments, as do params bitsandbytes' overrides keep in 32 bits
-    (``StableEmbedding``, ``override_config(p, "optim_bits", 32)``); the others keep
-    uint8 codes with one float32 absmax per 256-element block. DTensor params (FSDP2)
-    are stepped on each rank's local shard. ``decoupled_weight_decay=False`` (Adam)
-    decays the Adam way. A non-contiguous param (a transposed view, a column slice) is
-    stepped through a contiguous copy written back in place: bitsandbytes' own
-    ``update_step`` runs ``p.data = p.data.contiguous()``, which gives the param new
-    storage and unties every tensor that views it.
-
-    ``columns``: the :class:`optladder.columns.ParamColumns` of ``param_groups`` when
-    construction has read them already (their dtypes are not read again). ``checked``:
-    the params passed construction's checks, so torch's per-param checks run over each
-    group's first param only (:mod:`optladder.optimizers.checked`); the 8-bit checks above
-    read every param.
-
-    Raises:
-        ImportError: if bitsandbytes does not import (the message says how to install it).
-        ValueError: for complex params, dtypes bitsandbytes does not take, or a
-            bitsandbytes override it would fail on (``optim_bits`` not 8 or 32).
-    """
-    check_8bit_groups(param_groups, columns)
-    _require_bitsandbytes()
-    engine: Any = ladder_adamw8bit_class()
-    with first_params_only(param_groups, checked):
-        return engine(
-            param_groups,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            min_8bit_size=BNB_MIN_8BIT_SIZE,
-            coupled_weight_decay=not decoupled_weight_decay,
-        )

@@ -37,7 +37,6 @@ import torch
 
 from optladder.columns import PLAIN_TYPES, dense, plain_types
 from optladder.optimizers.adamw import LadderAdamW, is_8bit_group
-from optladder.optimizers.migrate import is_bnb_engine
 from optladder.optimizers.stepmemo import same_objects
 from optladder.optimizers.steps import refuse_shared_steps
 from optladder.optimizers.torchroute import state_moment_dtype
@@ -87,11 +86,9 @@ bitsandbytes' 8-bit codes (or float32 moments below its size rule)."""
 
 
 def refuse_resized(
-    engine: torch.optim.Optimizer,
+    engine: LadderAdamW,
     grads: Sequence[Sequence[torch.Tensor | None]],
     group_names: Mapping[int, str] | None = None,
-    *,
-    local: bool = False,
 ) -> None:
     """Raise before anything is allocated or written when a param with a grad no longer
     has its grad's or its state tensors' element count: its ``.data`` was replaced by a
@@ -107,12 +104,12 @@ def refuse_resized(
     without a memo at every step.
 
     Args:
-        engine: an engine whose state prepare has made (the Adam layout's moments, or
-            bitsandbytes' ``state1``/``state2``).
+        engine: an optimizer whose state prepare has made (the Adam layout's moments, or
+            bitsandbytes' ``state1``/``state2`` in its 8bit groups, which hold the local
+            shard of a DTensor param: the param's local element count is compared with
+            them).
         grads: per group, every param's grad (None where it has none), in order.
         group_names: ``id(group) -> name`` for the message (default ``"group {i}"``).
-        local: state tensors hold the local shard of a DTensor param (bitsandbytes'
-            layout); the param's local element count is compared with them.
 
     It also refuses a param (with a grad or not) whose state is in another layout than
     the engine keeps (:func:`_refuse_foreign_layouts`).
@@ -133,7 +130,7 @@ def refuse_resized(
             continue
         states = [state.get(p) for p in params]
         numels = list(map(_NUMEL, params))
-        shards = local or (isinstance(engine, LadderAdamW) and is_8bit_group(group))
+        shards = is_8bit_group(group)
         mine = numels if not shards or plain_types(params) else list(map(local_numel, params))
         keys = [k for k in _STATE_KEYS if any(st and k in st for st in states)]
         tensors: list[tuple[str, list[Any], list[int]]] = [("grad", live, numels)]
@@ -166,9 +163,7 @@ def _layout_name(state: Mapping[str, Any]) -> str:
     return f"the keys {sorted(map(str, state))}"
 
 
-def _refuse_foreign_layouts(
-    engine: torch.optim.Optimizer, group_names: Mapping[int, str] | None
-) -> None:
+def _refuse_foreign_layouts(engine: LadderAdamW, group_names: Mapping[int, str] | None) -> None:
     """Raise when a param of ``engine``'s groups holds state in another layout than the
     engine keeps: bitsandbytes' ``state1``/``state2`` on the 8bit rung, Adam moments of
     :class:`~optladder.optimizers.adamw.LadderAdamW`'s ``moment_dtype`` (bf16 rung, and
@@ -176,18 +171,14 @@ def _refuse_foreign_layouts(
     groups' params only: a param taken out of its group by hand keeps its state as it
     was (torch keeps it too), and appended back after the move it was refused by a
     kernel's table (bf16) or failed the commit half-way (8bit)."""
-    engine_bnb = is_bnb_engine(engine)
-    ladder = engine if isinstance(engine, LadderAdamW) else None
     state = engine.state
     for gi, group in enumerate(engine.param_groups):
-        bnb = engine_bnb or (ladder is not None and is_8bit_group(group))  # its 8bit format
-        moment_dtype = None if ladder is None else ladder.group_moment_dtype(group)
+        bnb = is_8bit_group(group)  # its 8bit format
+        moment_dtype = engine.group_moment_dtype(group)
         if bnb:
             want = "bitsandbytes' 8-bit state (state1, state2)"
-        elif moment_dtype is not None:
-            want = f"{str(moment_dtype).removeprefix('torch.')} exp_avg and exp_avg_sq"
         else:
-            want = "exp_avg and exp_avg_sq in the param's dtype"
+            want = f"{str(moment_dtype).removeprefix('torch.')} exp_avg and exp_avg_sq"
         for p in group["params"]:
             st = state.get(p)
             if not st:
@@ -195,16 +186,13 @@ def _refuse_foreign_layouts(
             m = st.get("exp_avg")
             if bnb:
                 fits = "state1" in st
-            elif moment_dtype is not None:  # the fp32 format's torch params: their dtype
+            else:  # the fp32 format's torch params: their dtype
                 want_dtype = state_moment_dtype(p, moment_dtype)
                 fits = isinstance(m, torch.Tensor) and m.dtype == want_dtype
-            else:
-                fits = isinstance(m, torch.Tensor)
             if fits:
                 continue
             changed = (  # the fp32 format's moments, of the param's dtype before
-                ladder is not None
-                and not bnb
+                not bnb
                 and isinstance(m, torch.Tensor)
                 and torch.bfloat16 not in (m.dtype, want_dtype)
                 and "state1" not in st

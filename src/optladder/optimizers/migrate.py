@@ -21,7 +21,7 @@ repeated ``v = beta2 * v`` updates.
 
 A DTensor param (FSDP2) is converted on this rank's local shard: torch's AdamW keeps
 DTensor moments laid out like the param, bitsandbytes' layout keeps plain tensors of the
-shard (:func:`optladder.optimizers.eightbit.ladder_adamw8bit_class`); whether the shard
+shard (:class:`optladder.optimizers.eightbit.EightBitGroups`); whether the shard
 is quantized follows the param's global element count. No conversion communicates.
 """
 
@@ -41,7 +41,7 @@ from optladder.bnb_overrides import quantized_8bit
 from optladder.optimizers.adamw import LadderAdamW, is_8bit_group
 from optladder.optimizers.steps import BF16_MAX_STEP, BNB_CUDA_MAX_STEP, MAX_STEP, STEP_DTYPE
 from optladder.optimizers.torchroute import state_moment_dtype, torch_steps
-from optladder.rungs import BNB_BLOCKSIZE, BNB_MIN_8BIT_SIZE
+from optladder.rungs import BNB_BLOCKSIZE
 from optladder.sharding import is_dtensor, local_numel, local_tensor, shard_like
 
 BNB_WRAPPED_KEY = "__bnb_optimizer_quant_state__"
@@ -111,11 +111,6 @@ class StateTarget:
     quantize: bool = False
 
 
-def is_bnb_engine(engine: torch.optim.Optimizer) -> bool:
-    """Whether ``engine`` is a bitsandbytes 8-bit optimizer (without importing it)."""
-    return any(c.__module__.startswith("bitsandbytes.") for c in type(engine).__mro__)
-
-
 def bnb_qmaps(engine: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's shared code books on ``device``, made as bitsandbytes makes them."""
     if "dynamic" not in engine.name2qmap:
@@ -134,8 +129,7 @@ def state_target(
     """The state layout ``engine`` keeps for param ``p`` of ``group``.
 
     Args:
-        engine: :class:`LadderAdamW` (the group's state format) or the 8bit engine of
-            :func:`~optladder.optimizers.eightbit.ladder_adamw8bit_class`.
+        engine: the :class:`LadderAdamW` holding ``group`` (its state format).
         group: the param group holding ``p``.
         p: the param.
 
@@ -149,15 +143,6 @@ def state_target(
     if isinstance(engine, LadderAdamW):  # the group's state format (its "rung" key)
         format_dtype = engine.group_moment_dtype(group)
         return StateTarget("adam", moment_dtype=state_moment_dtype(p, format_dtype))
-    if is_bnb_engine(engine):
-        args = getattr(engine, "args", None)
-        quantize = quantized_8bit(
-            p,
-            "a param of the 8bit rung",
-            optim_bits=getattr(args, "optim_bits", 8),
-            min_8bit_size=getattr(args, "min_8bit_size", BNB_MIN_8BIT_SIZE),
-        )
-        return StateTarget("bnb", qmaps=bnb_qmaps(engine, p.device), quantize=quantize)
     raise TypeError(f"cannot convert state for a {type(engine).__name__} engine")
 
 
@@ -407,8 +392,6 @@ def step_limit(
             "optladder's AdamW, which steps bfloat16/float16 params on the fp32 rung, keys "
             "its random bits and bias corrections by a step below 2**32"
         )
-    if is_bnb_engine(engine):
-        return rung_step_limit("8bit", p.device.type)
     return rung_step_limit("fp32", p.device.type)
 
 

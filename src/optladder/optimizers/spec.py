@@ -14,7 +14,6 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from optladder.optimizers.adamw import LadderAdamW, is_8bit_group
-from optladder.optimizers.migrate import is_bnb_engine
 from optladder.rungs import LOW_PRECISION_DTYPES, KernelRoute, Rung
 
 KERNEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -267,6 +266,12 @@ _ADAM_FLAGS = {
 }
 
 
+def _is_bitsandbytes(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of bitsandbytes' optimizers (a class of its own or a
+    subclass), without importing bitsandbytes."""
+    return any(c.__module__.startswith("bitsandbytes.") for c in type(optimizer).__mro__)
+
+
 def to_fused_config(
     optimizer: torch.optim.Optimizer,
 ) -> tuple[FusedOptimizerConfig | None, str | None]:
@@ -295,7 +300,7 @@ def to_fused_config(
             "format): bitsandbytes owns that format, which is not a fused AdamW "
             "configuration"
         )
-    if is_bnb_engine(optimizer):
+    if _is_bitsandbytes(optimizer):
         bits = getattr(getattr(optimizer, "args", None), "optim_bits", None)
         kept = (
             "8-bit block-quantized state"

@@ -380,9 +380,6 @@ class StepMemo:
 
     Attributes:
         groups: place in ``param_groups`` -> :class:`GroupMemo`.
-        states_ready: after :meth:`record_states`, the state dicts and keys then (in
-            order), the params, which had their state, and how many params each group
-            held.
         all_options: every group's dict, keys and values when all passed their checks
             (:meth:`record_all_options`), or None.
         all_grads: every group's params and grads when their checks last passed, for
@@ -390,49 +387,8 @@ class StepMemo:
     """
 
     groups: dict[int, GroupMemo] = field(default_factory=dict)
-    states_ready: tuple[list[Any], list[Any], list[torch.Tensor], list[bool], list[int]] | None = (
-        None
-    )
     all_options: tuple[list[Any], list[Any], list[Any]] | None = None
     all_grads: AllGrads = field(default_factory=AllGrads)
-
-    def states_exist(
-        self,
-        state: Mapping[Any, Any],
-        params: list[torch.Tensor],
-        missing: list[bool],
-        sizes: list[int],
-    ) -> bool:
-        """Whether every param of ``params`` (all groups' params) with a grad
-        (``missing``: per param, whether its grad is None) had its state the last time
-        :meth:`record_states` ran, with the same state mapping now (the same keys and
-        state dicts, in order: compared by identity, no hashing) and the same params,
-        split into groups of the same ``sizes`` (params moved from one group to the next
-        keep the flat list but not what was derived per group), so no state needs
-        creating. A step that changes which params have a grad (experts, a task's head)
-        reads one flag per param, in C."""
-        if self.states_ready is None:
-            return False
-        values, keys, seen, having, seen_sizes = self.states_ready
-        return (
-            sizes == seen_sizes
-            and all(map(operator.or_, missing, having))
-            and same_objects(params, seen)
-            and same_objects(list(state.values()), values)
-            and same_objects(list(state), keys)
-        )
-
-    def record_states(
-        self,
-        state: Mapping[Any, Any],
-        params: list[torch.Tensor],
-        sizes: list[int],
-    ) -> None:
-        """Remember which params of ``params`` (split into groups of ``sizes``) have
-        their state now (a non-empty state dict, one lookup per param), for
-        :meth:`states_exist`."""
-        having = list(map(bool, map(state.get, params)))
-        self.states_ready = (list(state.values()), list(state), list(params), having, list(sizes))
 
     def all_options_unchanged(self, groups: list[dict[str, Any]]) -> bool:
         """Whether ``groups`` are the group dicts of :meth:`record_all_options`, in order,

@@ -2,24 +2,23 @@
 
 An out-of-memory error in :func:`prepare_step` is rolled back (the state it created is
 dropped), so params, moments and step counts stay exactly as they were. The commit of
-each engine allocates nothing that the dispatcher sees:
+:class:`LadderAdamW` (every rung a state format of it) allocates nothing that the
+dispatcher sees:
 
-- :class:`LadderAdamW` (the fp32 and bf16 rungs, two state formats of one engine):
-  state and its scratch buffers are allocated in prepare
+- the fp32 and bf16 formats: state and its scratch buffers are allocated in prepare
   (:meth:`LadderAdamW.prepare_step`), and so are the lists of torch's fused kernel calls
   for the fp32 format's float32/float64 params (:mod:`optladder.optimizers.fusedstep`);
   its kernels and its eager loop write in place. torch's foreach AdamW (complex params)
   allocates as it steps, so it steps copies first, before anything is written.
-- bitsandbytes ``AdamW8bit`` (optladder's subclass): state is created in prepare with
-  bitsandbytes' own ``init_state``; its CUDA kernel updates in place, and so does
-  optladder's 8-bit CPU kernel, whose tables are written in prepare
+- the 8bit format (:class:`~optladder.optimizers.eightbit.EightBitGroups`): state is
+  created in prepare with bitsandbytes' own ``init_state``; its CUDA kernel updates in
+  place, and so does optladder's 8-bit CPU kernel, whose tables are written in prepare
   (``prepare_kernel_step``). bitsandbytes' CPU fallback (no C compiler) allocates inside
   the update op, so there a real OOM can still leave one param half-written.
 
 The checks of a step run once per change, not once per step: with a
 :class:`~optladder.optimizers.stepmemo.StepMemo`, group options with the same values and
-grads that are the same tensors are not checked again, and the 8-bit engine's state
-creation is skipped when every param with a grad already has its state.
+grads that are the same tensors are not checked again.
 """
 
 from __future__ import annotations
@@ -36,20 +35,20 @@ import torch
 
 from optladder.optimizers.adamw import LadderAdamW, is_8bit_group, validate_group_hyperparams
 from optladder.optimizers.fusedstep import refuse_resized
-from optladder.optimizers.migrate import check_step_range, is_bnb_engine, read_step
+from optladder.optimizers.migrate import check_step_range, read_step
 from optladder.optimizers.stepmemo import StepMemo, grad_of
 
 
 def _refuse_other_engines(engine: torch.optim.Optimizer) -> None:
-    """Raise for an engine this module does not step in two phases.
+    """Raise for an optimizer this module does not step in two phases.
 
     Raises:
-        TypeError: naming its class and the engines it takes.
+        TypeError: naming its class and the one it takes.
     """
-    if not isinstance(engine, LadderAdamW) and not is_bnb_engine(engine):
+    if not isinstance(engine, LadderAdamW):
         raise TypeError(
-            "a two-phase step takes optladder's engines (LadderAdamW, the fp32 and bf16 "
-            f"rungs; the 8bit rung's bitsandbytes engine), got {type(engine).__name__}"
+            "a two-phase step takes optladder's LadderAdamW (every rung a state format of "
+            f"it), got {type(engine).__name__}"
         )
 
 
@@ -62,13 +61,13 @@ def check_step_inputs(
     out-of-range group hyperparameters (and :class:`LadderAdamW`'s own group options,
     :meth:`LadderAdamW.check_group_options`), a group switched to the other weight decay mode
     (``decoupled_weight_decay``), sparse grads, grads of another shape, dtype or
-    device, and bitsandbytes step counts its kernel cannot take (see
-    :func:`optladder.optimizers.migrate.step_limit`; :class:`LadderAdamW` checks its own,
-    and torch's float64 steps cannot leave their range by stepping from a checkpoint that
-    loaded).
+    device, and 8bit groups' step counts bitsandbytes' kernel cannot take (see
+    :func:`optladder.optimizers.migrate.step_limit`; :class:`LadderAdamW` checks its other
+    formats' own, and torch's float64 steps cannot leave their range by stepping from a
+    checkpoint that loaded).
 
     Args:
-        engine: the rung's optimizer (:class:`LadderAdamW` or the 8bit rung's engine).
+        engine: the :class:`LadderAdamW`.
         group_names: ``id(group) -> name`` for messages, e.g. ``"group 3"`` (the group's
             place among all of an optladder optimizer's groups); default ``"group {i}"``
             with ``i`` its place in ``engine.param_groups``.
@@ -84,8 +83,7 @@ def check_step_inputs(
         TypeError: another engine (:func:`_refuse_other_engines`).
     """
     _refuse_other_engines(engine)
-    bnb = is_bnb_engine(engine)
-    ladder = isinstance(engine, LadderAdamW)
+    ladder = cast(LadderAdamW, engine)
     names = group_names or {}
     groups = engine.param_groups
     if memo is not None:
@@ -95,7 +93,7 @@ def check_step_inputs(
     # many groups would outlive the step's young collections, see fusedstep.group_call)
     changed: list[int] = []
     options_same = memo is not None and memo.all_options_unchanged(groups)
-    every = None if memo is None or bnb else memo.all_grads  # bitsandbytes: per group
+    every = None if memo is None else memo.all_grads
     for gi, group in enumerate(groups):
         if not options_same and (memo is None or not memo.options_unchanged(gi, group)):
             try:
@@ -106,11 +104,10 @@ def check_step_inputs(
                         "of a built optimizer holds it); set it on the group again"
                     )
                 validate_group_hyperparams(group)
-                _check_decay_mode(engine, group)
-                if ladder:
-                    LadderAdamW.check_group_options(group)
-                    cast(LadderAdamW, engine).check_kernel_flags(group)
-                    cast(LadderAdamW, engine).check_8bit_options(group)
+                _check_decay_mode(ladder, group)
+                LadderAdamW.check_group_options(group)
+                ladder.check_kernel_flags(group)
+                ladder.check_8bit_options(group)
             except ValueError as exc:
                 raise ValueError(f"param {names.get(id(group), f'group {gi}')}: {exc}") from None
             if memo is not None:
@@ -144,7 +141,7 @@ def check_step_inputs(
     for gi in changed:
         group = groups[gi]
         params = group["params"]
-        if bnb or (ladder and is_8bit_group(group)):  # bitsandbytes' CUDA kernel's range
+        if is_8bit_group(group):  # bitsandbytes' CUDA kernel's range
             _check_bnb_steps(engine, group, names.get(id(group), f"group {gi}"))
         if memo is not None:
             memo.record_grads(gi, group, params, all_grads[gi], None)
@@ -153,14 +150,11 @@ def check_step_inputs(
 
 def _check_decay_mode(engine: torch.optim.Optimizer, group: Mapping[str, Any]) -> None:
     """Refuse a group whose ``decoupled_weight_decay`` (set by hand after construction)
-    is not the engine's mode: one mode per optimizer, as construction,
-    ``add_param_group`` and loads require (the 8bit engine keeps its mode as
-    ``coupled_weight_decay`` and would ignore the group's; the others would decay that
-    group the other way, and the checkpoint would not load back)."""
-    if hasattr(engine, "coupled_weight_decay"):
-        mode = not engine.coupled_weight_decay
-    else:
-        mode = bool(engine.defaults.get("decoupled_weight_decay", True))
+    is not the optimizer's mode: one mode per optimizer, as construction,
+    ``add_param_group`` and loads require (the 8bit format keeps the optimizer's mode
+    and would ignore the group's; the others would decay that group the other way, and
+    the checkpoint would not load back)."""
+    mode = bool(engine.defaults.get("decoupled_weight_decay", True))
     if group.get("decoupled_weight_decay", mode) != mode:
         raise ValueError(
             f"decoupled_weight_decay={group['decoupled_weight_decay']!r}, but this optimizer "
@@ -234,7 +228,7 @@ def prepare_step(
     """Allocate the state the engine's next step needs, before anything is written.
 
     Args:
-        engine: the rung's optimizer (:class:`LadderAdamW` or the 8bit rung's engine).
+        engine: the :class:`LadderAdamW`.
         group_names: names of its groups in messages (see :func:`check_step_inputs`).
         memo: what passed the checks before (see :func:`check_step_inputs`).
 
@@ -248,36 +242,14 @@ def prepare_step(
         first, so the engine is as it was.
     """
     grads = check_step_inputs(engine, group_names, memo)
+    ladder = cast(LadderAdamW, engine)  # check_step_inputs refused any other
     if memo is None:  # with a memo, the optimizer checks this when params change
-        refuse_resized(engine, grads, group_names, local=is_bnb_engine(engine))
-    created: list[torch.Tensor] = []
-    try:
-        if isinstance(engine, LadderAdamW):
-            # rolls back its own state on failure; its options and grads were checked above
-            return engine.prepare_step(checked=grads)
-        state = engine.state
-        params = list(chain.from_iterable(map(_PARAMS, engine.param_groups)))
-        missing = list(map(operator.is_, chain.from_iterable(grads), repeat(None)))
-        sizes = list(map(len, grads))
-        ready = memo is not None and memo.states_exist(state, params, missing, sizes)
-        if not ready:
-            for gi, group in enumerate(engine.param_groups):
-                for pi, p in enumerate(group["params"]):
-                    if p.grad is None or (p in state and len(state[p]) != 0):
-                        continue
-                    created.append(p)
-                    engine.init_state(group, p, gi, pi)  # type: ignore[attr-defined]
-        if hasattr(engine, "prepare_contiguous"):
-            engine.prepare_contiguous()  # copies of non-contiguous params, see eightbit
-        prepare_kernel = getattr(engine, "prepare_kernel_step", None)
-        if prepare_kernel is not None:
-            prepare_kernel()  # the 8-bit CPU kernel's tables
-        if memo is not None and not ready:
-            memo.record_states(state, params, sizes)
+        refuse_resized(ladder, grads, group_names)
+    try:  # rolls back its own state on failure; its options and grads were checked above
+        return ladder.prepare_step(checked=grads)
     except BaseException:
-        rollback_step(engine, created, memo)
+        rollback_step(ladder, [], memo)
         raise
-    return created
 
 
 def param_names(
@@ -313,34 +285,23 @@ def param_names(
 def rollback_step(
     engine: torch.optim.Optimizer, created: list[torch.Tensor], memo: StepMemo | None = None
 ) -> None:
-    """Drop the state :func:`prepare_step` created and any scratch it holds. ``memo``:
-    kept for the callers' signature; nothing in it refers to a step in progress."""
+    """Drop the state :func:`prepare_step` created and any scratch it holds (the 8bit
+    format's copies and kernel tables included). ``memo``: kept for the callers'
+    signature; nothing in it refers to a step in progress."""
     for p in created:
         engine.state.pop(p, None)
-    if hasattr(engine, "release_scratch"):  # LadderAdamW, the 8bit engine's copies
-        engine.release_scratch()
-    drop_kernel = getattr(engine, "drop_kernel_step", None)
-    if drop_kernel is not None:
-        drop_kernel()
+    cast(LadderAdamW, engine).release_scratch()
 
 
 def commit_step(engine: torch.optim.Optimizer, memo: StepMemo | None = None) -> None:
-    """Run the engine's commit on the state :func:`prepare_step` allocated
-    (:meth:`LadderAdamW.commit_step`, the 8bit engine's ``commit_step``; an 8bit engine
-    without one runs its ``step``). ``memo``: as for :func:`rollback_step`.
+    """Run the optimizer's commit (:meth:`LadderAdamW.commit_step`) on the state
+    :func:`prepare_step` allocated. ``memo``: as for :func:`rollback_step`.
 
-    The engine's ``step`` runs without the wrapper ``torch.optim.Optimizer`` puts around
-    every optimizer class's ``step`` (which runs the global step hooks of
+    The commit runs no step hooks (those of
     ``torch.optim.optimizer.register_optimizer_step_pre_hook``/``_post_hook``): the
     optladder optimizer's own ``step`` already ran them, and they must run once per step.
     """
-    if isinstance(engine, LadderAdamW) or hasattr(engine, "commit_step"):
-        engine.commit_step()  # LadderAdamW, optladder's bitsandbytes engine
-    else:
-        step: Any = type(engine).step
-        if getattr(step, "hooked", False):  # torch's profile_hook_step: unwrap it once
-            step = step.__wrapped__
-        step(engine)
+    cast(LadderAdamW, engine).commit_step()
 
 
 @contextlib.contextmanager

@@ -10,9 +10,8 @@ import torch
 
 from optladder.columns import ParamColumns, plain_types
 from optladder.dtype_names import dtype_name
-from optladder.optimizers.adamw import LadderAdamW, validate_group_hyperparams
+from optladder.optimizers.adamw import validate_group_hyperparams
 from optladder.optimizers.build import KERNEL_KEYS
-from optladder.optimizers.eightbit import steps_noncontiguous
 from optladder.optimizers.migrate import foreign_group_reason
 from optladder.policies.decision import Decision, allowed_rungs
 from optladder.policies.footprint import normalize_param_groups
@@ -239,14 +238,8 @@ _PARAM_DTYPES = frozenset(PARAM_DTYPES)
 
 
 def decoupled_mode(engine: torch.optim.Optimizer) -> bool:
-    """Whether ``engine`` decays the AdamW way (decoupled) rather than Adam's (coupled).
-
-    torch's Adam/AdamW and :class:`LadderAdamW` keep it in their defaults; the 8bit
-    engine keeps Adam mode as ``coupled_weight_decay`` (bitsandbytes itself only decays
-    the AdamW way).
-    """
-    if hasattr(engine, "coupled_weight_decay"):
-        return not engine.coupled_weight_decay
+    """Whether ``engine`` decays the AdamW way (decoupled) rather than Adam's (coupled),
+    as its defaults say (torch's Adam/AdamW and :class:`LadderAdamW` keep it there)."""
     return bool(engine.defaults.get("decoupled_weight_decay", True))
 
 
@@ -336,28 +329,19 @@ def check_pins(groups: list[dict[str, Any]], decision: Decision) -> None:
 def check_params_for_rung(
     params: list[torch.Tensor],
     rung: Rung,
-    engine: torch.optim.Optimizer | None,
     group: str = "the new group",
     columns: ParamColumns | None = None,
 ) -> None:
-    """Refuse params ``rung``'s engine cannot step exactly.
-
-    The rung's own rules come from :data:`optladder.rungs.RUNG_ACCEPTS` (complex params
-    on fp32 only, float64 ones not on 8bit; DTensor params not on bf16). The engine's:
-    torch's AdamW (the fp32 rung of float32/float64 params) would keep bfloat16/float16
-    params' moments in their own dtype and has no fused kernel for complex params;
-    optladder's AdamW as the fp32 rung's engine (of bfloat16/float16 params) keeps
-    float32 moments, so it takes no float64 or complex params (as the bf16 rung's engine
-    it takes what the rung takes: a float64 param gets its float32 update added in
-    float64); bitsandbytes' plain ``AdamW8bit`` would move a non-contiguous param to new
-    storage (an 8bit engine built over such params steps them through a contiguous copy
-    instead).
+    """Refuse params ``rung`` cannot step exactly: the rules of
+    :data:`optladder.rungs.RUNG_ACCEPTS` (complex params on fp32 only, float64 ones not
+    on 8bit; DTensor params not on bf16). Every rung is a state format of one optimizer
+    (:class:`LadderAdamW`), which takes what the rung takes: its fp32 format steps
+    float64 and complex params on torch's kernels, its 8bit format steps a
+    non-contiguous param through a contiguous copy.
 
     Args:
         params: the params of one group.
         rung: the rung they would join.
-        engine: the engine they would join, or None for one to be built for them (the
-            rules that depend on the engine are skipped).
         group: names the group in messages, e.g. ``"group 2"``.
         columns: the :class:`optladder.columns.ParamColumns` of ``params`` (attributes
             read once for several checks); default read here.
@@ -366,63 +350,21 @@ def check_params_for_rung(
         ValueError: naming the param, its dtype and what is allowed.
     """
     columns = ParamColumns.of(params) if columns is None else columns
-    if columns.plain and _rung_takes(columns, rung, engine):
+    if columns.plain and _rung_takes(columns, rung):
         return  # read in bulk; else param by param, naming the first refused
     for pi, p in enumerate(params):
         name = f"param {pi} of {group}"
-        where = f"{name} ({p.dtype})"
         refusal = param_refusal(rung, dtype_name(p.dtype), sharded=is_dtensor(p))
         if refusal is not None:
             kind = f"is complex ({p.dtype})" if p.is_complex() else f"has dtype {p.dtype}"
             raise ValueError(f"{name} {kind}; {refusal}")
-        if engine is None:
-            continue
-        torch_engine = rung == "fp32" and not isinstance(engine, LadderAdamW)
-        if torch_engine and p.dtype in (torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"{where}: this optimizer's fp32 rung runs torch's AdamW, which would keep its "
-                "moments in that dtype; add float32 params, or create the optimizer with "
-                "these params so that the fp32 rung keeps float32 moments for them"
-            )
-        if torch_engine and p.is_complex() and engine.defaults.get("fused"):
-            raise ValueError(
-                f"{where}: this optimizer's fp32 rung runs torch's fused AdamW, which has no "
-                "kernel for complex params; add them in a group that pins the fp32 rung "
-                "({'params': ..., 'rung': 'fp32'}: an engine of its own, torch's foreach "
-                "AdamW), or create the optimizer with them"
-            )
-        if rung == "8bit" and not steps_noncontiguous(engine) and not _contiguous(p):
-            raise ValueError(
-                f"{where} is not contiguous (stride {p.stride()}), and this optimizer's 8bit "
-                "engine (bitsandbytes' AdamW8bit) would move it to new storage, untying "
-                "the tensors that view it; create the optimizer with this param among its "
-                "params (its 8bit engine then steps a contiguous copy in place), or add "
-                "a contiguous param"
-            )
 
 
-def _rung_takes(columns: ParamColumns, rung: Rung, engine: torch.optim.Optimizer | None) -> bool:
+def _rung_takes(columns: ParamColumns, rung: Rung) -> bool:
     """The rules of :func:`check_params_for_rung` for plain params, once per distinct
     dtype: True when all pass (False: check param by param)."""
     names = columns.dtype_names
-    if any(param_refusal(rung, name, sharded=False) is not None for name in names):
-        return False
-    if engine is None:
-        return True
-    if isinstance(engine, LadderAdamW):  # takes what the rung takes (its fp32 format
-        return True  # steps float64 and complex params on torch's kernels)
-    if rung == "fp32":
-        if names & {"bfloat16", "float16"}:
-            return False
-        if engine.defaults.get("fused") and names & {"complex64", "complex128"}:
-            return False
-    if rung == "8bit" and not steps_noncontiguous(engine):
-        return columns.contiguous
-    return True
-
-
-def _contiguous(p: torch.Tensor) -> bool:
-    return local_tensor(p).is_contiguous()
+    return all(param_refusal(rung, name, sharded=False) is None for name in names)
 
 
 def refuse_meta_params(

@@ -203,9 +203,7 @@ def decide_and_build(
         for gi, g in enumerate(groups):
             if pins[gi] is None:
                 try:
-                    check_params_for_rung(
-                        g["params"], asked, None, f"group {gi}", columns.group(gi)
-                    )
+                    check_params_for_rung(g["params"], asked, f"group {gi}", columns.group(gi))
                 except ValueError as exc:
                     raise ValueError(
                         f"{_asked_by(overrides)} asks for the {asked} rung, which cannot "
@@ -244,9 +242,7 @@ def decide_and_build(
     for gi, g in enumerate(groups):
         if pins[gi] is None:
             if decision.rung != asked:  # (the asked rung's checks ran above)
-                check_params_for_rung(
-                    g["params"], decision.rung, None, f"group {gi}", columns.group(gi)
-                )
+                check_params_for_rung(g["params"], decision.rung, f"group {gi}", columns.group(gi))
             following.append(g)
     options = rung_options(  # the columns when they are those of the following groups
         decision.rung,

@@ -166,7 +166,7 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
     ids = {id(g) for g in following}
     for gi, group in enumerate(opt.param_groups):
         if id(group) in ids:  # named by its place among all groups
-            check_params_for_rung(group["params"], rung, None, f"group {gi}")
+            check_params_for_rung(group["params"], rung, f"group {gi}")
     refusal = steps_refusal(opt, rung)
     if refusal is not None:
         raise ValueError(f"cannot move to {rung}: {refusal}")

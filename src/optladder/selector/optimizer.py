@@ -314,7 +314,7 @@ class LadderOptimizer(LadderAdamW):
             ValueError: ``"param group {gi} pins {rung}: ..."``, naming the param.
         """
         try:
-            check_params_for_rung(group["params"], rung, self, f"group {gi}")
+            check_params_for_rung(group["params"], rung, f"group {gi}")
         except ValueError as exc:
             raise ValueError(f"param group {gi} pins {rung}: {exc}") from None
 
@@ -400,7 +400,7 @@ class LadderOptimizer(LadderAdamW):
         pin = group_pin(group, f"param group {gi}")
         with deferred_interrupts():  # Ctrl-C waits until the group is added everywhere
             if pin is None:
-                check_params_for_rung(params, self.rung, self)
+                check_params_for_rung(params, self.rung)
                 self._mark_groups([group], self._decision)
                 LadderAdamW.add_param_group(self, group)
             else:
@@ -603,9 +603,9 @@ class LadderOptimizer(LadderAdamW):
             refuse_meta_params(self.param_groups)
             for gi, group in enumerate(self.param_groups):
                 rung = self._group_rung(group)
-                check_params_for_rung(group["params"], rung, self, f"group {gi}")
+                check_params_for_rung(group["params"], rung, f"group {gi}")
             grads = [list(map(grad_of, g["params"])) for g in self.param_groups]
-            refuse_resized(self, grads, names, local=False)
+            refuse_resized(self, grads, names)
         except ValueError as exc:
             raise ValueError(
                 f"{exc} (the params changed since the last step: a group's params list was "
