@@ -241,7 +241,7 @@ def test_a_backend_that_insists_refuses_what_its_kernel_cannot_step() -> None:
     table = DispatchTable("cpu", torch_fused=True)
     choice = table.lookup("bf16", "cuda", torch.float32, torch.float32)
     assert choice.entry is None and choice.by_backend
-    assert choice.reason == "no fused bf16 kernel for cuda tensors"
+    assert choice.reason == "no fused kernel of optladder's AdamW for cuda"
     key = ("bf16", "cpu", torch.float32, torch.float32)
     eager = DispatchTable("eager", torch_fused=True).lookup(*key)
     assert eager.entry == "eager" and eager.reason == "backend='eager' was asked for"

@@ -49,7 +49,7 @@ with None.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, cast
 
 import torch
@@ -63,6 +63,24 @@ from optladder.rungs import (
     Rung,
     param_refusal,
 )
+
+
+def kernel_dtype_miss(dtypes: Iterable[str]) -> str | None:
+    """Why optladder's kernels (C, Triton) step none of the params of ``dtypes`` (dtype
+    names) that are not :data:`~optladder.rungs.FLOAT32_MATH_DTYPES`, or None."""
+    other = sorted(set(dtypes) - set(FLOAT32_MATH_DTYPES))
+    if not other:
+        return None
+    return (
+        f"optladder's kernels step {', '.join(FLOAT32_MATH_DTYPES)} params; "
+        f"{', '.join(other)} params run the eager path"
+    )
+
+
+def no_kernel_reason(device_type: str) -> str:
+    """Why optladder's AdamW runs eagerly on a device type with neither of its kernels."""
+    return f"no fused kernel of optladder's AdamW for {device_type}"
+
 
 Key = tuple[str, str, torch.dtype, torch.dtype]
 """``(rung, device type, param dtype, grad dtype)``: ``("bf16", "cuda", torch.bfloat16,
@@ -469,14 +487,19 @@ class DispatchTable:
         backend: the engine's ``backend`` (:data:`~.adamw.Backend`).
         torch_fused: the fp32 format's float32/float64 params take torch's fused kernel
             where the device has one (False: its foreach path everywhere).
+        build_kernels: False to take the C kernel as running where a C compiler is found,
+            without building it (what a plan says of a device,
+            :func:`~optladder.optimizers.spec.kernel_routes`); True (the engine's table):
+            the lookup builds it, and a failed build sends its keys to the eager loop.
 
     Attributes:
         entries: name -> :class:`Entry`, a copy of :data:`ENTRIES` (per engine: a test may
             put a counting entry in one engine's table).
     """
 
-    def __init__(self, backend: str, torch_fused: bool) -> None:
+    def __init__(self, backend: str, torch_fused: bool, *, build_kernels: bool = True) -> None:
         self.backend = backend
+        self.build_kernels = build_kernels
         self.entries: dict[str, Entry] = dict(ENTRIES)
         self._fused_devices: tuple[str, ...] | None = None if torch_fused else ()
         self._cpu_error: str | None = None  # the C kernel failed to build: why
@@ -562,6 +585,8 @@ class DispatchTable:
             )
         if self.backend == "eager":
             return Choice("eager", "backend='eager' was asked for")
+        if name not in FLOAT32_MATH_DTYPES:  # the bf16 format's float64 params
+            return self._kernel_or_eager("eager", kernel_dtype_miss((name,)))
         if self.backend == "triton" or (self.backend == "auto" and device_type == "cuda"):
             why = kernels.triton_unavailable_reason() or kernels.triton_dtype_unsupported_reason(
                 param_dtype, grad_dtype, moment_dtype
@@ -573,7 +598,7 @@ class DispatchTable:
                 or kernels.cpu_unavailable_reason()
                 or cpu.dtype_unsupported_reason(param_dtype, grad_dtype)
             )
-            if why is None:
+            if why is None and self.build_kernels:
                 try:
                     cpu.load_library()
                 except cpu.KernelBuildError as exc:
@@ -581,7 +606,7 @@ class DispatchTable:
                         raise
                     why = self._cpu_error = f"the CPU kernel could not be built: {exc}"
             return self._kernel_or_eager("cpu", why)
-        return self._kernel_or_eager("eager", f"no fused bf16 kernel for {device_type} tensors")
+        return self._kernel_or_eager("eager", no_kernel_reason(device_type))
 
     def _kernel_or_eager(self, name: str, why: str | None) -> Choice:
         """``name`` when nothing stops it (``why`` None), else the eager loop with

@@ -14,10 +14,13 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from optladder.optimizers.adamw import LadderAdamW, is_8bit_group
-from optladder.rungs import LOW_PRECISION_DTYPES, KernelRoute, Rung
-
-KERNEL_DTYPES = ("float32", "bfloat16", "float16")
-"""Param dtypes optladder's kernels (C on the CPU, Triton on CUDA) step."""
+from optladder.optimizers.dispatch import (
+    Choice,
+    DispatchTable,
+    kernel_dtype_miss,
+    no_kernel_reason,
+)
+from optladder.rungs import LOW_PRECISION_DTYPES, RUNGS, KernelRoute, Rung, param_refusal
 
 Fp32Engine = Literal["fused", "foreach", "ladder"]
 """How the fp32 rung runs: torch's fused AdamW, torch's foreach AdamW, or optladder's
@@ -84,17 +87,14 @@ def _kernel_miss(device_type: str, dtypes: Iterable[str]) -> str | None:
     """Why optladder's kernels cannot step params of ``dtypes`` on ``device_type``, or None."""
     from optladder.optimizers import kernels
 
-    other = sorted(set(dtypes) - set(KERNEL_DTYPES))
-    if other:
-        return (
-            f"optladder's kernels step {', '.join(KERNEL_DTYPES)} params; "
-            f"{', '.join(other)} params run the eager path"
-        )
+    why = kernel_dtype_miss(dtypes)
+    if why is not None:
+        return why
     if device_type == "cpu":
         return kernels.cpu_unavailable_reason()
     if device_type == "cuda":
         return kernels.triton_unavailable_reason()
-    return f"no fused kernel of optladder's AdamW for {device_type}"
+    return no_kernel_reason(device_type)
 
 
 def bf16_fused_miss(device_type: str, dtypes: Iterable[str] = ("float32",)) -> str | None:
@@ -132,30 +132,54 @@ def eightbit_fused_miss(device_type: str) -> str | None:
     return f"bitsandbytes has no fused 8-bit optimizer kernel on {device_type}"
 
 
-_KERNEL_NAMES = {"cpu": "the C kernel", "cuda": "the Triton kernel"}
+_ROUTE_KERNELS = {
+    "torch_fused": "torch's fused AdamW",
+    "torch_foreach": "torch's foreach AdamW",
+    "cpu": "the C kernel",
+    "triton": "the Triton kernel",
+    "eager": "the eager path",
+}
+"""The dispatch table's entries (:data:`optladder.optimizers.dispatch.ENTRIES`) in the
+words of a plan."""
 
 
-def _ladder_route(device_type: str, dtype: str) -> KernelRoute:
-    """optladder's AdamW on params of ``dtype``: its kernel, or the eager path and why."""
-    why = _kernel_miss(device_type, (dtype,))
-    if why is None:
-        return KernelRoute(kernel=_KERNEL_NAMES[device_type], fused=True)
-    return KernelRoute(kernel="the eager path", fused=False, reason=why)
+def _eightbit_route(device_type: str) -> KernelRoute:
+    """The 8bit entry's kernel on ``device_type``: bitsandbytes' kernel on CUDA,
+    optladder's 8-bit C kernel on the CPU (see :func:`eightbit_fused_miss`)."""
+    miss = eightbit_fused_miss(device_type)
+    if device_type == "cuda":
+        return KernelRoute(kernel="bitsandbytes' 8-bit kernel", fused=True)
+    if device_type == "cpu":
+        if miss is None:
+            return KernelRoute(kernel="the 8-bit C kernel", fused=True)
+        return KernelRoute(kernel="bitsandbytes' CPU path", fused=False, reason=miss)
+    return KernelRoute(kernel="bitsandbytes", fused=False, reason=miss)
+
+
+def _route(choice: Choice, device_type: str) -> KernelRoute:
+    """A :class:`~optladder.rungs.KernelRoute` of one lookup of the dispatch table."""
+    if choice.entry is None:
+        return KernelRoute(kernel="no engine", fused=False, reason=choice.reason)
+    if choice.entry == "8bit":
+        return _eightbit_route(device_type)
+    kernel = _ROUTE_KERNELS[choice.entry]
+    return KernelRoute(kernel=kernel, fused=choice.reason is None, reason=choice.reason)
 
 
 def kernel_routes(
     device_type: str, device_fused: bool, dtypes: Iterable[str], has_complex: bool
 ) -> dict[Rung, dict[str, KernelRoute]]:
-    """What steps the params of each dtype on each rung of ``device_type``.
+    """What steps the params of each dtype on each rung of ``device_type``: the lookup
+    of each (rung, device type, dtype, grad of the same dtype) in the engine's dispatch
+    table (:class:`~optladder.optimizers.dispatch.DispatchTable`, ``backend="auto"``,
+    the C kernel taken as running where a compiler is found, not built here), each
+    param routed by its own dtype:
 
-    The rules are the engines' dispatch (each param is routed by its own dtype):
-
-    - fp32: optladder's AdamW in the fp32 state format
-      (:mod:`optladder.optimizers.torchroute`): float32 and float64 params on torch's
-      fused AdamW kernel where it runs (its foreach path else, and for complex params);
-      bfloat16 and float16 params with float32 moments on optladder's kernels.
-    - bf16: optladder's AdamW: its kernel (C on the CPU, Triton on CUDA) for float32,
-      bfloat16 and float16 params, the eager path for float64 ones.
+    - fp32: float32, float64 and complex params on torch's fused AdamW kernel where it
+      runs (its foreach path else, and for complex params); bfloat16 and float16 params
+      with float32 moments on optladder's kernels.
+    - bf16: optladder's kernel (C on the CPU, Triton on CUDA) for float32, bfloat16 and
+      float16 params, the eager path for float64 ones.
     - 8bit: bitsandbytes' kernel on CUDA; optladder's 8-bit C kernel on the CPU where it
       builds, else bitsandbytes' per-tensor CPU path.
 
@@ -168,49 +192,23 @@ def kernel_routes(
 
     Returns:
         ``{rung: {dtype: KernelRoute}}`` for every rung and every distinct dtype,
-        including dtypes a rung refuses (their route says so).
+        including dtypes a rung refuses (their route says why: the rungs' table,
+        :data:`optladder.rungs.RUNG_ACCEPTS`).
     """
     names = tuple(dict.fromkeys(dtypes))
     if has_complex and not any(d.startswith("complex") for d in names):
         names = (*names, "complex64")
-    routes: dict[Rung, dict[str, KernelRoute]] = {"fp32": {}, "bf16": {}, "8bit": {}}
+    table = DispatchTable("auto", torch_fused=device_fused, build_kernels=False)
+    routes: dict[Rung, dict[str, KernelRoute]] = {rung: {} for rung in RUNGS}
     for dtype in names:
-        complex_param = dtype.startswith("complex")
-        if dtype in LOW_PRECISION_DTYPES:
-            routes["fp32"][dtype] = _ladder_route(device_type, dtype)
-        elif device_fused and not complex_param:
-            routes["fp32"][dtype] = KernelRoute(kernel="torch's fused AdamW", fused=True)
-        else:
-            routes["fp32"][dtype] = KernelRoute(
-                kernel="torch's foreach AdamW",
-                fused=False,
-                reason=fp32_fused_miss(device_fused, device_type, (dtype,), complex_param),
-            )
-        if complex_param:
-            refusal = "the bf16 and 8-bit rungs take real params only"
-            routes["bf16"][dtype] = KernelRoute(kernel="no engine", fused=False, reason=refusal)
-            routes["8bit"][dtype] = KernelRoute(kernel="no engine", fused=False, reason=refusal)
-            continue
-        routes["bf16"][dtype] = _ladder_route(device_type, dtype)
-        if dtype not in KERNEL_DTYPES:
-            routes["8bit"][dtype] = KernelRoute(
-                kernel="no engine",
-                fused=False,
-                reason=f"bitsandbytes' 8-bit optimizers step {', '.join(KERNEL_DTYPES)} params",
-            )
-        elif device_type == "cuda":
-            routes["8bit"][dtype] = KernelRoute(kernel="bitsandbytes' 8-bit kernel", fused=True)
-        elif device_type == "cpu":
-            miss = eightbit_fused_miss(device_type)
-            routes["8bit"][dtype] = (
-                KernelRoute(kernel="the 8-bit C kernel", fused=True)
-                if miss is None
-                else KernelRoute(kernel="bitsandbytes' CPU path", fused=False, reason=miss)
-            )
-        else:
-            routes["8bit"][dtype] = KernelRoute(
-                kernel="bitsandbytes", fused=False, reason=eightbit_fused_miss(device_type)
-            )
+        param_dtype = getattr(torch, dtype, None)
+        for rung in RUNGS:
+            if not isinstance(param_dtype, torch.dtype):  # no torch dtype: no rung's
+                refusal = param_refusal(rung, dtype)
+                routes[rung][dtype] = KernelRoute(kernel="no engine", fused=False, reason=refusal)
+                continue
+            choice = table.lookup(rung, device_type, param_dtype, param_dtype)
+            routes[rung][dtype] = _route(choice, device_type)
     return routes
 
 
