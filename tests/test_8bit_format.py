@@ -370,3 +370,67 @@ def test_an_8bit_checkpoint_missing_its_code_books_is_refused_at_load(
     saver.step()
     loaded.step()
     assert_same(snapshot(loaded), snapshot(saver))
+
+
+def _nan_book(st: dict[str, Any]) -> None:
+    st["qmap1"] = torch.full((256,), float("nan"))
+
+
+def _negative_unsigned_book(st: dict[str, Any]) -> None:
+    st["qmap2"] = torch.linspace(-1.0, 1.0, 256)
+
+
+def _half_scales(st: dict[str, Any]) -> None:
+    st["absmax1"] = st["absmax1"].half()
+
+
+def _short_book(st: dict[str, Any]) -> None:
+    st["qmap2"] = st["qmap2"][:255]
+
+
+def _infinite_scale(st: dict[str, Any]) -> None:
+    st["absmax2"] = st["absmax2"].clone()
+    st["absmax2"][3] = float("inf")
+
+
+@pytest.mark.parametrize(
+    ("breaking", "match"),
+    [
+        (_nan_book, r"param 0: qmap1 \(the code book state1's codes index\) holds non-finite"),
+        (_negative_unsigned_book, r"param 0: qmap2 .* holds 128 negative values"),
+        (_half_scales, r"param 0: 8-bit state1 needs a float32 absmax1 tensor .*got a torch"),
+        (_short_book, r"param 0: 8-bit state2 needs qmap2, a code book of 256 floating values"),
+        (_infinite_scale, r"param 0: absmax2 holds 1 NaN or infinite values"),
+    ],
+)
+def test_both_loaders_refuse_undecodable_codes_with_one_message(breaking: Any, match: str) -> None:
+    """8-bit codes whose code book or block scales cannot decode them: refused, naming
+    the param and the key, by ``LadderAdamW.load_state_dict`` (before anything loads)
+    and by :class:`optladder.AdamW`'s load (its checkpoint conversion) with the same
+    message, and neither changes. (``LadderAdamW``'s own load took the NaN and the
+    negative code book and the infinite scale before, and refused the other two in
+    words of its own.)"""
+    from optladder import AdamW
+    from snapshots import assert_same, snapshot
+
+    gen = torch.Generator().manual_seed(11)
+    start = [torch.randn(5000, generator=gen), torch.randn(30, generator=gen)]
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    saver = LadderAdamW([{"params": params, "rung": "8bit", "lr": 1e-2}])
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    saver.step()
+    broken = copy.deepcopy(saver.state_dict())
+    breaking(broken["state"][0][BNB_WRAPPED_KEY])
+    messages = []
+    for make in (
+        lambda ps: LadderAdamW([{"params": ps, "rung": "8bit", "lr": 1e-2}]),
+        lambda ps: AdamW(ps, lr=1e-2, rung="8bit", free_memory=2**30),
+    ):
+        opt = make([torch.nn.Parameter(t.clone()) for t in start])
+        before = snapshot(opt)
+        with pytest.raises(ValueError, match=match) as info:
+            opt.load_state_dict(copy.deepcopy(broken))
+        assert_same(snapshot(opt), before)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]

@@ -51,7 +51,7 @@ from optladder.optimizers.steps import (
     STEP_DTYPE,
     refuse_shared_steps,
 )
-from optladder.rungs import BNB_BLOCKSIZE, FLOAT32_MATH_DTYPES, LADDER_DTYPES, RUNG_KEY
+from optladder.rungs import FLOAT32_MATH_DTYPES, LADDER_DTYPES, RUNG_KEY
 
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -1047,16 +1047,17 @@ def _refuse_codes_without_books(
     eight_ids: frozenset[Any],
 ) -> None:
     """Refuse, before anything loads, an 8bit param's saved uint8 codes (``state1``,
-    ``state2``) without what decodes them: float32 block scales ``absmax1``/``absmax2``
-    and a 256-entry floating code book ``qmap1``/``qmap2``, as
-    bitsandbytes' ``AdamW8bit`` keeps them (its step reads them; without them the step
-    raised KeyError). Their sizes are checked where the state is stepped or converted
-    (a sharded param's scales are its shard's).
+    ``state2``) without what decodes them (:func:`~.codebooks.check_8bit_codes`: float32
+    block scales ``absmax1``/``absmax2`` and a 256-entry code book ``qmap1``/``qmap2``, as
+    bitsandbytes' ``AdamW8bit`` keeps them; its step reads them, and without them the step
+    raised KeyError). The number of scales is checked where the state is stepped or
+    converted (a sharded param's scales are its shard's).
 
     Raises:
         ValueError: naming the param (its place over every group), the key, what was
             found and what is allowed.
     """
+    from optladder.optimizers.codebooks import check_8bit_codes
     from optladder.optimizers.migrate import unwrap_bnb_state
 
     saved_ids = [i for g in saved_groups for i in g["params"]]
@@ -1066,31 +1067,8 @@ def _refuse_codes_without_books(
         state = unwrap_bnb_state(saved_state[saved_id])
         for name in ("state1", "state2"):
             codes = state.get(name)
-            if not (isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8):
-                continue
-            i = name[-1]
-            absmax, qmap = state.get(f"absmax{i}"), state.get(f"qmap{i}")
-            if not (isinstance(absmax, torch.Tensor) and absmax.dtype == torch.float32):
-                raise ValueError(
-                    f"param {index}: the 8-bit codes {name} need absmax{i}, a float32 tensor "
-                    f"of block scales (one per started {BNB_BLOCKSIZE}-element block); got "
-                    f"{_described(absmax)}"
-                )
-            if not (
-                isinstance(qmap, torch.Tensor) and qmap.numel() == 256 and qmap.is_floating_point()
-            ):
-                raise ValueError(
-                    f"param {index}: the 8-bit codes {name} need qmap{i}, a code book of 256 "
-                    f"floating values (bitsandbytes' AdamW8bit saves it); got "
-                    f"{_described(qmap)}"
-                )
-
-
-def _described(value: object) -> str:
-    """A tensor's dtype and element count, else the value's type (for messages)."""
-    if isinstance(value, torch.Tensor):
-        return f"a {dtype_name(value.dtype)} tensor of {value.numel()} elements"
-    return "nothing" if value is None else type(value).__name__
+            if isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8:
+                check_8bit_codes(state, name, f"param {index}")
 
 
 def _loaded_8bit_state(

@@ -39,6 +39,7 @@ import torch
 
 from optladder.bnb_overrides import quantized_8bit
 from optladder.optimizers.adamw import LadderAdamW, is_8bit_group
+from optladder.optimizers.codebooks import check_8bit_codes, check_values
 from optladder.optimizers.steps import BF16_MAX_STEP, BNB_CUDA_MAX_STEP, MAX_STEP, STEP_DTYPE
 from optladder.optimizers.torchroute import state_moment_dtype, torch_steps
 from optladder.rungs import BNB_BLOCKSIZE
@@ -837,43 +838,12 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
                 f"{where}: {name} has shape {tuple(t.shape)} but the param has {tuple(shard.shape)}"
             )
         if t.dtype == torch.uint8 and bnb:
-            i = name[-1]
-            absmax, qmap = state.get(f"absmax{i}"), state.get(f"qmap{i}")
-            blocks = -(-n // BNB_BLOCKSIZE)
-            if not (isinstance(absmax, torch.Tensor) and absmax.dtype == torch.float32):
-                raise ValueError(f"{where}: 8-bit {name} needs a float32 absmax{i} tensor")
-            if absmax.numel() != blocks:
-                raise ValueError(
-                    f"{where}: absmax{i} has {absmax.numel()} values; {n} elements in "
-                    f"{BNB_BLOCKSIZE}-element blocks need {blocks}"
-                )
-            if not (
-                isinstance(qmap, torch.Tensor)
-                and qmap.numel() == 256
-                and qmap.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-            ):
-                raise ValueError(
-                    f"{where}: 8-bit {name} needs qmap{i}, a code book of 256 floating "
-                    f"values; got {_describe(qmap)}"
-                )
-            if not bool(torch.isfinite(qmap).all()):
-                raise ValueError(
-                    f"{where}: qmap{i} (the code book {name}'s codes index) holds non-finite "
-                    "values, so the codes cannot be decoded"
-                )
-            negative = int((qmap < 0).sum()) if name == "state2" else 0
-            if negative:  # they would decode to a negative exp_avg_sq: NaN at its sqrt
-                raise ValueError(
-                    f"{where}: qmap{i} (the code book {name}'s codes index) holds {negative} "
-                    f"negative values; {name} is the running average of squared grads, so "
-                    "allowed are books of values >= 0 (bitsandbytes' unsigned map)"
-                )
-            _check_values(local_tensor(absmax), f"absmax{i}", where, nonnegative=True)
+            check_8bit_codes(state, name, where, numel=n)
         elif t.is_complex() and shard.is_complex() and not bnb:
             # torch's AdamW keeps a complex param's moments complex (real and imaginary
             # parts as two reals)
             nonnegative = name == "exp_avg_sq"
-            _check_values(torch.view_as_real(t), name, where, nonnegative=nonnegative)
+            check_values(torch.view_as_real(t), name, where, nonnegative=nonnegative)
         elif not t.is_floating_point():
             allowed = "uint8 codes or float32" if bnb else "a floating dtype"
             raise ValueError(f"{where}: {name} has dtype {t.dtype}; allowed: {allowed}")
@@ -888,30 +858,4 @@ def check_param_state(state: Mapping[str, Any], p: torch.Tensor, where: str) -> 
                 "float: cast them back with .to(torch.uint8))"
             )
         else:
-            _check_values(t, name, where, nonnegative=name in ("exp_avg_sq", "state2"))
-
-
-def _check_values(t: torch.Tensor, name: str, where: str, *, nonnegative: bool) -> None:
-    """Refuse NaN or infinite values in ``t`` (and negative ones when ``nonnegative``)."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return
-    bad = int((~torch.isfinite(t)).sum())
-    if bad:
-        raise ValueError(
-            f"{where}: {name} holds {bad} NaN or infinite values; a rung would carry them "
-            "as other values (the 8-bit format turns them finite), so the checkpoint is "
-            "refused: allowed are finite values"
-        )
-    if nonnegative:
-        negative = int((t < 0).sum())
-        if negative:
-            raise ValueError(
-                f"{where}: {name} holds {negative} negative values; it is a running average "
-                "of squared grads (or a block's largest magnitude), so allowed are values >= 0"
-            )
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of {value.numel()} elements"
-    return type(value).__name__
+            check_values(t, name, where, nonnegative=name in ("exp_avg_sq", "state2"))
