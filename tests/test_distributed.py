@@ -13,6 +13,10 @@ The cases:
 
 - ``decision``: ranks given different free memory reach the same decision, made from the
   smallest (rank 1's, which forces bf16 where rank 0's alone would keep fp32).
+- ``construction_collectives``: construction (``choose_optimizer``, ``optladder.AdamW``,
+  a fixed rung) makes one collective call (an ``all_gather_object``), counted by
+  patching ``torch.distributed``'s functions, and still decides from the least free
+  memory, the largest state bytes and rank 0's footprint (replicas of different sizes).
 - ``oom_step``: an OOM injected into rank 1's first optimizer step (the allocation of the
   moments) makes both ranks roll back, escalate fp32 -> bf16 and retry; neither commits
   the failed step, and after more DDP-style steps (grads averaged by hand) the params,
@@ -162,6 +166,12 @@ def test_ranks_reach_the_same_decision_from_the_least_free_memory(
     _check(outcomes, "decision")
 
 
+def test_construction_agrees_across_ranks_in_one_collective(
+    outcomes: list[dict[str, str]],
+) -> None:
+    _check(outcomes, "construction_collectives")
+
+
 def test_oom_in_one_ranks_step_escalates_every_rank_without_committing(
     outcomes: list[dict[str, str]],
 ) -> None:
@@ -295,6 +305,97 @@ def _case_decision(rank: int) -> None:
     # Rank 0's own free memory alone would have kept fp32: the minimum decided.
     alone = decide(fp, free, d.capabilities, d.policy, d.overrides)
     assert alone.rung == ("fp32" if rank == 0 else "bf16")
+
+
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "irecv",
+    "isend",
+    "monitored_barrier",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+)
+"""torch.distributed's communicating functions, as code calls them (``dist.<name>``)."""
+
+
+@contextlib.contextmanager
+def _counted_collectives() -> Any:
+    """Count the calls of :data:`_COLLECTIVES` through ``torch.distributed`` in the block
+    (each still runs): yields the list of names called, in order. A function's own inner
+    collectives (``all_gather_object`` runs two ``all_gather``) go through
+    ``distributed_c10d``'s names and are not counted: the calls counted are those the
+    caller's code makes."""
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def counting(name: str, run: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return run(*args, **kwargs)
+
+        return counted
+
+    for name, run in originals.items():
+        setattr(dist, name, counting(name, run))
+    try:
+        yield calls
+    finally:
+        for name, run in originals.items():
+            setattr(dist, name, run)
+
+
+def _case_construction_collectives(rank: int) -> None:
+    """Construction agrees across ranks in one collective (it made three: an all-reduce
+    of the free memory, one of the state bytes, a broadcast of rank 0's decision), and
+    the decision is still the one rank 0 makes from the least free memory and the largest
+    state bytes over the ranks: here rank 1's model is larger (its state bytes decide)
+    and its free memory smaller, and rank 0's footprint is the one recorded."""
+    import optladder
+
+    torch.manual_seed(0)
+    width = 256 if rank == 0 else 320  # replicas that differ, so the maxima show
+    model = nn.Sequential(nn.Linear(width, 256), nn.Linear(256, 64))
+    fp = measure_footprint(model)
+    mine = (fp.state_bytes, fp.trainable_params, 2**30 if rank == 0 else 2**29)
+    each: list[Any] = [None] * WORLD
+    dist.all_gather_object(each, mine)
+    largest = {r: max(e[0][r] for e in each) for r in fp.state_bytes}
+    for build in (
+        lambda: choose_optimizer(model, free_memory=mine[2]),
+        lambda: optladder.AdamW(model.parameters(), free_memory=mine[2]),
+        lambda: choose_optimizer(model, free_memory=mine[2], rung="bf16"),
+    ):
+        with _counted_collectives() as calls:
+            opt = build()
+        assert calls == ["all_gather_object"], calls
+        d = opt.decision
+        assert d.free_memory == 2**29 and d.state_bytes == largest
+        assert d.footprint.trainable_params == each[0][1]  # rank 0's footprint
+        assert _all_same(d.model_dump_json())
+        want = decide(
+            d.footprint,
+            2**29,
+            d.capabilities,
+            d.policy,
+            d.overrides,
+            free_memory_source=d.free_memory_source,
+        )
+        assert want == d
 
 
 def _case_oom_step(rank: int) -> None:
@@ -1136,6 +1237,7 @@ def _case_dcp_unsharded_to_fsdp2(rank: int) -> None:
 
 CASES: dict[str, Callable[[int], None]] = {
     "decision": _case_decision,
+    "construction_collectives": _case_construction_collectives,
     "oom_step": _case_oom_step,
     "fixed": _case_fixed,
     "pinned_group": _case_pinned_group,

@@ -1,9 +1,10 @@
 """Agreement across ranks under ``torch.distributed``: every cross-rank collective the
 optimizer runs lives here.
 
-At construction every rank must reach the same decision (:func:`min_over_ranks` of the
-free memory, :func:`largest_over_ranks` of each rung's state bytes, then rank 0's decision
-on every rank: :func:`same_on_all_ranks`); in a step every rank must agree, before any
+At construction every rank must reach the same decision: :func:`agree_inputs` gives
+every rank the same inputs for it in one ``all_gather_object`` (the least free memory,
+the largest state bytes of each rung, rank 0's footprint, capabilities, policy and
+overrides), and ``decide`` is a pure function of them; in a step every rank must agree, before any
 rank commits, whether any rank's prepare ran out of memory or failed and which rungs the
 ranks are on (:func:`agree_step`, one small all-reduce); after an escalation, whether
 every rank's move succeeded (:func:`agree_any`).
@@ -15,22 +16,21 @@ The collectives run on ``device`` under NCCL and on the CPU under other backends
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from optladder.policies import Decision, Footprint
-from optladder.rungs import RUNGS
+from optladder.policies import Footprint, Overrides, Policy
+from optladder.rungs import RUNGS, Capabilities
 
 __all__ = [
     "STEP_FAILED",
     "STEP_OK",
     "STEP_OUT_OF_MEMORY",
+    "DecisionInputs",
     "agree_any",
+    "agree_inputs",
     "agree_step",
-    "largest_over_ranks",
-    "min_over_ranks",
-    "same_on_all_ranks",
 ]
 
 
@@ -92,35 +92,52 @@ def agree_step(status: int, rung_index: int, device: str) -> tuple[int, int, int
     return worst, furthest, -minus_nearest
 
 
-def min_over_ranks(free: int, source: str, device: torch.device) -> tuple[int, str]:
-    """The least free memory over all ranks, in bytes, and its source in words (every
-    rank must fit the same rung)."""
-    dist = _distributed()
-    if dist is None or dist.get_world_size() == 1:
-        return free, source
-    least = _reduced(dist, [free], dist.ReduceOp.MIN, torch.int64, device)[0]
-    return least, f"{source}; minimum over {dist.get_world_size()} ranks"
+class DecisionInputs(NamedTuple):
+    """What :func:`optladder.policies.decide` reads at construction, besides nothing.
+
+    Attributes:
+        footprint: the trainable params' footprint.
+        free: free memory on the target device, in bytes.
+        source: where ``free`` came from, in words.
+        capabilities: the target device's kernels.
+        policy: the policy's thresholds.
+        overrides: the user's word on the rung.
+    """
+
+    footprint: Footprint
+    free: int
+    source: str
+    capabilities: Capabilities
+    policy: Policy
+    overrides: Overrides
 
 
-def largest_over_ranks(footprint: Footprint, device: torch.device) -> Footprint:
-    """``footprint`` with each rung's state bytes replaced by the maximum over all ranks.
+def agree_inputs(mine: DecisionInputs) -> DecisionInputs:
+    """The decision's inputs every rank decides from, in one ``all_gather_object``: rank
+    0's footprint with each rung's state bytes the largest over the ranks (sharded
+    (DTensor) params can leave ranks with shards of different sizes, and the rung must fit
+    the rank that needs the most), the least free memory over the ranks (every rank must
+    fit the same rung; its source says so), and rank 0's capabilities, policy and
+    overrides. ``decide`` being pure, every rank then reaches rank 0's decision over these.
 
-    Sharded (DTensor) params can leave ranks with shards of different sizes; the rung
-    must fit the rank that needs the most. Replicated params need the same everywhere.
+    Each rank sends its free bytes and state bytes; rank 0 sends its inputs too (a few
+    kilobytes, pickled; the others send None for them). Collectives on the CPU under
+    gloo; under NCCL on the current CUDA device, as ``all_gather_object`` runs them.
+
+    Returns:
+        ``mine`` on a single process (no initialized process group, or one rank).
     """
     dist = _distributed()
     if dist is None or dist.get_world_size() == 1:
-        return footprint
-    each = [footprint.state_bytes[r] for r in RUNGS]
-    largest = dict(zip(RUNGS, _reduced(dist, each, dist.ReduceOp.MAX, torch.int64, device)))
-    return footprint.model_copy(update={"state_bytes": largest})
-
-
-def same_on_all_ranks(decision: Decision) -> Decision:
-    """Rank 0's decision, on every rank (broadcast as its JSON)."""
-    dist = _distributed()
-    if dist is None or dist.get_world_size() == 1:
-        return decision
-    box: list[Any] = [decision.model_dump_json()]
-    dist.broadcast_object_list(box, src=0)
-    return Decision.model_validate_json(box[0])
+        return mine
+    each = tuple(mine.footprint.state_bytes[r] for r in RUNGS)
+    sent = (mine.free, each, mine if dist.get_rank() == 0 else None)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, sent)
+    first: DecisionInputs = parts[0][2]
+    largest = {r: max(part[1][k] for part in parts) for k, r in enumerate(RUNGS)}
+    return first._replace(
+        footprint=first.footprint.model_copy(update={"state_bytes": largest}),
+        free=min(part[0] for part in parts),
+        source=f"{first.source}; minimum over {dist.get_world_size()} ranks",
+    )

@@ -35,7 +35,7 @@ from optladder.policies.decision import allowed_rungs
 from optladder.policies.footprint import groups_footprint
 from optladder.policies.overrides import ENV_8BIT, ENV_BF16, Overrides
 from optladder.rungs import Rung, group_pin
-from optladder.selector.agreement import largest_over_ranks, min_over_ranks, same_on_all_ranks
+from optladder.selector.agreement import DecisionInputs, agree_inputs
 from optladder.selector.checks import (
     check_groups,
     check_max_retries,
@@ -215,17 +215,22 @@ def decide_and_build(
         free, source = probe.free_bytes, probe.source
     else:
         free, source = parse_bytes(free_memory, "free_memory"), "given as free_memory"
-    free, source = min_over_ranks(free, source, target)
-    footprint = largest_over_ranks(footprint, target)
     # Of the params that follow the decision (a pinned group steps on its format's kernels
     # for its params here: the step logs why, where it leaves the fused path).
     capabilities = probe_capabilities(target, footprint.dtypes, footprint.has_complex)
     if footprint.sharded:
         capabilities = without_dtensor_unsupported(capabilities)
-    decision = same_on_all_ranks(
-        decide(
-            footprint, free, capabilities, policy or Policy(), overrides, free_memory_source=source
-        )
+    # every rank decides from the same inputs (one collective under torch.distributed)
+    agreed = agree_inputs(
+        DecisionInputs(footprint, free, source, capabilities, policy or Policy(), overrides)
+    )
+    decision = decide(
+        agreed.footprint,
+        agreed.free,
+        agreed.capabilities,
+        agreed.policy,
+        agreed.overrides,
+        free_memory_source=agreed.source,
     )
     check_pins(groups, decision)
     if not decision.fits:
