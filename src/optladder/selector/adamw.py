@@ -114,9 +114,10 @@ class AdamW(LadderOptimizer):
     never moves it, and its state bytes count in every rung's estimate. The other
     groups follow the decision (``rung=`` and the variables apply to them).
 
-    Under ``torch.distributed`` every rank reaches the same decision: free memory is the
-    minimum over ranks, each rung's state bytes the maximum over ranks, and rank 0's
-    decision is broadcast. A DTensor (FSDP2) param counts its global elements (for the
+    Under ``torch.distributed`` every rank reaches the same decision, in one collective
+    (:func:`optladder.selector.agreement.agree_inputs`): free memory is the minimum over
+    ranks, each rung's state bytes the maximum over ranks, and the rest of the inputs
+    rank 0's. A DTensor (FSDP2) param counts its global elements (for the
     policy's thresholds and bitsandbytes' 4,096-element rule) and the state bytes of
     this rank's shard; rungs whose state format cannot step DTensors (bf16, see
     :data:`optladder.optimizers.build.DTENSOR_UNSUPPORTED`) are skipped for such models.
