@@ -332,6 +332,22 @@ def test_without_bitsandbytes_the_8bit_rung_says_how_to_install_it(
     assert "rung" not in groups[0]  # nothing marked before the import failed
 
 
+def _stepped_8bit(
+    seed: int,
+) -> tuple[torch.Generator, list[torch.Tensor], list[torch.nn.Parameter], LadderAdamW]:
+    """A LadderAdamW over one 8bit group (a param of 5,000 elements: 8-bit codes, one of
+    30: float32 state) after one step: the generator, the params' start values, the
+    params and the optimizer."""
+    gen = torch.Generator().manual_seed(seed)
+    start = [torch.randn(5000, generator=gen), torch.randn(30, generator=gen)]
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    saver = LadderAdamW([{"params": params, "rung": "8bit", "lr": 1e-2}])
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    saver.step()
+    return gen, start, params, saver
+
+
 @pytest.mark.parametrize(
     "dropped",
     [("qmap1",), ("qmap2",), ("qmap1", "qmap2"), ("absmax1",), ("absmax2",)],
@@ -346,13 +362,7 @@ def test_an_8bit_checkpoint_missing_its_code_books_is_refused_at_load(
     optimizer that saved it."""
     from snapshots import assert_same, snapshot
 
-    gen = torch.Generator().manual_seed(7)
-    start = [torch.randn(5000, generator=gen), torch.randn(30, generator=gen)]
-    params = [torch.nn.Parameter(t.clone()) for t in start]
-    saver = LadderAdamW([{"params": params, "rung": "8bit", "lr": 1e-2}])
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
-    saver.step()
+    gen, _, params, saver = _stepped_8bit(7)
     saved = saver.state_dict()
     broken = copy.deepcopy(saved)
     for key in dropped:
@@ -413,13 +423,7 @@ def test_both_loaders_refuse_undecodable_codes_with_one_message(breaking: Any, m
     from optladder import AdamW
     from snapshots import assert_same, snapshot
 
-    gen = torch.Generator().manual_seed(11)
-    start = [torch.randn(5000, generator=gen), torch.randn(30, generator=gen)]
-    params = [torch.nn.Parameter(t.clone()) for t in start]
-    saver = LadderAdamW([{"params": params, "rung": "8bit", "lr": 1e-2}])
-    for p in params:
-        p.grad = torch.randn(p.shape, generator=gen)
-    saver.step()
+    _, start, _, saver = _stepped_8bit(11)
     broken = copy.deepcopy(saver.state_dict())
     breaking(broken["state"][0][BNB_WRAPPED_KEY])
     messages = []
