@@ -28,6 +28,7 @@ from itertools import chain
 from typing import Any, TypeVar, cast
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from optladder.compilation import run_eagerly
 from optladder.oom import describe_error, is_oom
@@ -261,8 +262,9 @@ class LadderOptimizer(LadderAdamW):
     ) -> None:
         check_max_retries(max_retries)
         self._built = False  # add_param_group: torch's __init__ adds the groups below
-        # _pin_key(group) -> the rung it pins, for every group that pins one
-        self._pin_rungs: dict[int, Rung] = {}
+        # every param of a group that pins its rung -> that rung (the format its state
+        # is in); see _group_pin
+        self._pin_rungs: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._decision = decision
         self.max_retries = max_retries
         self.on_escalate = on_escalate
@@ -283,14 +285,12 @@ class LadderOptimizer(LadderAdamW):
         self._names: tuple[tuple[int, ...], dict[int, str]] = ((), {})
         order = list(param_groups)
         following: list[dict[str, Any]] = []
-        pinned: dict[int, Rung] = {}
         for gi, (group, pin) in enumerate(zip(order, pins, strict=True)):
             if pin is None:
                 following.append(group)
             else:
                 self._check_pinned(gi, group, pin)
                 _mark_pinned([group], pin)
-                pinned[_pin_key(group)] = pin
         self._mark_groups(following, decision)
         # the following groups' params passed construction's checks and the rung's
         # (rung_options): torch's per-param checks read each one's first param only
@@ -300,7 +300,7 @@ class LadderOptimizer(LadderAdamW):
         # out every state itself (checkpointing.state_dict), and runs only users' hooks
         self._optimizer_state_dict_post_hooks.clear()
         self.defaults = dict(defaults)
-        self._pin_rungs = pinned
+        self._record_pins()
         self._built = True
         self._params_checked()
         self._warn_unfused()
@@ -318,14 +318,52 @@ class LadderOptimizer(LadderAdamW):
         except ValueError as exc:
             raise ValueError(f"param group {gi} pins {rung}: {exc}") from None
 
+    def _group_pin(self, group: Mapping[str, Any]) -> Rung | None:
+        """The rung ``group`` pins, or None when it follows the decision.
+
+        A pin belongs to the group dict, whatever is done to it that torch accepts: the
+        group's first param's recorded pin (:meth:`_record_pins`: every param of a
+        pinned group has one, so it holds when the dicts are replaced by copies,
+        ``opt.param_groups[:] = [dict(g) for g in opt.param_groups]``, or a param is
+        popped), else the group's own mark (``"rung_origin": "group"``, which dict
+        copies and ``load_state_dict`` keep: a group whose params were all replaced, or
+        that has none). The record wins over the group's ``"rung"``, so that a
+        ``"rung"`` edited by hand is caught (:meth:`_check_group_rungs`), not followed.
+        """
+        params = group["params"]
+        if params:
+            pin: Rung | None = self._pin_rungs.get(params[0])
+            if pin is not None:
+                return pin
+        if group.get(ORIGIN_KEY) == GROUP_PIN_ORIGIN and group.get(RUNG_KEY) in RUNGS:
+            return cast(Rung, group[RUNG_KEY])
+        return None
+
+    def _group_pins(self) -> list[Rung | None]:
+        """Per group of ``param_groups``, the rung it pins or None (:meth:`_group_pin`)."""
+        groups = self.param_groups
+        if not self._pin_rungs and all(g.get(ORIGIN_KEY) != GROUP_PIN_ORIGIN for g in groups):
+            return [None] * len(groups)  # the common case: no pins
+        return [self._group_pin(g) for g in groups]
+
+    def _record_pins(self) -> None:
+        """Record the pin of every param of each pinned group (:meth:`_group_pin`):
+        at construction, when a group is added, and when the params changed."""
+        record: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for group, pin in zip(self.param_groups, self._group_pins()):
+            if pin is not None:
+                for p in group["params"]:
+                    record[p] = pin
+        self._pin_rungs = record
+
     def _following_groups(self) -> list[dict[str, Any]]:
         """The groups that follow the decision (those that pin no rung), in order."""
-        pins = self._pin_rungs
-        return [g for g in self.param_groups if _pin_key(g) not in pins]
+        pins = self._group_pins()
+        return [g for g, pin in zip(self.param_groups, pins) if pin is None]
 
     def _group_rung(self, group: Mapping[str, Any]) -> Rung:
         """The rung ``group``'s state is on: the rung it pins, or the decision's."""
-        return self._pin_rungs.get(_pin_key(group), self._decision.rung)
+        return self._group_pin(group) or self._decision.rung
 
     @staticmethod
     def _mark_groups(groups: list[dict[str, Any]], decision: Decision) -> None:
@@ -345,7 +383,7 @@ class LadderOptimizer(LadderAdamW):
     def pinned_engines(self) -> dict[Rung, LadderOptimizer]:
         """Per rung that a group pins, the optimizer itself (a new dict; empty without
         pins). Kept, as :attr:`engine` is."""
-        return dict.fromkeys(self._pin_rungs.values(), self)
+        return dict.fromkeys((r for r in self._group_pins() if r is not None), self)
 
     @property
     def decision(self) -> Decision:
@@ -411,7 +449,7 @@ class LadderOptimizer(LadderAdamW):
                     LadderAdamW.add_param_group(self, group)
                 except ValueError as exc:
                     raise ValueError(f"param group {gi} pins {pin}: {exc}") from None
-                self._pin_rungs[_pin_key(group)] = pin
+                self._record_pins()
             footprint = measure_footprint(self.param_groups)
             self._decision = self._decision.model_copy(
                 update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
@@ -552,10 +590,11 @@ class LadderOptimizer(LadderAdamW):
             ValueError: naming the group, the value found and the rung its state is on.
         """
         groups = self.param_groups
-        if not self._pin_rungs and all(g.get(RUNG_KEY) == self.rung for g in groups):
+        pins = self._group_pins()
+        if all(g.get(RUNG_KEY) == self.rung for g in groups) and not any(pins):
             return  # the common case
-        for gi, group in enumerate(groups):
-            rung = self._group_rung(group)
+        for gi, (group, pin) in enumerate(zip(groups, pins)):
+            rung = pin or self.rung
             found = group.get(RUNG_KEY)
             if found != rung:
                 raise ValueError(
@@ -601,8 +640,9 @@ class LadderOptimizer(LadderAdamW):
             decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
             check_groups(self.param_groups, decoupled)
             refuse_meta_params(self.param_groups)
-            for gi, group in enumerate(self.param_groups):
-                rung = self._group_rung(group)
+            pins = self._group_pins()
+            for gi, (group, pin) in enumerate(zip(self.param_groups, pins)):
+                rung = pin or self.rung
                 check_params_for_rung(group["params"], rung, self, f"group {gi}")
             grads = [list(map(grad_of, g["params"])) for g in self.param_groups]
             refuse_resized(self, grads, names, local=False)
@@ -614,6 +654,7 @@ class LadderOptimizer(LadderAdamW):
         # what passed the step checks before may hold for these params no more (a
         # channels_last param's moments are laid out again, its grads checked again)
         self._memo = None
+        self._record_pins()  # the pins of params added to a pinned group, none of removed ones
         self._checked_params = (flat, sizes, layouts)
 
     def _params_checked(self) -> None:
@@ -628,7 +669,7 @@ class LadderOptimizer(LadderAdamW):
         """Whether each param is contiguous, where a group is in the fp32 format (whose
         torch kernels pair a param's elements with its moments' by memory order; the
         other formats step any layout): empty otherwise."""
-        if self.rung != "fp32" and "fp32" not in self._pin_rungs.values():
+        if self.rung != "fp32" and "fp32" not in self._group_pins():
             return []
         return list(map(_IS_CONTIGUOUS, flat))
 
@@ -787,7 +828,8 @@ class LadderOptimizer(LadderAdamW):
         eager = self.eager_reasons  # by param index over all groups
         if eager:
             groups = self.param_groups
-            rungs = [self._group_rung(g) for g in groups for _ in g["params"]]
+            pins = self._group_pins()
+            rungs = [pin or self.rung for g, pin in zip(groups, pins) for _ in g["params"]]
             said = {(rungs[i] if i < len(rungs) else self.rung, r) for i, r in eager.items()}
             reasons += sorted(said)
         for rung, reason in reasons:
@@ -971,7 +1013,7 @@ class LadderOptimizer(LadderAdamW):
         pinned rung its number of groups: ``AdamW (rung='bf16', fused, pinned fp32: 1
         group\nParameter Group 0 ...)``."""
         fused = "fused" if self.decision.fused else "not fused"
-        pins = list(self._pin_rungs.values())
+        pins = [r for r in self._group_pins() if r is not None]
         pinned = "".join(
             f", pinned {rung}: {n} group{'s' * (n != 1)}"
             for rung, n in ((r, pins.count(r)) for r in dict.fromkeys(pins))
@@ -979,15 +1021,6 @@ class LadderOptimizer(LadderAdamW):
         name = type(self).__name__
         groups = torch.optim.Optimizer.__repr__(self).removeprefix(f"{name} (")
         return f"{name} (rung={self.rung!r}, {fused}{pinned}{groups}"
-
-
-def _pin_key(group: Mapping[str, Any]) -> int:
-    """The key of a group's pin: its first param's identity (a param is in one group
-    only), so that a pin holds when the group dicts are replaced by copies
-    (``opt.param_groups[:] = [dict(g) for g in opt.param_groups]``, which torch
-    accepts); the dict's own identity for a group without params."""
-    params = group["params"]
-    return id(params[0]) if params else id(group)
 
 
 def _mark_pinned(groups: list[dict[str, Any]], rung: Rung) -> None:
