@@ -952,3 +952,110 @@ def test_a_failed_agreement_across_ranks_leaves_no_state_of_the_step(
     ref.step()
     for p, q in zip(net.parameters(), ref_net.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    ("failing", "stepped", "partly", "not_stepped"),
+    [
+        ("torch_fused", [], [0], [1, 2, 3, 4]),  # the first entry
+        ("staged", [0, 1], [2], [3, 4]),  # a later one
+        ("eager", [0, 1, 2], [3], [4]),  # the last
+    ],
+)
+def test_a_commit_that_fails_part_way_names_exactly_the_groups_it_wrote(
+    failing: str, stepped: list[int], partly: list[int], not_stepped: list[int]
+) -> None:
+    """A commit whose entry ``failing`` raises (a fault injected into the optimizer's
+    own dispatch table) after the entries before it ran: PartialStepError says the
+    groups of the entries that ran were stepped, the failing entry's may be partly
+    stepped, and those of the entries after it (and a group without grads) were not
+    (every group was listed as partly stepped). The groups it calls stepped are the
+    same optimizer's after a clean step, bit for bit; those it calls not stepped are as
+    before the step. The groups, one per entry in the commit's order: an fp32-pinned
+    float32 param (torch's fused kernel), a contiguous float32 param (the C kernel), a
+    transposed one (the C kernel on copies, "staged"), a float64 param (the eager path
+    on the bf16 rung), a param without a grad."""
+    import dataclasses
+
+    def build() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+        gen = torch.Generator().manual_seed(0)
+        params = [
+            torch.nn.Parameter(torch.randn(64, generator=gen)),
+            torch.nn.Parameter(torch.randn(32, 8, generator=gen)),
+            torch.nn.Parameter(torch.randn(16, 8, generator=gen).t()),
+            torch.nn.Parameter(torch.randn(40, generator=gen, dtype=torch.float64)),
+            torch.nn.Parameter(torch.randn(16, generator=gen)),
+        ]
+        groups = [{"params": [p]} for p in params]
+        groups[0]["rung"] = "fp32"
+        opt = choose_optimizer(groups, lr=1e-2, rung="bf16", free_memory="64GiB")
+        return params, opt
+
+    def grads(params: list[torch.nn.Parameter], k: int) -> None:
+        gen = torch.Generator().manual_seed(10 + k)
+        for p in params[:4]:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+
+    params, opt = build()
+    ref_params, ref = build()
+    for k in range(2):
+        grads(params, k)
+        grads(ref_params, k)
+        if k == 1:
+            before = snapshot(opt)
+            entry = opt.dispatch.entries[failing]
+
+            def fail(*args: object) -> None:
+                raise RuntimeError("injected")
+
+            opt.dispatch.entries[failing] = dataclasses.replace(entry, run=fail)
+            with pytest.raises(PartialStepError) as info:
+                opt.step()
+        else:
+            opt.step()
+        ref.step()
+    assert (info.value.stepped, info.value.partly, info.value.not_stepped) == (
+        stepped,
+        partly,
+        not_stepped,
+    )
+    assert f"{stepped} were stepped, {partly} may be partly stepped" in str(info.value)
+    now, after = snapshot(opt), snapshot(ref)
+    for i in range(5):  # one param per group: the state_dict's keys are the groups'
+        expected = after if i in stepped else before if i in not_stepped else None
+        if expected is None:
+            continue
+        assert torch.equal(now[0][i], expected[0][i]), i
+        st, want = now[1]["state"].get(i, {}), expected[1]["state"].get(i, {})
+        assert st.keys() == want.keys(), i
+        for name in st:
+            assert torch.equal(st[name], want[name]), (i, name)
+
+
+def test_a_commit_that_fails_before_writing_names_no_group_written() -> None:
+    """The commit's stage (torch's foreach AdamW steps copies of a complex param before
+    anything is written) fails: PartialStepError says no group was stepped or partly
+    stepped, and params and state are as before the step."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(64, generator=gen))
+    z = torch.nn.Parameter(torch.randn(8, generator=gen, dtype=torch.complex64))
+    opt = choose_optimizer([{"params": [a]}, {"params": [z]}], lr=1e-2, free_memory="64GiB")
+    assert opt.rung == "fp32"
+    for k in range(2):
+        a.grad = torch.randn(64, generator=gen)
+        z.grad = torch.randn(8, generator=gen, dtype=torch.complex64)
+        if k == 0:
+            opt.step()
+    before = snapshot(opt)
+    entry = opt.dispatch.entries["torch_foreach"]
+
+    def fail(*args: object) -> None:
+        raise RuntimeError("injected")
+
+    opt.dispatch.entries["torch_foreach"] = dataclasses.replace(entry, stage=fail)
+    with pytest.raises(PartialStepError, match="before it wrote any param") as info:
+        opt.step()
+    assert (info.value.stepped, info.value.partly, info.value.not_stepped) == ([], [], [0, 1])
+    assert_same(snapshot(opt), before)

@@ -1247,8 +1247,13 @@ class LadderAdamW(torch.optim.Optimizer):
         # which kernel steps which (rung, device, param dtype, grad dtype), and why not
         # fused (:mod:`~optladder.optimizers.dispatch`)
         self.dispatch = dispatch.DispatchTable(backend, torch_fused)
-        # the prepared step: (entry, payload) per entry with params, in commit order
+        # the prepared step: (entry, payload) per entry with params, in commit order,
+        # and the group plans it was made from
         self._buckets: list[tuple[dispatch.Entry, Any]] | None = None
+        self._bucket_plans: list[_GroupPlan] = []
+        # after a commit_step that raised: the places in param_groups of the groups it
+        # had stepped, those it may have partly stepped and those it had not touched
+        self.commit_outcome: tuple[list[int], list[int], list[int]] | None = None
         self._created: list[torch.Tensor] = []  # the state the last prepare created
         self._scratch: dict[torch.device, Any] = {}
         self._stage: dict[torch.device, torch.Tensor] = {}  # staged params' copies (bytes)
@@ -1564,6 +1569,7 @@ class LadderAdamW(torch.optim.Optimizer):
             self._steady = steady  # the state dicts are those _see_state recorded: no
             # state was created (a change replans, next step)
             self._buckets = self._torch_buckets(steady.plans)
+            self._bucket_plans = steady.plans
             self._created = created
             self.eager_reasons = dict(steady.reasons)
             return created
@@ -1628,6 +1634,7 @@ class LadderAdamW(torch.optim.Optimizer):
             raise
         self._see_state()
         self._buckets = buckets
+        self._bucket_plans = plans
         self._created = created
         self.eager_reasons = {i: r for plan in plans for i, r in plan.reasons.items()}
         if eight is not None and eight.eager_reasons:
@@ -2204,6 +2211,11 @@ class LadderAdamW(torch.optim.Optimizer):
             found_inf: its inf/NaN flag; when set, nothing changes, step counts included
                 (read on the host once when an entry steps on the host).
 
+        Should a run raise anyway (it should not: nothing in it allocates), the error is
+        re-raised after :attr:`commit_outcome` records which groups the entries that had
+        run stepped, which the failing entry's may have partly stepped, and which the
+        entries after it did not touch (:meth:`_commit_outcome`).
+
         Raises:
             RuntimeError: if :meth:`prepare_step` did not run first.
             Whatever torch's foreach AdamW raised on the copies (an OOM): nothing was
@@ -2213,6 +2225,7 @@ class LadderAdamW(torch.optim.Optimizer):
         if buckets is None:
             raise RuntimeError("commit_step() needs prepare_step() first")
         self._buckets = None
+        self.commit_outcome = None
         created, self._created = self._created, []
         host = [bucket for bucket in buckets if bucket[0].amp == "host"]
         if host and found_inf is not None and bool(found_inf.item() != 0):  # host: a sync
@@ -2228,15 +2241,62 @@ class LadderAdamW(torch.optim.Optimizer):
                 if entry.stage is not None:
                     entry.stage(payload, grad_scale)
         except BaseException:  # nothing written yet: as before the prepare
+            self.commit_outcome = ([], [], list(range(len(self.param_groups))))
             self._drop_created(created)
             raise
-        for entry, payload in buckets:
-            if entry.amp == "kernel":
-                entry.run(payload, grad_scale, found_inf)
-        if grad_scale is not None:
-            unscale_grads_(unscale, grad_scale)
-        for entry, payload in host:
-            entry.run(payload, None, None)
+        ran: list[str] = []  # the entries whose run finished
+        running = None  # and the one running
+        try:
+            for entry, payload in buckets:
+                if entry.amp == "kernel":
+                    running = entry.name
+                    entry.run(payload, grad_scale, found_inf)
+                    ran.append(running)
+            running = None
+            if grad_scale is not None:
+                unscale_grads_(unscale, grad_scale)
+            for entry, payload in host:
+                running = entry.name
+                entry.run(payload, None, None)
+                ran.append(running)
+        except BaseException:
+            self.commit_outcome = self._commit_outcome(ran, running)
+            raise
+
+    def _commit_outcome(
+        self, ran: list[str], running: str | None
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Which groups a commit that failed had written, by their places in
+        ``param_groups``: ``(stepped, partly, not_stepped)``. A group is stepped when
+        every entry that steps one of its params (one with a grad: a plan's route of
+        that entry's name, or the ``"8bit"`` entry for an 8bit group) had finished
+        (``ran``); partly stepped when the failing entry (``running``) steps one of them,
+        or some of its entries had finished and others had not run; not stepped when
+        none of its entries had started (a group without grads among them). An entry's
+        run is one call (the C kernel's over every group's rows, torch's fused calls of
+        every group), so each of the failing entry's groups may be partly stepped."""
+        entries: dict[int, set[str]] = {}  # id(group) -> the entries stepping its params
+        for plan in self._bucket_plans:
+            for name, items in plan.routes.items():
+                if any(p.grad is not None for p, _ in items):
+                    entries.setdefault(id(plan.group), set()).add(name)
+        for group in self.param_groups:
+            if group.get(RUNG_KEY) == "8bit" and any(p.grad is not None for p in group["params"]):
+                entries.setdefault(id(group), set()).add("8bit")
+        done = set(ran)
+        started = done | ({running} if running is not None else set())
+        stepped: list[int] = []
+        partly: list[int] = []
+        not_stepped: list[int] = []
+        for gi, group in enumerate(self.param_groups):
+            names = entries.get(id(group), set())
+            if names and names <= done:
+                stepped.append(gi)
+            elif names & started:
+                partly.append(gi)
+            else:
+                not_stepped.append(gi)
+        return stepped, partly, not_stepped
 
     def _torch_lists(self, items: list[tuple[torch.Tensor, int]]) -> tuple[list[Any], ...]:
         """Torch's functional AdamW's lists for ``items``: params, grads, ``exp_avg``,

@@ -114,10 +114,13 @@ class PartialStepError(RuntimeError):
     that would step the written params twice. The original error is chained.
 
     Attributes:
-        stepped: group numbers (places in ``param_groups``) whose params were stepped.
-        partly: group numbers whose commit failed: some of their params may have been
-            stepped.
-        not_stepped: group numbers not touched.
+        stepped: group numbers (places in ``param_groups``) whose params were stepped:
+            every kernel call that steps them had finished.
+        partly: group numbers some of whose params may have been stepped: the failing
+            kernel call steps some of them (one call steps many groups: torch's fused
+            calls, the C kernel's table), or calls that step others had not run.
+        not_stepped: group numbers not touched (no call that steps them had begun;
+            groups without grads).
     """
 
     def __init__(
@@ -770,11 +773,14 @@ class LadderOptimizer(LadderAdamW):
         """Run the commit (it allocates nothing), with Ctrl-C held back until it is
         done, after dividing the grads of ``unscale`` (the distinct grads,
         :meth:`_grads_to_unscale`) by its ``grad_scale``, when given. Should it fail
-        anyway, record that the groups may be partly written (``partial_step``) and
-        raise :class:`PartialStepError` (a KeyboardInterrupt or other ``BaseException``
-        is re-raised as it is, after the record)."""
+        anyway, record which groups it had stepped, which it may have partly stepped and
+        which it had not touched (``partial_step``, from the engine's
+        :attr:`~optladder.optimizers.adamw.LadderAdamW.commit_outcome`) and raise
+        :class:`PartialStepError` (a KeyboardInterrupt or other ``BaseException`` is
+        re-raised as it is, after the record)."""
         self._commits += 1  # before the first write: Ladder must never rerun this step
         done = False
+        self.commit_outcome = None
         try:
             with deferred_interrupts():
                 if unscale is not None:
@@ -786,15 +792,26 @@ class LadderOptimizer(LadderAdamW):
                 self._steps += 1
                 self.partial_step = None
                 raise
-            partly = list(range(len(self.param_groups)))  # one commit steps every group
+            # what the engine's commit had written (nothing when it did not begin)
+            outcome: tuple[list[int], list[int], list[int]] = self.commit_outcome or (
+                [],
+                [],
+                list(range(len(self.param_groups))),
+            )
+            stepped, partly, not_stepped = outcome
+            written = (
+                "after it had written params"
+                if stepped or partly
+                else "before it wrote any param (the grads may be unscaled)"
+            )
             error = PartialStepError(
-                f"the optimizer step failed in its commit ({describe_error(exc)}) after it "
-                f"had written params: param groups [] were stepped, {partly} may be "
-                "partly stepped, [] were not. The step is not retried (that would step "
-                "the written params twice); resume from a checkpoint to continue exactly.",
-                [],
+                f"the optimizer step failed in its commit ({describe_error(exc)}) {written}: "
+                f"param groups {stepped} were stepped, {partly} may be partly stepped, "
+                f"{not_stepped} were not. The step is not retried (that would step the "
+                "written params twice); resume from a checkpoint to continue exactly.",
+                stepped,
                 partly,
-                [],
+                not_stepped,
             )
             self.partial_step = error
             logger.error("optladder: %s", error)
