@@ -31,11 +31,13 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from optladder.compilation import run_eagerly
+from optladder.dtype_names import dtype_name
 from optladder.oom import describe_error, is_oom
 from optladder.optimizers.adamw import LadderAdamW, distinct_grads, unscale_grads_
 from optladder.optimizers.build import KERNEL_KEYS
 from optladder.optimizers.checked import first_params_only
 from optladder.optimizers.fusedstep import refuse_resized
+from optladder.optimizers.spec import KERNEL_DTYPES
 from optladder.optimizers.stepmemo import StepMemo, grad_of, same_objects
 from optladder.optimizers.transaction import (
     commit_step,
@@ -838,16 +840,29 @@ class LadderOptimizer(LadderAdamW):
     def _warn_unfused(self) -> None:
         """Log each distinct reason for leaving the fused path once per optimizer and
         rung: the decision's, and those of params the last step stepped eagerly (each
-        under the rung of its param's group)."""
+        under the rung of its param's group), but for params of a dtype optladder's
+        kernels do not step on the decision's rung when the decision is not fused: its
+        reason names those dtypes already (``float64 params run the eager path``), so a
+        float64 param on the bf16 rung is one line, not that and the kernel's word for
+        it (``param dtype torch.float64: the CPU kernel steps ...``)."""
         reasons: list[tuple[Rung, str]] = []
+        named = None  # the rung whose unfused dtypes the decision's reason names
         if not self._decision.fused:
             reasons.append((self.rung, self._decision.unfused_reason or ""))
+            named = self.rung
         eager = self.eager_reasons  # by param index over all groups
         if eager:
             groups = self.param_groups
             pins = self._group_pins()
-            rungs = [pin or self.rung for g, pin in zip(groups, pins) for _ in g["params"]]
-            said = {(rungs[i] if i < len(rungs) else self.rung, r) for i, r in eager.items()}
+            params = [(p, pin or self.rung) for g, pin in zip(groups, pins) for p in g["params"]]
+            said: set[tuple[Rung, str]] = set()
+            for i, reason in eager.items():
+                if i >= len(params):
+                    said.add((self.rung, reason))
+                    continue
+                p, rung = params[i]
+                if rung != named or dtype_name(p.dtype) in KERNEL_DTYPES:
+                    said.add((rung, reason))
             reasons += sorted(said)
         for rung, reason in reasons:
             if (rung, reason) not in self._warned:
