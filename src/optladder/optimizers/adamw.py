@@ -2361,6 +2361,20 @@ class LadderAdamW(torch.optim.Optimizer):
         return launches
 
     def _step_param(self, p: torch.Tensor, group: dict[str, Any], param_index: int) -> None:
+        """The readable oracle of one param's step (prepare every new value, then
+        commit), in plain torch ops: the bits the kernels and the eager path write.
+
+        The math is float32 (the moments widened, the IEEE float32 square root), the
+        moments are written in the group's format (bfloat16: :func:`round_moments`) and
+        the param in its dtype (:func:`round_param`), but a float64 param, which gets the
+        float32 update added in float64, decoupled decay applied in float64 (as
+        :func:`~optladder.optimizers.eager.eager_step`): it is never rounded to float32.
+
+        Args:
+            p: the param (float32, bfloat16, float16, float64) with a dense grad.
+            group: its param group.
+            param_index: its index over all groups (the random bits' counter).
+        """
         moment_dtype = self.group_moment_dtype(group)
         state = self._init_state(p, moment_dtype)
         lr = float(group["lr"])
@@ -2374,11 +2388,18 @@ class LadderAdamW(torch.optim.Optimizer):
         if group["maximize"]:
             grad.neg_()
         param = p.detach().to(torch.float32, copy=True)
+        # a float64 param: the float32 update is added to it in float64, decoupled decay
+        # applied in float64 too, so it is never rounded to float32 (lr=0 keeps its bits)
+        wide = p.detach().to(torch.float64, copy=True) if p.dtype == torch.float64 else None
         if wd != 0:
-            if group["decoupled_weight_decay"]:
-                param.mul_(1.0 - lr * wd)
-            else:
+            if not group["decoupled_weight_decay"]:
                 grad.add_(param, alpha=wd)
+            elif wide is not None:
+                wide.mul_(1.0 - lr * wd)
+            else:
+                param.mul_(1.0 - lr * wd)
+        if wide is not None:
+            param.zero_()  # below, param is the float32 update
         exp_avg = state["exp_avg"].to(torch.float32, copy=True)
         exp_avg_sq = state["exp_avg_sq"].to(torch.float32, copy=True)
         exp_avg.lerp_(grad, 1.0 - beta1)
@@ -2392,7 +2413,10 @@ class LadderAdamW(torch.optim.Optimizer):
             new_avg, new_avg_sq = round_moments(exp_avg, exp_avg_sq, key, group["rounding"])
         else:
             new_avg, new_avg_sq = exp_avg, exp_avg_sq
-        new_param = round_param(param, p.dtype, key, group.get("param_rounding", "stochastic"))
+        if wide is not None:
+            new_param = wide.add_(param)  # the float32 update, added in float64
+        else:
+            new_param = round_param(param, p.dtype, key, group.get("param_rounding", "stochastic"))
 
         p.copy_(new_param)
         state["exp_avg"].copy_(new_avg)
