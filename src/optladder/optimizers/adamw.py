@@ -1559,6 +1559,7 @@ class LadderAdamW(torch.optim.Optimizer):
         if checked is None:
             self._check_options(groups)
         self._buckets = None
+        self._bucket_plans = []
         steady, self._steady = self._steady, None
         if steady is not None and state_same and steady.reuse(groups, starts, checked):
             try:  # every plan holds and steps on torch's kernels alone: checked flat
@@ -1718,6 +1719,7 @@ class LadderAdamW(torch.optim.Optimizer):
             self._eightbit.release_scratch()
             self._eightbit.release_tables()
         self._buckets = None
+        self._bucket_plans = []
         self._group_plans.clear()
         self._torch_routes = None
         self._steady = None
@@ -1965,6 +1967,7 @@ class LadderAdamW(torch.optim.Optimizer):
     def release_scratch(self) -> None:
         """Drop the prepared step, the eager path's scratch buffers and the kernel tables."""
         self._buckets = None
+        self._bucket_plans = []
         self._scratch.clear()
         self._stage.clear()
         self._cpu_table, self._table_plans = None, []
@@ -2225,6 +2228,9 @@ class LadderAdamW(torch.optim.Optimizer):
         if buckets is None:
             raise RuntimeError("commit_step() needs prepare_step() first")
         self._buckets = None
+        # the plans, for a failure's outcome only: not kept past the commit (they hold the
+        # state, which a move frees param by param)
+        plans, self._bucket_plans = self._bucket_plans, []
         self.commit_outcome = None
         created, self._created = self._created, []
         host = [bucket for bucket in buckets if bucket[0].amp == "host"]
@@ -2260,14 +2266,15 @@ class LadderAdamW(torch.optim.Optimizer):
                 entry.run(payload, None, None)
                 ran.append(running)
         except BaseException:
-            self.commit_outcome = self._commit_outcome(ran, running)
+            self.commit_outcome = self._commit_outcome(plans, ran, running)
             raise
 
     def _commit_outcome(
-        self, ran: list[str], running: str | None
+        self, plans: list[_GroupPlan], ran: list[str], running: str | None
     ) -> tuple[list[int], list[int], list[int]]:
         """Which groups a commit that failed had written, by their places in
-        ``param_groups``: ``(stepped, partly, not_stepped)``. A group is stepped when
+        ``param_groups``: ``(stepped, partly, not_stepped)``, from the step's group
+        ``plans``. A group is stepped when
         every entry that steps one of its params (one with a grad: a plan's route of
         that entry's name, or the ``"8bit"`` entry for an 8bit group) had finished
         (``ran``); partly stepped when the failing entry (``running``) steps one of them,
@@ -2276,7 +2283,7 @@ class LadderAdamW(torch.optim.Optimizer):
         run is one call (the C kernel's over every group's rows, torch's fused calls of
         every group), so each of the failing entry's groups may be partly stepped."""
         entries: dict[int, set[str]] = {}  # id(group) -> the entries stepping its params
-        for plan in self._bucket_plans:
+        for plan in plans:
             for name, items in plan.routes.items():
                 if any(p.grad is not None for p, _ in items):
                     entries.setdefault(id(plan.group), set()).add(name)
