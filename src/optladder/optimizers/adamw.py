@@ -1002,8 +1002,21 @@ def is_8bit_group(group: Mapping[str, Any]) -> bool:
 
 BNB_GROUP_KEYS: dict[str, Any] = {"alpha": 0.0, "t_alpha": None, "t_beta3": None}
 """The group keys bitsandbytes' ``AdamW8bit`` gives its groups beyond Adam's (its
-AdEMAMix options, at the values that make it Adam): an 8bit-format group holds them, so
-its ``state_dict`` is the one ``AdamW8bit`` saves."""
+AdEMAMix options, at the values that make it Adam). The live groups do not hold them
+(they are no option of optladder's); an 8bit-format group's saved form does
+(:func:`saved_group_keys`), so its checkpoint is the one ``AdamW8bit`` saves, and steps
+on in it: ``AdamW8bit.load_state_dict`` replaces its groups with the saved ones, and
+bitsandbytes 0.45 reads ``group.get("alpha")`` with no default (its update then refuses
+None); 0.46 added defaults."""
+
+
+def saved_group_keys(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` (a group as ``state_dict()`` writes it) with :data:`BNB_GROUP_KEYS`
+    where it is in the 8bit format (those it lacks); returned, changed in place."""
+    if saved.get(RUNG_KEY) == "8bit":
+        for key, value in BNB_GROUP_KEYS.items():
+            saved.setdefault(key, value)
+    return saved
 
 
 def refuse_8bit_params(params: list[torch.Tensor]) -> None:
@@ -1397,11 +1410,14 @@ class LadderAdamW(torch.optim.Optimizer):
                 st["step"] = st["step"].detach().to("cpu", STEP_DTYPE, copy=True)  # nor shared
 
     def _wrap_8bit_state(self, state_dict: dict[str, Any]) -> None:
-        """State-dict post hook: the 8bit groups' state as bitsandbytes' ``AdamW8bit``
-        saves it (its ``state_dict`` moves the quantization tensors under
-        ``"__bnb_optimizer_quant_state__"``, :func:`~.migrate.wrap_bnb_state`)."""
+        """State-dict post hook: the 8bit groups' state and groups as bitsandbytes'
+        ``AdamW8bit`` saves them (its ``state_dict`` moves the quantization tensors under
+        ``"__bnb_optimizer_quant_state__"``, :func:`~.migrate.wrap_bnb_state`; its groups
+        hold :data:`BNB_GROUP_KEYS`)."""
         from optladder.optimizers.migrate import wrap_bnb_state
 
+        for saved_group in state_dict["param_groups"]:
+            saved_group_keys(saved_group)
         index = 0
         saved = state_dict["state"]
         for group in self.param_groups:
@@ -1415,17 +1431,16 @@ class LadderAdamW(torch.optim.Optimizer):
     def format_keys(self, group: dict[str, Any]) -> None:
         """Give ``group`` the keys of its state format: an fp32-format group stepped on
         torch's kernels (``backend="auto"``) holds torch's AdamW group keys
-        (:func:`~.torchroute.torch_group_keys`, those it lacks), a bf16-format group none
-        of them, an 8bit-format group none of them and bitsandbytes' ``AdamW8bit`` group
-        keys (:data:`BNB_GROUP_KEYS`, those it lacks)."""
+        (:func:`~.torchroute.torch_group_keys`, those it lacks), a bf16-format group and
+        an 8bit-format group none of them. No group holds bitsandbytes' AdEMAMix keys
+        (:data:`BNB_GROUP_KEYS`: removed, as groups of earlier versions had them on the
+        8bit rung); an 8bit group's checkpoint does (:func:`saved_group_keys`)."""
+        for key in BNB_GROUP_KEYS:
+            group.pop(key, None)
         if group.get(RUNG_KEY) == "8bit":
             for key in torchroute.TORCH_GROUP_KEYS:
                 group.pop(key, None)
-            for key, value in BNB_GROUP_KEYS.items():
-                group.setdefault(key, value)
             return
-        for key in BNB_GROUP_KEYS:
-            group.pop(key, None)
         if self.backend == "auto" and self.group_moment_dtype(group) == torch.float32:
             for key, value in torchroute.torch_group_keys(self.torch_fused).items():
                 group.setdefault(key, value)
