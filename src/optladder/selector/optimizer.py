@@ -23,12 +23,12 @@ import logging
 import operator
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
 from typing import Any, TypeVar, cast
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from optladder.compilation import run_eagerly
 from optladder.dtype_names import dtype_name
@@ -267,9 +267,9 @@ class LadderOptimizer(LadderAdamW):
     ) -> None:
         check_max_retries(max_retries)
         self._built = False  # add_param_group: torch's __init__ adds the groups below
-        # every param of a group that pins its rung -> that rung (the format its state
-        # is in); see _group_pin
-        self._pin_rungs: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # id(param) -> (a weak reference to it, the rung its group pins), for every param
+        # of a group that pins its rung (the format its state is in); see _group_pin
+        self._pin_rungs: dict[int, tuple[weakref.ref[torch.Tensor], Rung]] = {}
         self._decision = decision
         self.max_retries = max_retries
         self.on_escalate = on_escalate
@@ -337,9 +337,10 @@ class LadderOptimizer(LadderAdamW):
         """
         params = group["params"]
         if params:
-            pin: Rung | None = self._pin_rungs.get(params[0])
-            if pin is not None:
-                return pin
+            first = params[0]
+            entry = self._pin_rungs.get(id(first))
+            if entry is not None and entry[0]() is first:  # not another tensor at its address
+                return entry[1]
         if group.get(ORIGIN_KEY) == GROUP_PIN_ORIGIN and group.get(RUNG_KEY) in RUNGS:
             return cast(Rung, group[RUNG_KEY])
         return None
@@ -354,11 +355,11 @@ class LadderOptimizer(LadderAdamW):
     def _record_pins(self) -> None:
         """Record the pin of every param of each pinned group (:meth:`_group_pin`):
         at construction, when a group is added, and when the params changed."""
-        record: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        record: dict[int, tuple[weakref.ref[torch.Tensor], Rung]] = {}
         for group, pin in zip(self.param_groups, self._group_pins()):
             if pin is not None:
                 for p in group["params"]:
-                    record[p] = pin
+                    record[id(p)] = (weakref.ref(p), pin)
         self._pin_rungs = record
 
     def _following_groups(self) -> list[dict[str, Any]]:
@@ -586,16 +587,18 @@ class LadderOptimizer(LadderAdamW):
             "rank from a checkpoint)"
         )
 
-    def _check_group_rungs(self) -> None:
+    def _check_group_rungs(self, pins: list[Rung | None] | None = None) -> None:
         """Refuse a group whose ``"rung"`` entry was edited by hand: its state is in the
         format of the rung it pins or the decision's, and a step or a checkpoint under another name
-        would contradict it (a checkpoint saying bf16 beside float32 moments).
+        would contradict it (a checkpoint saying bf16 beside float32 moments). ``pins``:
+        :meth:`_group_pins`, when the caller has them.
 
         Raises:
             ValueError: naming the group, the value found and the rung its state is on.
         """
         groups = self.param_groups
-        pins = self._group_pins()
+        if pins is None:
+            pins = self._group_pins()
         if all(g.get(RUNG_KEY) == self.rung for g in groups) and not any(pins):
             return  # the common case
         for gi, (group, pin) in enumerate(zip(groups, pins)):
@@ -611,7 +614,7 @@ class LadderOptimizer(LadderAdamW):
                     f"param_groups[{gi}]['rung'] = {rung!r} back to go on"
                 )
 
-    def _check_params(self) -> None:
+    def _check_params(self, pins: list[Rung | None]) -> None:
         """Construction's param checks again when the params changed since they last
         passed: a group's ``"params"`` list edited by hand (a param appended twice, or
         one of a dtype or layout the group's rung cannot take) or a param's ``.data``
@@ -629,10 +632,12 @@ class LadderOptimizer(LadderAdamW):
                 grad or state tensor of another size than its param
                 (:func:`~optladder.optimizers.fusedstep.refuse_resized`), with a note
                 that the params changed; nothing is changed.
+
+        ``pins``: :meth:`_group_pins`.
         """
         flat = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
         sizes = list(map(_NBYTES, flat))
-        layouts = self._layouts(flat)
+        layouts = self._layouts(flat, pins)
         seen, seen_sizes, seen_layouts = self._checked_params
         if seen is not None and same_objects(flat, seen):
             if seen_sizes is None:  # as construction checked them
@@ -645,7 +650,6 @@ class LadderOptimizer(LadderAdamW):
             decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
             check_groups(self.param_groups, decoupled)
             refuse_meta_params(self.param_groups)
-            pins = self._group_pins()
             for gi, (group, pin) in enumerate(zip(self.param_groups, pins)):
                 rung = pin or self.rung
                 check_params_for_rung(group["params"], rung, self, f"group {gi}")
@@ -670,11 +674,11 @@ class LadderOptimizer(LadderAdamW):
         flat = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
         self._checked_params = (flat, None, None)
 
-    def _layouts(self, flat: list[torch.Tensor]) -> list[bool]:
+    def _layouts(self, flat: list[torch.Tensor], pins: list[Rung | None]) -> list[bool]:
         """Whether each param is contiguous, where a group is in the fp32 format (whose
         torch kernels pair a param's elements with its moments' by memory order; the
-        other formats step any layout): empty otherwise."""
-        if self.rung != "fp32" and "fp32" not in self._group_pins():
+        other formats step any layout): empty otherwise. ``pins``: :meth:`_group_pins`."""
+        if self.rung != "fp32" and "fp32" not in pins:
             return []
         return list(map(_IS_CONTIGUOUS, flat))
 
@@ -702,8 +706,9 @@ class LadderOptimizer(LadderAdamW):
         error: BaseException | None = None
         status = STEP_OK
         try:
-            self._check_group_rungs()
-            self._check_params()
+            pins = self._group_pins()
+            self._check_group_rungs(pins)
+            self._check_params(pins)
             if self._memo is None:
                 self._memo = StepMemo()
             created = prepare_step(self, names, self._memo)
