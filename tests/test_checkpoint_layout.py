@@ -444,3 +444,87 @@ def test_dcp_loads_optimizers_kept_in_a_list_across_rungs() -> None:
         assert [g["rung"] for g in o.param_groups] == [g["rung"] for g in ref.param_groups]
         saved, loaded = snapshot(ref)[1], snapshot(o)[1]
         assert_same(_states([], *loaded["state"].values()), _states([], *saved["state"].values()))
+
+
+# ---------------------------------------------------------------- AdEMAMix group keys
+_ADEMAMIX_KEYS = ("alpha", "t_alpha", "t_beta3")
+
+
+def _get_config_045(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bitsandbytes 0.45's ``Optimizer8bit.get_config`` (which pyproject allows): the
+    AdEMAMix keys read with ``group.get(key)``, no default (0.46 added 0.0/0/0)."""
+    from bitsandbytes.optim.optimizer import Optimizer8bit
+
+    current = Optimizer8bit.get_config
+
+    def get_config(self: Any, gindex: int, pindex: int, group: dict[str, Any]) -> Any:
+        config = current(self, gindex, pindex, group)
+        for key in _ADEMAMIX_KEYS:
+            config[key] = group.get(key)
+        return config
+
+    monkeypatch.setattr(Optimizer8bit, "get_config", get_config)
+
+
+@pytest.mark.parametrize("compiler", [True, False], ids=["c-kernel", "no-compiler"])
+def test_8bit_groups_hold_no_ademamix_keys_but_their_checkpoint_does(
+    monkeypatch: pytest.MonkeyPatch, compiler: bool
+) -> None:
+    """The live param groups hold none of bitsandbytes' AdEMAMix keys (``alpha``,
+    ``t_alpha``, ``t_beta3``; they are no option of optladder's): built on 8bit,
+    escalated to 8bit, after loading a plain ``AdamW8bit`` checkpoint (which has them).
+    ``state_dict()`` writes them into the 8bit groups, as ``AdamW8bit``'s own
+    ``state_dict()`` (the reference) has them: under bitsandbytes 0.45's ``get_config``
+    the checkpoint steps on in plain ``AdamW8bit`` (a group without them: its update
+    refuses ``alpha=None``), as it steps under the installed bitsandbytes, bit for bit;
+    and optladder's own 8bit steps run under it too, also where no C compiler is found
+    and bitsandbytes' own update steps the 8bit groups (its config is given Adam's
+    values)."""
+    import bitsandbytes as bnb
+
+    if not compiler:  # no C kernel: bitsandbytes' CPU update steps the 8bit groups
+        monkeypatch.setenv("CC", "optladder-no-such-compiler")
+    _get_config_045(monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(n, generator=gen)) for n in (5000, 300)]
+    built = choose_optimizer([{"params": params[:1]}, {"params": params[1:]}], rung="8bit")
+    moved = choose_optimizer([nn.Parameter(p.detach().clone()) for p in params], free_memory="1GiB")
+    opts = (built, moved)
+    for k in range(2):
+        for opt in opts:
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(k))
+            opt.step()
+        if k == 0:
+            moved.escalate("test")
+            moved.escalate("test")
+    assert moved.rung == built.rung == "8bit"
+    plain_params = [nn.Parameter(p.detach().clone()) for p in params]
+    plain = bnb.optim.AdamW8bit([{"params": plain_params[:1]}, {"params": plain_params[1:]}])
+    for p in plain_params:
+        p.grad = torch.ones_like(p)
+    plain.step()
+    reference = plain.state_dict()
+    loaded = choose_optimizer([{"params": params[:1]}, {"params": params[1:]}], rung="8bit")
+    loaded.load_state_dict(copy.deepcopy(reference))
+    for opt in (*opts, loaded):
+        for group in opt.param_groups:
+            assert not set(_ADEMAMIX_KEYS) & group.keys(), sorted(group)
+    saved = built.state_dict()
+    for group, want in zip(saved["param_groups"], reference["param_groups"]):
+        assert {k: group[k] for k in _ADEMAMIX_KEYS} == {k: want[k] for k in _ADEMAMIX_KEYS}
+    # the export: bitsandbytes 0.45 steps on from the checkpoint, as the installed one
+    ends = []
+    for patched in (True, False):
+        if not patched:
+            monkeypatch.undo()
+        twins = [nn.Parameter(p.detach().clone()) for p in params]
+        export = bnb.optim.AdamW8bit([{"params": twins[:1]}, {"params": twins[1:]}])
+        export.load_state_dict(copy.deepcopy(saved))
+        for p in twins:
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(5))
+        export.step()
+        ends.append(twins)
+    for a, b in zip(*ends):
+        assert torch.equal(a, b)

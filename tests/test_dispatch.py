@@ -251,3 +251,44 @@ def test_a_backend_that_insists_refuses_what_its_kernel_cannot_step() -> None:
     )
     assert foreach.entry == "torch_foreach"
     assert "no fused AdamW kernel on cpu" in str(foreach.reason)
+
+
+@pytest.mark.parametrize(
+    ("rung", "pin", "dtypes"),
+    [
+        ("bf16", None, (torch.float64,)),
+        ("bf16", None, (torch.float64, torch.float32)),
+        ("fp32", "bf16", (torch.float64, torch.float32)),  # float64 pins bf16; fp32 is fused
+    ],
+)
+def test_float64_params_on_the_bf16_rung_log_one_line(
+    caplog: pytest.LogCaptureFixture,
+    rung: str,
+    pin: str | None,
+    dtypes: tuple[torch.dtype, ...],
+) -> None:
+    """float64 params on the bf16 rung run the eager path for one reason, logged once
+    over construction and three steps (README: "one log line per reason"): it was logged
+    twice, as the decision's (``float64 params run the eager path``) and as the C
+    kernel's per param (``param dtype torch.float64: ...``). Beside a decision that is
+    fused (fp32, the float64 params in a group that pins bf16) the param's own reason is
+    that one line."""
+    import logging
+
+    from optladder import choose_optimizer
+
+    caplog.set_level(logging.WARNING, logger="optladder")
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, generator=gen, dtype=d)) for d in dtypes]
+    group: dict[str, Any] = {"params": params[:1]}
+    if pin is not None:
+        group["rung"] = pin
+    groups = [group, *({"params": [p]} for p in params[1:])]
+    opt = choose_optimizer(groups, lr=1e-3, rung=rung, free_memory="1GiB")
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        opt.step()
+    lines = [r.getMessage() for r in caplog.records if "not on the fused path" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "bf16 rung" in lines[0] and "float64" in lines[0]

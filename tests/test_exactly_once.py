@@ -555,19 +555,106 @@ def test_a_failed_move_to_8bit_names_the_rounded_params() -> None:
 
 @pytest.mark.parametrize("n", [1, 1000, 65536, 1_000_003])
 def test_splitting_a_float32_moment_is_exact_and_rounds_to_nearest(n: int) -> None:
-    """The bfloat16 half is float32's value rounded to nearest (ties away from zero);
-    joined with the low half it is the float32 value, every bit (NaN and inf too)."""
+    """The bfloat16 half is float32's value rounded to nearest (ties away from zero), a
+    NaN a NaN and an infinity the same infinity, as ``.to(torch.bfloat16)`` keeps them
+    (the carry had made NaNs whose low half is 0x8000 or more -0 or +0, and 0x7F80xxxx
+    an infinity); joined with the low half it is the float32 value, every bit (NaN and
+    inf too), but for signalling NaNs whose payload is in the low half only, which come
+    back quiet (bit 22 set: 32 bits cannot keep them and a NaN half). One in 32,768 random
+    patterns is such a NaN; NaNs of every kind and the infinities are added by hand."""
     gen = torch.Generator().manual_seed(n)
-    bits = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits = torch.randint(-(2**31), 2**31, (n,), generator=gen, dtype=torch.int64)
+    nans = [0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000, 0xFFBF8000, 0x7F800001, 0xFF80FFFF]
+    special = torch.tensor([*nans, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x7FC08000])
+    k = min(n, len(special))
+    bits[:k] = special[:k]
+    bits = bits.to(torch.int32)
     m = bits.view(torch.float32)
     original = m.clone()
     value, low = _split_moment(m, torch.Size([n]))
     assert torch.equal(m.view(torch.int32), original.view(torch.int32))  # source untouched
-    assert torch.equal(_join_moment(value, low).view(torch.int32), original.view(torch.int32))
+    magnitude = bits & 0x7FFFFFFF
+    low_only = (magnitude > 0x7F800000) & (magnitude < 0x7F810000)  # 0x7F80xxxx, xxxx > 0
+    want = torch.where(low_only, bits | 0x00400000, bits)
+    assert torch.equal(_join_moment(value, low).view(torch.int32), want)
+    torch_value = original.to(torch.bfloat16)  # torch's round to nearest
+    assert torch.equal(value.isnan(), original.isnan())
+    assert torch.equal(value.isnan(), torch_value.isnan())
+    assert torch.equal(value.isinf(), torch_value.isinf())  # 0x7F7FFFFF rounds up to inf
+    nan = original.isnan()
+    assert torch.equal(value[nan].view(torch.int16) < 0, bits[nan] < 0)  # each NaN's sign
+    infinite = original.isinf()
+    assert torch.equal(value[infinite].float(), original[infinite])
     finite = torch.isfinite(original) & torch.isfinite(value.float())
     ties = (original.view(torch.int32) & 0xFFFF) == 0x8000
     keep = finite & ~ties
     assert torch.equal(value[keep], original[keep].to(torch.bfloat16))
+    if n >= len(special):  # a load's narrowing gives the move's bits, NaNs included
+        got = _narrowed(m, torch.Size([n]), torch.device("cpu"), torch.bfloat16)
+        assert torch.equal(got.view(torch.int16), value.view(torch.int16))
+
+
+_NON_FINITE = [0x7FC00000, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000, 0xFFC12345, 0x7F800000, 0xFF800000]
+"""float32 moments, as bits: quiet NaNs of both signs (three whose low half is 0x8000 or
+more: the carry had made them -0, +0, -0), the infinities."""
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+def _nan_moments(n: int = 600) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+    """An optimizer on the fp32 rung after one step, whose param's moments hold
+    :data:`_NON_FINITE` (exp_avg) and a NaN and inf (exp_avg_sq) at the front."""
+    gen = torch.Generator().manual_seed(1)
+    p = torch.nn.Parameter(torch.randn(n, generator=gen))
+    opt = choose_optimizer([p], lr=1e-2, free_memory="8GiB", environ={})
+    p.grad = torch.randn(n, generator=gen)
+    opt.step()
+    assert opt.rung == "fp32"
+    special = torch.tensor(_NON_FINITE, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    opt.state[p]["exp_avg"][: len(special)] = special
+    opt.state[p]["exp_avg_sq"][:2] = torch.tensor([float("nan"), float("inf")])
+    return p, opt
+
+
+def test_a_move_to_bf16_keeps_nan_and_inf_moments() -> None:
+    """An escalation fp32 -> bf16 narrows a NaN moment to a NaN and an infinite one to
+    the same infinity, as ``.to(torch.bfloat16)`` does (0x7FFFFFFF became -0 and
+    0xFFFFFFFF +0); every other moment is torch's round to nearest (no halfway values
+    here, where the move rounds away from zero)."""
+    p, opt = _nan_moments()
+    before = {name: opt.state[p][name].clone() for name in ("exp_avg", "exp_avg_sq")}
+    opt.escalate("test")
+    assert opt.rung == "bf16"
+    for name, m in before.items():
+        numbers = ~m.isnan()
+        assert not bool(((m.view(torch.int32) & 0xFFFF) == 0x8000)[numbers].any())  # no ties
+        moved, want = opt.state[p][name], m.to(torch.bfloat16)
+        assert moved.dtype == torch.bfloat16
+        assert torch.equal(moved.isnan(), m.isnan()), name
+        assert torch.equal(moved.isnan(), want.isnan()), name
+        assert torch.equal(_bits(moved[numbers]), _bits(want[numbers])), name
+
+
+def test_a_failed_move_gives_nan_moments_back_bit_for_bit_at_any_allocation() -> None:
+    """A move fp32 -> bf16 that fails at any allocation joins each moment back from its
+    halves: NaN moments too (a NaN's bfloat16 half carries nothing, its low half is
+    joined without the borrow), bit for bit."""
+    p, opt = _nan_moments()
+    with FailNthAllocation() as counter:
+        opt.escalate("count")
+    assert counter.count > 2
+    for k in range(1, counter.count + 1):
+        p, opt = _nan_moments()
+        before = {name: opt.state[p][name].clone() for name in ("exp_avg", "exp_avg_sq")}
+        with pytest.raises(OptimizerOutOfMemoryError), FailNthAllocation(k):
+            opt.escalate("injected")
+        assert opt.rung == "fp32"
+        for name, m in before.items():
+            got = opt.state[p][name]
+            assert got.dtype == torch.float32, (k, name)
+            assert torch.equal(_bits(got), _bits(m)), (k, name)
 
 
 HALFWAY = [1 + 2**-8, -(1 + 2**-8), 1 + 3 * 2**-8, 1 + 2**-8 - 2**-20, 3.0, 2 + 2**-7]
@@ -952,3 +1039,110 @@ def test_a_failed_agreement_across_ranks_leaves_no_state_of_the_step(
     ref.step()
     for p, q in zip(net.parameters(), ref_net.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    ("failing", "stepped", "partly", "not_stepped"),
+    [
+        ("torch_fused", [], [0], [1, 2, 3, 4]),  # the first entry
+        ("staged", [0, 1], [2], [3, 4]),  # a later one
+        ("eager", [0, 1, 2], [3], [4]),  # the last
+    ],
+)
+def test_a_commit_that_fails_part_way_names_exactly_the_groups_it_wrote(
+    failing: str, stepped: list[int], partly: list[int], not_stepped: list[int]
+) -> None:
+    """A commit whose entry ``failing`` raises (a fault injected into the optimizer's
+    own dispatch table) after the entries before it ran: PartialStepError says the
+    groups of the entries that ran were stepped, the failing entry's may be partly
+    stepped, and those of the entries after it (and a group without grads) were not
+    (every group was listed as partly stepped). The groups it calls stepped are the
+    same optimizer's after a clean step, bit for bit; those it calls not stepped are as
+    before the step. The groups, one per entry in the commit's order: an fp32-pinned
+    float32 param (torch's fused kernel), a contiguous float32 param (the C kernel), a
+    transposed one (the C kernel on copies, "staged"), a float64 param (the eager path
+    on the bf16 rung), a param without a grad."""
+    import dataclasses
+
+    def build() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+        gen = torch.Generator().manual_seed(0)
+        params = [
+            torch.nn.Parameter(torch.randn(64, generator=gen)),
+            torch.nn.Parameter(torch.randn(32, 8, generator=gen)),
+            torch.nn.Parameter(torch.randn(16, 8, generator=gen).t()),
+            torch.nn.Parameter(torch.randn(40, generator=gen, dtype=torch.float64)),
+            torch.nn.Parameter(torch.randn(16, generator=gen)),
+        ]
+        groups = [{"params": [p]} for p in params]
+        groups[0]["rung"] = "fp32"
+        opt = choose_optimizer(groups, lr=1e-2, rung="bf16", free_memory="64GiB")
+        return params, opt
+
+    def grads(params: list[torch.nn.Parameter], k: int) -> None:
+        gen = torch.Generator().manual_seed(10 + k)
+        for p in params[:4]:
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+
+    params, opt = build()
+    ref_params, ref = build()
+    for k in range(2):
+        grads(params, k)
+        grads(ref_params, k)
+        if k == 1:
+            before = snapshot(opt)
+            entry = opt.dispatch.entries[failing]
+
+            def fail(*args: object) -> None:
+                raise RuntimeError("injected")
+
+            opt.dispatch.entries[failing] = dataclasses.replace(entry, run=fail)
+            with pytest.raises(PartialStepError) as info:
+                opt.step()
+        else:
+            opt.step()
+        ref.step()
+    assert (info.value.stepped, info.value.partly, info.value.not_stepped) == (
+        stepped,
+        partly,
+        not_stepped,
+    )
+    assert f"{stepped} were stepped, {partly} may be partly stepped" in str(info.value)
+    now, after = snapshot(opt), snapshot(ref)
+    for i in range(5):  # one param per group: the state_dict's keys are the groups'
+        expected = after if i in stepped else before if i in not_stepped else None
+        if expected is None:
+            continue
+        assert torch.equal(now[0][i], expected[0][i]), i
+        st, want = now[1]["state"].get(i, {}), expected[1]["state"].get(i, {})
+        assert st.keys() == want.keys(), i
+        for name in st:
+            assert torch.equal(st[name], want[name]), (i, name)
+
+
+def test_a_commit_that_fails_before_writing_names_no_group_written() -> None:
+    """The commit's stage (torch's foreach AdamW steps copies of a complex param before
+    anything is written) fails: PartialStepError says no group was stepped or partly
+    stepped, and params and state are as before the step."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(64, generator=gen))
+    z = torch.nn.Parameter(torch.randn(8, generator=gen, dtype=torch.complex64))
+    opt = choose_optimizer([{"params": [a]}, {"params": [z]}], lr=1e-2, free_memory="64GiB")
+    assert opt.rung == "fp32"
+    for k in range(2):
+        a.grad = torch.randn(64, generator=gen)
+        z.grad = torch.randn(8, generator=gen, dtype=torch.complex64)
+        if k == 0:
+            opt.step()
+    before = snapshot(opt)
+    entry = opt.dispatch.entries["torch_foreach"]
+
+    def fail(*args: object) -> None:
+        raise RuntimeError("injected")
+
+    opt.dispatch.entries["torch_foreach"] = dataclasses.replace(entry, stage=fail)
+    with pytest.raises(PartialStepError, match="before it wrote any param") as info:
+        opt.step()
+    assert (info.value.stepped, info.value.partly, info.value.not_stepped) == ([], [], [0, 1])
+    assert_same(snapshot(opt), before)

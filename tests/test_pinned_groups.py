@@ -697,3 +697,105 @@ def test_a_pin_survives_group_dicts_replaced_by_hand() -> None:
         for g in sd["param_groups"]:
             g.pop("rung_reason", None)
     assert_same(a, b)
+
+
+def _strip_ladder_keys(sd: dict) -> dict:  # type: ignore[type-arg]
+    """``sd`` as a checkpoint written before groups recorded their rung: its groups
+    without ``rung``, ``rung_origin`` and ``rung_reason``."""
+    sd = dict(sd)
+    drop = ("rung", "rung_origin", "rung_reason")
+    sd["param_groups"] = [{k: v for k, v in g.items() if k not in drop} for g in sd["param_groups"]]
+    return sd
+
+
+@pytest.mark.parametrize("edit", ["pop", "new list", "dict copies"])
+@pytest.mark.parametrize("reload", [None, "round trip", "older checkpoint"])
+def test_a_pin_survives_its_params_list_edited_and_a_reload(edit: str, reload: str | None) -> None:
+    """A group that pins fp32 keeps its rung and its state when the rest escalates, after
+    ``opt.param_groups[1]["params"].pop(0)``, or its params list replaced by a new one
+    without that param, or the group dicts replaced by copies, each also followed by
+    ``load_state_dict`` of the optimizer's own checkpoint or of one whose groups lack
+    the rung keys (written before groups recorded them): every param still in the
+    optimizer as in the same optimizer without the edit, bit for bit (the pin was keyed
+    by the group's first param: after a pop the pinned group moved to bf16 with the
+    rest). The pinned group is the last, so the edit leaves the following group's
+    params at the same places (their rounding streams' index)."""
+    import optladder
+
+    def build() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (500, 70, 300, 40, 90)]
+        opt = optladder.AdamW(
+            [{"params": params[:2]}, {"params": params[2:], "rung": "fp32"}],
+            1e-2,
+            free_memory="64GiB",
+        )
+        return params, opt
+
+    def grads(params: list[torch.nn.Parameter], k: int) -> None:
+        gen = torch.Generator().manual_seed(10 + k)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+
+    params, opt = build()
+    ref_params, ref = build()
+    assert opt.rung == "fp32"
+    for k in range(3):
+        grads(params, k)
+        grads(ref_params, k)
+        if k == 1:
+            group = opt.param_groups[1]
+            if edit == "pop":
+                group["params"].pop(0)
+            elif edit == "new list":
+                group["params"] = group["params"][1:]
+            else:
+                opt.param_groups[:] = [dict(g) for g in opt.param_groups]
+            if reload is not None:
+                sd = opt.state_dict()
+                opt.load_state_dict(_strip_ladder_keys(sd) if reload != "round trip" else sd)
+            opt.escalate("test")
+            ref.escalate("test")
+        opt.step()
+        ref.step()
+    assert [g["rung"] for g in opt.param_groups] == ["bf16", "fp32"]
+    kept = params if edit == "dict copies" else params[:2] + params[3:]
+    ref_kept = ref_params if edit == "dict copies" else ref_params[:2] + ref_params[3:]
+    assert [p for g in opt.param_groups for p in g["params"]] == kept
+    for p, q in zip(kept, ref_kept, strict=True):
+        assert torch.equal(p, q)
+        assert opt.state[p].keys() == ref.state[q].keys()
+        for name, value in opt.state[p].items():
+            assert value.dtype == ref.state[q][name].dtype, name
+            assert torch.equal(value, ref.state[q][name]), name
+    for p in kept[2:]:  # the pinned group's
+        assert opt.state[p]["exp_avg"].dtype == torch.float32
+
+
+def test_a_pinned_group_whose_params_were_all_replaced_keeps_its_pin() -> None:
+    """A pinned group given a new params list of new params (none recorded): its own
+    mark (``"rung_origin": "group"``) keeps the pin, so the new param steps on fp32 after
+    the rest escalates, as torch's fused AdamW steps it on the same grads."""
+    import optladder
+
+    gen = torch.Generator().manual_seed(4)
+    a, b = (torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (300, 200))
+    opt = optladder.AdamW(
+        [{"params": [a]}, {"params": [b], "rung": "fp32"}], 1e-2, free_memory="64GiB"
+    )
+    new = torch.nn.Parameter(torch.randn(50, generator=gen))
+    ref_param = torch.nn.Parameter(new.detach().clone())
+    ref = torch.optim.AdamW([ref_param], 1e-2, fused=True)
+    opt.param_groups[1]["params"] = [new]
+    opt.escalate("test")
+    for _ in range(2):
+        grad = torch.randn(50, generator=gen)
+        a.grad = torch.randn(300, generator=gen)
+        new.grad, ref_param.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref.step()
+    assert [g["rung"] for g in opt.param_groups] == ["bf16", "fp32"]
+    assert torch.equal(new, ref_param)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert opt.state[new][name].dtype == torch.float32
+        assert torch.equal(opt.state[new][name], ref.state[ref_param][name])

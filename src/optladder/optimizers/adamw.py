@@ -1002,8 +1002,21 @@ def is_8bit_group(group: Mapping[str, Any]) -> bool:
 
 BNB_GROUP_KEYS: dict[str, Any] = {"alpha": 0.0, "t_alpha": None, "t_beta3": None}
 """The group keys bitsandbytes' ``AdamW8bit`` gives its groups beyond Adam's (its
-AdEMAMix options, at the values that make it Adam): an 8bit-format group holds them, so
-its ``state_dict`` is the one ``AdamW8bit`` saves."""
+AdEMAMix options, at the values that make it Adam). The live groups do not hold them
+(they are no option of optladder's); an 8bit-format group's saved form does
+(:func:`saved_group_keys`), so its checkpoint is the one ``AdamW8bit`` saves, and steps
+on in it: ``AdamW8bit.load_state_dict`` replaces its groups with the saved ones, and
+bitsandbytes 0.45 reads ``group.get("alpha")`` with no default (its update then refuses
+None); 0.46 added defaults."""
+
+
+def saved_group_keys(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` (a group as ``state_dict()`` writes it) with :data:`BNB_GROUP_KEYS`
+    where it is in the 8bit format (those it lacks); returned, changed in place."""
+    if saved.get(RUNG_KEY) == "8bit":
+        for key, value in BNB_GROUP_KEYS.items():
+            saved.setdefault(key, value)
+    return saved
 
 
 def refuse_8bit_params(params: list[torch.Tensor]) -> None:
@@ -1225,8 +1238,13 @@ class LadderAdamW(torch.optim.Optimizer):
         # which kernel steps which (rung, device, param dtype, grad dtype), and why not
         # fused (:mod:`~optladder.optimizers.dispatch`)
         self.dispatch = dispatch.DispatchTable(backend, torch_fused)
-        # the prepared step: (entry, payload) per entry with params, in commit order
+        # the prepared step: (entry, payload) per entry with params, in commit order,
+        # and the group plans it was made from
         self._buckets: list[tuple[dispatch.Entry, Any]] | None = None
+        self._bucket_plans: list[_GroupPlan] = []
+        # after a commit_step that raised: the places in param_groups of the groups it
+        # had stepped, those it may have partly stepped and those it had not touched
+        self.commit_outcome: tuple[list[int], list[int], list[int]] | None = None
         self._created: list[torch.Tensor] = []  # the state the last prepare created
         self._scratch: dict[torch.device, Any] = {}
         self._stage: dict[torch.device, torch.Tensor] = {}  # staged params' copies (bytes)
@@ -1370,11 +1388,14 @@ class LadderAdamW(torch.optim.Optimizer):
                 st["step"] = st["step"].detach().to("cpu", STEP_DTYPE, copy=True)  # nor shared
 
     def _wrap_8bit_state(self, state_dict: dict[str, Any]) -> None:
-        """State-dict post hook: the 8bit groups' state as bitsandbytes' ``AdamW8bit``
-        saves it (its ``state_dict`` moves the quantization tensors under
-        ``"__bnb_optimizer_quant_state__"``, :func:`~.migrate.wrap_bnb_state`)."""
+        """State-dict post hook: the 8bit groups' state and groups as bitsandbytes'
+        ``AdamW8bit`` saves them (its ``state_dict`` moves the quantization tensors under
+        ``"__bnb_optimizer_quant_state__"``, :func:`~.migrate.wrap_bnb_state`; its groups
+        hold :data:`BNB_GROUP_KEYS`)."""
         from optladder.optimizers.migrate import wrap_bnb_state
 
+        for saved_group in state_dict["param_groups"]:
+            saved_group_keys(saved_group)
         index = 0
         saved = state_dict["state"]
         for group in self.param_groups:
@@ -1388,17 +1409,16 @@ class LadderAdamW(torch.optim.Optimizer):
     def format_keys(self, group: dict[str, Any]) -> None:
         """Give ``group`` the keys of its state format: an fp32-format group stepped on
         torch's kernels (``backend="auto"``) holds torch's AdamW group keys
-        (:func:`~.torchroute.torch_group_keys`, those it lacks), a bf16-format group none
-        of them, an 8bit-format group none of them and bitsandbytes' ``AdamW8bit`` group
-        keys (:data:`BNB_GROUP_KEYS`, those it lacks)."""
+        (:func:`~.torchroute.torch_group_keys`, those it lacks), a bf16-format group and
+        an 8bit-format group none of them. No group holds bitsandbytes' AdEMAMix keys
+        (:data:`BNB_GROUP_KEYS`: removed, as groups of earlier versions had them on the
+        8bit rung); an 8bit group's checkpoint does (:func:`saved_group_keys`)."""
+        for key in BNB_GROUP_KEYS:
+            group.pop(key, None)
         if group.get(RUNG_KEY) == "8bit":
             for key in torchroute.TORCH_GROUP_KEYS:
                 group.pop(key, None)
-            for key, value in BNB_GROUP_KEYS.items():
-                group.setdefault(key, value)
             return
-        for key in BNB_GROUP_KEYS:
-            group.pop(key, None)
         if self.backend == "auto" and self.group_moment_dtype(group) == torch.float32:
             for key, value in torchroute.torch_group_keys(self.torch_fused).items():
                 group.setdefault(key, value)
@@ -1532,6 +1552,7 @@ class LadderAdamW(torch.optim.Optimizer):
         if checked is None:
             self._check_options(groups)
         self._buckets = None
+        self._bucket_plans = []
         steady, self._steady = self._steady, None
         if steady is not None and state_same and steady.reuse(groups, starts, checked):
             try:  # every plan holds and steps on torch's kernels alone: checked flat
@@ -1542,6 +1563,7 @@ class LadderAdamW(torch.optim.Optimizer):
             self._steady = steady  # the state dicts are those _see_state recorded: no
             # state was created (a change replans, next step)
             self._buckets = self._torch_buckets(steady.plans)
+            self._bucket_plans = steady.plans
             self._created = created
             self.eager_reasons = dict(steady.reasons)
             return created
@@ -1606,6 +1628,7 @@ class LadderAdamW(torch.optim.Optimizer):
             raise
         self._see_state()
         self._buckets = buckets
+        self._bucket_plans = plans
         self._created = created
         self.eager_reasons = {i: r for plan in plans for i, r in plan.reasons.items()}
         if eight is not None and eight.eager_reasons:
@@ -1689,6 +1712,7 @@ class LadderAdamW(torch.optim.Optimizer):
             self._eightbit.release_scratch()
             self._eightbit.release_tables()
         self._buckets = None
+        self._bucket_plans = []
         self._group_plans.clear()
         self._torch_routes = None
         self._steady = None
@@ -1936,6 +1960,7 @@ class LadderAdamW(torch.optim.Optimizer):
     def release_scratch(self) -> None:
         """Drop the prepared step, the eager path's scratch buffers and the kernel tables."""
         self._buckets = None
+        self._bucket_plans = []
         self._scratch.clear()
         self._stage.clear()
         self._cpu_table, self._table_plans = None, []
@@ -2182,6 +2207,11 @@ class LadderAdamW(torch.optim.Optimizer):
             found_inf: its inf/NaN flag; when set, nothing changes, step counts included
                 (read on the host once when an entry steps on the host).
 
+        Should a run raise anyway (it should not: nothing in it allocates), the error is
+        re-raised after :attr:`commit_outcome` records which groups the entries that had
+        run stepped, which the failing entry's may have partly stepped, and which the
+        entries after it did not touch (:meth:`_commit_outcome`).
+
         Raises:
             RuntimeError: if :meth:`prepare_step` did not run first.
             Whatever torch's foreach AdamW raised on the copies (an OOM): nothing was
@@ -2191,6 +2221,10 @@ class LadderAdamW(torch.optim.Optimizer):
         if buckets is None:
             raise RuntimeError("commit_step() needs prepare_step() first")
         self._buckets = None
+        # the plans, for a failure's outcome only: not kept past the commit (they hold the
+        # state, which a move frees param by param)
+        plans, self._bucket_plans = self._bucket_plans, []
+        self.commit_outcome = None
         created, self._created = self._created, []
         host = [bucket for bucket in buckets if bucket[0].amp == "host"]
         if host and found_inf is not None and bool(found_inf.item() != 0):  # host: a sync
@@ -2206,15 +2240,63 @@ class LadderAdamW(torch.optim.Optimizer):
                 if entry.stage is not None:
                     entry.stage(payload, grad_scale)
         except BaseException:  # nothing written yet: as before the prepare
+            self.commit_outcome = ([], [], list(range(len(self.param_groups))))
             self._drop_created(created)
             raise
-        for entry, payload in buckets:
-            if entry.amp == "kernel":
-                entry.run(payload, grad_scale, found_inf)
-        if grad_scale is not None:
-            unscale_grads_(unscale, grad_scale)
-        for entry, payload in host:
-            entry.run(payload, None, None)
+        ran: list[str] = []  # the entries whose run finished
+        running = None  # and the one running
+        try:
+            for entry, payload in buckets:
+                if entry.amp == "kernel":
+                    running = entry.name
+                    entry.run(payload, grad_scale, found_inf)
+                    ran.append(running)
+            running = None
+            if grad_scale is not None:
+                unscale_grads_(unscale, grad_scale)
+            for entry, payload in host:
+                running = entry.name
+                entry.run(payload, None, None)
+                ran.append(running)
+        except BaseException:
+            self.commit_outcome = self._commit_outcome(plans, ran, running)
+            raise
+
+    def _commit_outcome(
+        self, plans: list[_GroupPlan], ran: list[str], running: str | None
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Which groups a commit that failed had written, by their places in
+        ``param_groups``: ``(stepped, partly, not_stepped)``, from the step's group
+        ``plans``. A group is stepped when
+        every entry that steps one of its params (one with a grad: a plan's route of
+        that entry's name, or the ``"8bit"`` entry for an 8bit group) had finished
+        (``ran``); partly stepped when the failing entry (``running``) steps one of them,
+        or some of its entries had finished and others had not run; not stepped when
+        none of its entries had started (a group without grads among them). An entry's
+        run is one call (the C kernel's over every group's rows, torch's fused calls of
+        every group), so each of the failing entry's groups may be partly stepped."""
+        entries: dict[int, set[str]] = {}  # id(group) -> the entries stepping its params
+        for plan in plans:
+            for name, items in plan.routes.items():
+                if any(p.grad is not None for p, _ in items):
+                    entries.setdefault(id(plan.group), set()).add(name)
+        for group in self.param_groups:
+            if group.get(RUNG_KEY) == "8bit" and any(p.grad is not None for p in group["params"]):
+                entries.setdefault(id(group), set()).add("8bit")
+        done = set(ran)
+        started = done | ({running} if running is not None else set())
+        stepped: list[int] = []
+        partly: list[int] = []
+        not_stepped: list[int] = []
+        for gi, group in enumerate(self.param_groups):
+            names = entries.get(id(group), set())
+            if names and names <= done:
+                stepped.append(gi)
+            elif names & started:
+                partly.append(gi)
+            else:
+                not_stepped.append(gi)
+        return stepped, partly, not_stepped
 
     def _torch_lists(self, items: list[tuple[torch.Tensor, int]]) -> tuple[list[Any], ...]:
         """Torch's functional AdamW's lists for ``items``: params, grads, ``exp_avg``,
@@ -2279,6 +2361,20 @@ class LadderAdamW(torch.optim.Optimizer):
         return launches
 
     def _step_param(self, p: torch.Tensor, group: dict[str, Any], param_index: int) -> None:
+        """The readable oracle of one param's step (prepare every new value, then
+        commit), in plain torch ops: the bits the kernels and the eager path write.
+
+        The math is float32 (the moments widened, the IEEE float32 square root), the
+        moments are written in the group's format (bfloat16: :func:`round_moments`) and
+        the param in its dtype (:func:`round_param`), but a float64 param, which gets the
+        float32 update added in float64, decoupled decay applied in float64 (as
+        :func:`~optladder.optimizers.eager.eager_step`): it is never rounded to float32.
+
+        Args:
+            p: the param (float32, bfloat16, float16, float64) with a dense grad.
+            group: its param group.
+            param_index: its index over all groups (the random bits' counter).
+        """
         moment_dtype = self.group_moment_dtype(group)
         state = self._init_state(p, moment_dtype)
         lr = float(group["lr"])
@@ -2292,11 +2388,18 @@ class LadderAdamW(torch.optim.Optimizer):
         if group["maximize"]:
             grad.neg_()
         param = p.detach().to(torch.float32, copy=True)
+        # a float64 param: the float32 update is added to it in float64, decoupled decay
+        # applied in float64 too, so it is never rounded to float32 (lr=0 keeps its bits)
+        wide = p.detach().to(torch.float64, copy=True) if p.dtype == torch.float64 else None
         if wd != 0:
-            if group["decoupled_weight_decay"]:
-                param.mul_(1.0 - lr * wd)
-            else:
+            if not group["decoupled_weight_decay"]:
                 grad.add_(param, alpha=wd)
+            elif wide is not None:
+                wide.mul_(1.0 - lr * wd)
+            else:
+                param.mul_(1.0 - lr * wd)
+        if wide is not None:
+            param.zero_()  # below, param is the float32 update
         exp_avg = state["exp_avg"].to(torch.float32, copy=True)
         exp_avg_sq = state["exp_avg_sq"].to(torch.float32, copy=True)
         exp_avg.lerp_(grad, 1.0 - beta1)
@@ -2310,7 +2413,10 @@ class LadderAdamW(torch.optim.Optimizer):
             new_avg, new_avg_sq = round_moments(exp_avg, exp_avg_sq, key, group["rounding"])
         else:
             new_avg, new_avg_sq = exp_avg, exp_avg_sq
-        new_param = round_param(param, p.dtype, key, group.get("param_rounding", "stochastic"))
+        if wide is not None:
+            new_param = wide.add_(param)  # the float32 update, added in float64
+        else:
+            new_param = round_param(param, p.dtype, key, group.get("param_rounding", "stochastic"))
 
         p.copy_(new_param)
         state["exp_avg"].copy_(new_avg)

@@ -40,6 +40,7 @@ from optladder.bnb_overrides import no_overrides, quantized_8bit
 from optladder.columns import ParamColumns
 from optladder.dtype_names import dtype_name
 from optladder.oom import is_oom
+from optladder.optimizers.adamw import BNB_GROUP_KEYS
 from optladder.optimizers.migrate import check_step_range
 from optladder.optimizers.stepmemo import grad_of, kind_columns, same_objects
 from optladder.optimizers.steps import MAX_STEP
@@ -443,6 +444,9 @@ class EightBitGroups:
         config: dict[str, Any] = _bnb_optimizer().Optimizer8bit.get_config(
             self, gindex, pindex, group
         )
+        for key, value in BNB_GROUP_KEYS.items():  # Adam's values: the groups hold none
+            if key not in group:  # (bitsandbytes 0.45 reads None for them, its update
+                config[key] = value  # refuses None)
         if self.coupled_weight_decay:
             config["weight_decay"] = 0.0  # folded into the grad in update_step
         p = self.param_groups[gindex]["params"][pindex]

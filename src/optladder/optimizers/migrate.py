@@ -299,7 +299,8 @@ def _narrowed(
     away from zero), not as ``.to()`` alone (ties to even), so a load and a move give the
     same bits: ``.to()`` first, then, where the float32 value was exactly halfway (its low
     half 0x8000) and rounded to the even bfloat16 nearer zero, one place away from zero.
-    NaN stays NaN.
+    A NaN becomes the move's NaN (:func:`_nan_high`), whatever NaN ``.to()`` wrote (CUDA's
+    0x7FFF, which the step away from zero would carry into -0); infinities stay.
     """
     if not (m.dtype == torch.float32 and dtype == torch.bfloat16):
         return m.to(device=device, dtype=dtype).reshape(shape).contiguous()
@@ -320,7 +321,25 @@ def _narrowed(
         # .to() kept the float32 value's own high half (even): ties away take the next
         kept = bits.bitwise_right_shift(16).eq_(out.to(torch.int32))
         out.add_(kept.logical_and_(halfway).to(torch.int16))
+        nan = bits.bitwise_and(0x7FFFFFFF).gt(0x7F800000)
+        out.copy_(torch.where(nan, _nan_high(bits), out))
     return value
+
+
+def _nan_high(bits: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 a float32 NaN narrows to, from its int32 ``bits``, as int16 (only the
+    NaN elements are meant): its high half, a NaN with its sign, as ``.to()`` keeps it;
+    where that half alone is an infinity (a payload in the low half only: 0x7F800001),
+    with the quiet bit (0x0040) set."""
+    high = bits.bitwise_right_shift(16)
+    quiet = high.bitwise_and(0x7F).eq(0).to(high.dtype).bitwise_left_shift_(6)
+    return high.bitwise_or_(quiet).to(torch.int16)
+
+
+def _has_nan(t: torch.Tensor) -> bool:
+    """Whether float tensor ``t`` holds a NaN, without a tensor of its size (``amax``
+    propagates NaN; one host sync)."""
+    return t.numel() > 0 and bool(t.amax().isnan())
 
 
 def _bnb_state(
@@ -471,20 +490,36 @@ def _split_moment(m: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, tor
     :func:`_join_moment` gives back ``m`` bit for bit. Both halves are computed in their
     own new tensors (``m``'s high half plus the carry out of its low half, and the low
     half with its top bit flipped); ``m`` is only read, so a failure at any point leaves
-    it as it was. This allocates exactly the two halves: ``m``'s bytes, the bfloat16
-    value being half of them.
+    it as it was. This allocates the two halves: ``m``'s bytes, the bfloat16 value being
+    half of them (and, when ``m`` holds a NaN, chunks of at most ``_TIE_CHUNK`` elements).
+
+    A NaN stays NaN and an infinity infinite, as ``m.to(torch.bfloat16)`` keeps them:
+    a NaN's value is its high half, no carry (the carry had made 0x7FFFFFFF -0 and
+    0xFFFFFFFF +0), with the quiet bit set where that half alone is an infinity
+    (:func:`_nan_high`). Joined, it is the float32 NaN bit for bit, but for a signalling
+    NaN whose payload lies in the low half only (0x7F80xxxx, 0xFF80xxxx; no arithmetic
+    makes one, x86 and CUDA quiet the NaNs they compute), which comes back with the quiet
+    bit set: 32 bits cannot hold both halves of every NaN and keep the bfloat16 half a
+    NaN.
 
     Returns:
         ``(value, low)``: a contiguous bfloat16 tensor of ``shape`` and a contiguous int16
         tensor of ``m``'s element count.
     """
-    halves = m.view(torch.int32).reshape(-1).view(torch.int16)  # little-endian: (low, high)
+    words = m.view(torch.int32).reshape(-1)
+    halves = words.view(torch.int16)  # little-endian: (low, high)
     # clone, not contiguous(): a one-element slice is "contiguous" and would stay a view
     high = halves[1::2].clone(memory_format=torch.contiguous_format)
     low = halves[0::2].clone(memory_format=torch.contiguous_format)
     low.bitwise_right_shift_(15)  # -1 where the low half is >= 0x8000 (the carry), else 0
     high.sub_(low)  # + the carry, modulo 2**16 as the 32-bit addition
     low.copy_(halves[0::2]).bitwise_xor_(-_HALF)  # the low half of w: + 0x8000 modulo 2**16
+    if _has_nan(m):  # the NaNs' high halves, quiet, without the carry
+        for start in range(0, words.numel(), _TIE_CHUNK):
+            chunk = words[start : start + _TIE_CHUNK]
+            out = high[start : start + _TIE_CHUNK]
+            nan = chunk.bitwise_and(0x7FFFFFFF).gt(0x7F800000)
+            out.copy_(torch.where(nan, _nan_high(chunk), out))
     return high.view(torch.bfloat16).reshape(shape), low
 
 
@@ -494,7 +529,21 @@ def _join_moment(value: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     halves = words.view(-1).view(torch.int16)
     halves[1::2].copy_(value.reshape(-1).view(torch.int16))
     halves[0::2].copy_(low)
-    return words.sub_(_HALF).view(torch.float32)
+    words.sub_(_HALF)
+    if _has_nan(value):  # a NaN's value carried nothing: its low half without the borrow
+        flat, high = words.view(-1), value.reshape(-1).view(torch.int16)
+        for start in range(0, flat.numel(), _TIE_CHUNK):
+            chunk, hi = flat[start : start + _TIE_CHUNK], high[start : start + _TIE_CHUNK]
+            nan = hi.bitwise_and(0x7FFF).gt(0x7F80)
+            whole = (
+                hi.to(torch.int32)
+                .bitwise_left_shift_(16)
+                .bitwise_or_(
+                    low[start : start + _TIE_CHUNK].bitwise_xor(-_HALF).to(torch.int32) & 0xFFFF
+                )
+            )
+            chunk.copy_(torch.where(nan, whole, chunk))
+    return words.view(torch.float32)
 
 
 def _split_state(

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from optladder.errors import OptladderWarning, user_stacklevel
+from optladder.optimizers.adamw import saved_group_keys
 from optladder.optimizers.build import ENGINE_KEYS
 from optladder.optimizers.checkpoint import (
     PHASE_KEY,
@@ -81,11 +82,13 @@ def state_dict(opt: LadderOptimizer) -> dict[str, Any]:
     index = {id(p): i for i, p in enumerate(params)}
     out: dict[str, Any] = {
         "state": {index[id(p)]: st for p, st in opt.state.items() if id(p) in index},
-        "param_groups": [
-            {
-                **{k: v for k, v in g.items() if k != "params"},
-                "params": [index[id(p)] for p in g["params"]],
-            }
+        "param_groups": [  # an 8bit group with AdamW8bit's own keys (saved_group_keys)
+            saved_group_keys(
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": [index[id(p)] for p in g["params"]],
+                }
+            )
             for g in opt.param_groups
         ],
     }

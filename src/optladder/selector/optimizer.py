@@ -23,6 +23,7 @@ import logging
 import operator
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
 from typing import Any, TypeVar, cast
@@ -30,6 +31,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from optladder.compilation import run_eagerly
+from optladder.dtype_names import dtype_name
 from optladder.oom import describe_error, is_oom
 from optladder.optimizers.adamw import LadderAdamW, distinct_grads, unscale_grads_
 from optladder.optimizers.build import KERNEL_KEYS
@@ -46,6 +48,7 @@ from optladder.optimizers.transaction import (
 from optladder.policies.decision import Decision, escalation_target
 from optladder.policies.footprint import measure_footprint
 from optladder.rungs import (
+    FLOAT32_MATH_DTYPES,
     GROUP_PIN_ORIGIN,
     ORIGIN_KEY,
     REASON_KEY,
@@ -113,10 +116,13 @@ class PartialStepError(RuntimeError):
     that would step the written params twice. The original error is chained.
 
     Attributes:
-        stepped: group numbers (places in ``param_groups``) whose params were stepped.
-        partly: group numbers whose commit failed: some of their params may have been
-            stepped.
-        not_stepped: group numbers not touched.
+        stepped: group numbers (places in ``param_groups``) whose params were stepped:
+            every kernel call that steps them had finished.
+        partly: group numbers some of whose params may have been stepped: the failing
+            kernel call steps some of them (one call steps many groups: torch's fused
+            calls, the C kernel's table), or calls that step others had not run.
+        not_stepped: group numbers not touched (no call that steps them had begun;
+            groups without grads).
     """
 
     def __init__(
@@ -261,8 +267,9 @@ class LadderOptimizer(LadderAdamW):
     ) -> None:
         check_max_retries(max_retries)
         self._built = False  # add_param_group: torch's __init__ adds the groups below
-        # _pin_key(group) -> the rung it pins, for every group that pins one
-        self._pin_rungs: dict[int, Rung] = {}
+        # id(param) -> (a weak reference to it, the rung its group pins), for every param
+        # of a group that pins its rung (the format its state is in); see _group_pin
+        self._pin_rungs: dict[int, tuple[weakref.ref[torch.Tensor], Rung]] = {}
         self._decision = decision
         self.max_retries = max_retries
         self.on_escalate = on_escalate
@@ -283,14 +290,12 @@ class LadderOptimizer(LadderAdamW):
         self._names: tuple[tuple[int, ...], dict[int, str]] = ((), {})
         order = list(param_groups)
         following: list[dict[str, Any]] = []
-        pinned: dict[int, Rung] = {}
         for gi, (group, pin) in enumerate(zip(order, pins, strict=True)):
             if pin is None:
                 following.append(group)
             else:
                 self._check_pinned(gi, group, pin)
                 _mark_pinned([group], pin)
-                pinned[_pin_key(group)] = pin
         self._mark_groups(following, decision)
         # the following groups' params passed construction's checks and the rung's
         # (rung_options): torch's per-param checks read each one's first param only
@@ -300,7 +305,7 @@ class LadderOptimizer(LadderAdamW):
         # out every state itself (checkpointing.state_dict), and runs only users' hooks
         self._optimizer_state_dict_post_hooks.clear()
         self.defaults = dict(defaults)
-        self._pin_rungs = pinned
+        self._record_pins()
         self._built = True
         self._params_checked()
         self._warn_unfused()
@@ -318,14 +323,53 @@ class LadderOptimizer(LadderAdamW):
         except ValueError as exc:
             raise ValueError(f"param group {gi} pins {rung}: {exc}") from None
 
+    def _group_pin(self, group: Mapping[str, Any]) -> Rung | None:
+        """The rung ``group`` pins, or None when it follows the decision.
+
+        A pin belongs to the group dict, whatever is done to it that torch accepts: the
+        group's first param's recorded pin (:meth:`_record_pins`: every param of a
+        pinned group has one, so it holds when the dicts are replaced by copies,
+        ``opt.param_groups[:] = [dict(g) for g in opt.param_groups]``, or a param is
+        popped), else the group's own mark (``"rung_origin": "group"``, which dict
+        copies and ``load_state_dict`` keep: a group whose params were all replaced, or
+        that has none). The record wins over the group's ``"rung"``, so that a
+        ``"rung"`` edited by hand is caught (:meth:`_check_group_rungs`), not followed.
+        """
+        params = group["params"]
+        if params:
+            first = params[0]
+            entry = self._pin_rungs.get(id(first))
+            if entry is not None and entry[0]() is first:  # not another tensor at its address
+                return entry[1]
+        if group.get(ORIGIN_KEY) == GROUP_PIN_ORIGIN and group.get(RUNG_KEY) in RUNGS:
+            return cast(Rung, group[RUNG_KEY])
+        return None
+
+    def _group_pins(self) -> list[Rung | None]:
+        """Per group of ``param_groups``, the rung it pins or None (:meth:`_group_pin`)."""
+        groups = self.param_groups
+        if not self._pin_rungs and all(g.get(ORIGIN_KEY) != GROUP_PIN_ORIGIN for g in groups):
+            return [None] * len(groups)  # the common case: no pins
+        return [self._group_pin(g) for g in groups]
+
+    def _record_pins(self) -> None:
+        """Record the pin of every param of each pinned group (:meth:`_group_pin`):
+        at construction, when a group is added, and when the params changed."""
+        record: dict[int, tuple[weakref.ref[torch.Tensor], Rung]] = {}
+        for group, pin in zip(self.param_groups, self._group_pins()):
+            if pin is not None:
+                for p in group["params"]:
+                    record[id(p)] = (weakref.ref(p), pin)
+        self._pin_rungs = record
+
     def _following_groups(self) -> list[dict[str, Any]]:
         """The groups that follow the decision (those that pin no rung), in order."""
-        pins = self._pin_rungs
-        return [g for g in self.param_groups if _pin_key(g) not in pins]
+        pins = self._group_pins()
+        return [g for g, pin in zip(self.param_groups, pins) if pin is None]
 
     def _group_rung(self, group: Mapping[str, Any]) -> Rung:
         """The rung ``group``'s state is on: the rung it pins, or the decision's."""
-        return self._pin_rungs.get(_pin_key(group), self._decision.rung)
+        return self._group_pin(group) or self._decision.rung
 
     @staticmethod
     def _mark_groups(groups: list[dict[str, Any]], decision: Decision) -> None:
@@ -345,7 +389,7 @@ class LadderOptimizer(LadderAdamW):
     def pinned_engines(self) -> dict[Rung, LadderOptimizer]:
         """Per rung that a group pins, the optimizer itself (a new dict; empty without
         pins). Kept, as :attr:`engine` is."""
-        return dict.fromkeys(self._pin_rungs.values(), self)
+        return dict.fromkeys((r for r in self._group_pins() if r is not None), self)
 
     @property
     def decision(self) -> Decision:
@@ -411,7 +455,7 @@ class LadderOptimizer(LadderAdamW):
                     LadderAdamW.add_param_group(self, group)
                 except ValueError as exc:
                     raise ValueError(f"param group {gi} pins {pin}: {exc}") from None
-                self._pin_rungs[_pin_key(group)] = pin
+                self._record_pins()
             footprint = measure_footprint(self.param_groups)
             self._decision = self._decision.model_copy(
                 update={"footprint": footprint, "state_bytes": dict(footprint.state_bytes)}
@@ -543,19 +587,22 @@ class LadderOptimizer(LadderAdamW):
             "rank from a checkpoint)"
         )
 
-    def _check_group_rungs(self) -> None:
+    def _check_group_rungs(self, pins: list[Rung | None] | None = None) -> None:
         """Refuse a group whose ``"rung"`` entry was edited by hand: its state is in the
         format of the rung it pins or the decision's, and a step or a checkpoint under another name
-        would contradict it (a checkpoint saying bf16 beside float32 moments).
+        would contradict it (a checkpoint saying bf16 beside float32 moments). ``pins``:
+        :meth:`_group_pins`, when the caller has them.
 
         Raises:
             ValueError: naming the group, the value found and the rung its state is on.
         """
         groups = self.param_groups
-        if not self._pin_rungs and all(g.get(RUNG_KEY) == self.rung for g in groups):
+        if pins is None:
+            pins = self._group_pins()
+        if all(g.get(RUNG_KEY) == self.rung for g in groups) and not any(pins):
             return  # the common case
-        for gi, group in enumerate(groups):
-            rung = self._group_rung(group)
+        for gi, (group, pin) in enumerate(zip(groups, pins)):
+            rung = pin or self.rung
             found = group.get(RUNG_KEY)
             if found != rung:
                 raise ValueError(
@@ -567,7 +614,7 @@ class LadderOptimizer(LadderAdamW):
                     f"param_groups[{gi}]['rung'] = {rung!r} back to go on"
                 )
 
-    def _check_params(self) -> None:
+    def _check_params(self, pins: list[Rung | None]) -> None:
         """Construction's param checks again when the params changed since they last
         passed: a group's ``"params"`` list edited by hand (a param appended twice, or
         one of a dtype or layout the group's rung cannot take) or a param's ``.data``
@@ -585,10 +632,12 @@ class LadderOptimizer(LadderAdamW):
                 grad or state tensor of another size than its param
                 (:func:`~optladder.optimizers.fusedstep.refuse_resized`), with a note
                 that the params changed; nothing is changed.
+
+        ``pins``: :meth:`_group_pins`.
         """
         flat = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
         sizes = list(map(_NBYTES, flat))
-        layouts = self._layouts(flat)
+        layouts = self._layouts(flat, pins)
         seen, seen_sizes, seen_layouts = self._checked_params
         if seen is not None and same_objects(flat, seen):
             if seen_sizes is None:  # as construction checked them
@@ -601,8 +650,8 @@ class LadderOptimizer(LadderAdamW):
             decoupled = bool(self.defaults.get("decoupled_weight_decay", True))
             check_groups(self.param_groups, decoupled)
             refuse_meta_params(self.param_groups)
-            for gi, group in enumerate(self.param_groups):
-                rung = self._group_rung(group)
+            for gi, (group, pin) in enumerate(zip(self.param_groups, pins)):
+                rung = pin or self.rung
                 check_params_for_rung(group["params"], rung, f"group {gi}")
             grads = [list(map(grad_of, g["params"])) for g in self.param_groups]
             refuse_resized(self, grads, names)
@@ -614,6 +663,7 @@ class LadderOptimizer(LadderAdamW):
         # what passed the step checks before may hold for these params no more (a
         # channels_last param's moments are laid out again, its grads checked again)
         self._memo = None
+        self._record_pins()  # the pins of params added to a pinned group, none of removed ones
         self._checked_params = (flat, sizes, layouts)
 
     def _params_checked(self) -> None:
@@ -624,11 +674,11 @@ class LadderOptimizer(LadderAdamW):
         flat = list(chain.from_iterable(map(_PARAMS, self.param_groups)))
         self._checked_params = (flat, None, None)
 
-    def _layouts(self, flat: list[torch.Tensor]) -> list[bool]:
+    def _layouts(self, flat: list[torch.Tensor], pins: list[Rung | None]) -> list[bool]:
         """Whether each param is contiguous, where a group is in the fp32 format (whose
         torch kernels pair a param's elements with its moments' by memory order; the
-        other formats step any layout): empty otherwise."""
-        if self.rung != "fp32" and "fp32" not in self._pin_rungs.values():
+        other formats step any layout): empty otherwise. ``pins``: :meth:`_group_pins`."""
+        if self.rung != "fp32" and "fp32" not in pins:
             return []
         return list(map(_IS_CONTIGUOUS, flat))
 
@@ -656,8 +706,9 @@ class LadderOptimizer(LadderAdamW):
         error: BaseException | None = None
         status = STEP_OK
         try:
-            self._check_group_rungs()
-            self._check_params()
+            pins = self._group_pins()
+            self._check_group_rungs(pins)
+            self._check_params(pins)
             if self._memo is None:
                 self._memo = StepMemo()
             created = prepare_step(self, names, self._memo)
@@ -729,11 +780,14 @@ class LadderOptimizer(LadderAdamW):
         """Run the commit (it allocates nothing), with Ctrl-C held back until it is
         done, after dividing the grads of ``unscale`` (the distinct grads,
         :meth:`_grads_to_unscale`) by its ``grad_scale``, when given. Should it fail
-        anyway, record that the groups may be partly written (``partial_step``) and
-        raise :class:`PartialStepError` (a KeyboardInterrupt or other ``BaseException``
-        is re-raised as it is, after the record)."""
+        anyway, record which groups it had stepped, which it may have partly stepped and
+        which it had not touched (``partial_step``, from the engine's
+        :attr:`~optladder.optimizers.adamw.LadderAdamW.commit_outcome`) and raise
+        :class:`PartialStepError` (a KeyboardInterrupt or other ``BaseException`` is
+        re-raised as it is, after the record)."""
         self._commits += 1  # before the first write: Ladder must never rerun this step
         done = False
+        self.commit_outcome = None
         try:
             with deferred_interrupts():
                 if unscale is not None:
@@ -745,15 +799,26 @@ class LadderOptimizer(LadderAdamW):
                 self._steps += 1
                 self.partial_step = None
                 raise
-            partly = list(range(len(self.param_groups)))  # one commit steps every group
+            # what the engine's commit had written (nothing when it did not begin)
+            outcome: tuple[list[int], list[int], list[int]] = self.commit_outcome or (
+                [],
+                [],
+                list(range(len(self.param_groups))),
+            )
+            stepped, partly, not_stepped = outcome
+            written = (
+                "after it had written params"
+                if stepped or partly
+                else "before it wrote any param (the grads may be unscaled)"
+            )
             error = PartialStepError(
-                f"the optimizer step failed in its commit ({describe_error(exc)}) after it "
-                f"had written params: param groups [] were stepped, {partly} may be "
-                "partly stepped, [] were not. The step is not retried (that would step "
-                "the written params twice); resume from a checkpoint to continue exactly.",
-                [],
+                f"the optimizer step failed in its commit ({describe_error(exc)}) {written}: "
+                f"param groups {stepped} were stepped, {partly} may be partly stepped, "
+                f"{not_stepped} were not. The step is not retried (that would step the "
+                "written params twice); resume from a checkpoint to continue exactly.",
+                stepped,
                 partly,
-                [],
+                not_stepped,
             )
             self.partial_step = error
             logger.error("optladder: %s", error)
@@ -780,15 +845,29 @@ class LadderOptimizer(LadderAdamW):
     def _warn_unfused(self) -> None:
         """Log each distinct reason for leaving the fused path once per optimizer and
         rung: the decision's, and those of params the last step stepped eagerly (each
-        under the rung of its param's group)."""
+        under the rung of its param's group), but for params of a dtype optladder's
+        kernels do not step on the decision's rung when the decision is not fused: its
+        reason names those dtypes already (``float64 params run the eager path``), so a
+        float64 param on the bf16 rung is one line, not that and the kernel's word for
+        it (``param dtype torch.float64: the CPU kernel steps ...``)."""
         reasons: list[tuple[Rung, str]] = []
+        named = None  # the rung whose unfused dtypes the decision's reason names
         if not self._decision.fused:
             reasons.append((self.rung, self._decision.unfused_reason or ""))
+            named = self.rung
         eager = self.eager_reasons  # by param index over all groups
         if eager:
             groups = self.param_groups
-            rungs = [self._group_rung(g) for g in groups for _ in g["params"]]
-            said = {(rungs[i] if i < len(rungs) else self.rung, r) for i, r in eager.items()}
+            pins = self._group_pins()
+            params = [(p, pin or self.rung) for g, pin in zip(groups, pins) for p in g["params"]]
+            said: set[tuple[Rung, str]] = set()
+            for i, reason in eager.items():
+                if i >= len(params):
+                    said.add((self.rung, reason))
+                    continue
+                p, rung = params[i]
+                if rung != named or dtype_name(p.dtype) in FLOAT32_MATH_DTYPES:
+                    said.add((rung, reason))
             reasons += sorted(said)
         for rung, reason in reasons:
             if (rung, reason) not in self._warned:
@@ -971,7 +1050,7 @@ class LadderOptimizer(LadderAdamW):
         pinned rung its number of groups: ``AdamW (rung='bf16', fused, pinned fp32: 1
         group\nParameter Group 0 ...)``."""
         fused = "fused" if self.decision.fused else "not fused"
-        pins = list(self._pin_rungs.values())
+        pins = [r for r in self._group_pins() if r is not None]
         pinned = "".join(
             f", pinned {rung}: {n} group{'s' * (n != 1)}"
             for rung, n in ((r, pins.count(r)) for r in dict.fromkeys(pins))
@@ -979,15 +1058,6 @@ class LadderOptimizer(LadderAdamW):
         name = type(self).__name__
         groups = torch.optim.Optimizer.__repr__(self).removeprefix(f"{name} (")
         return f"{name} (rung={self.rung!r}, {fused}{pinned}{groups}"
-
-
-def _pin_key(group: Mapping[str, Any]) -> int:
-    """The key of a group's pin: its first param's identity (a param is in one group
-    only), so that a pin holds when the group dicts are replaced by copies
-    (``opt.param_groups[:] = [dict(g) for g in opt.param_groups]``, which torch
-    accepts); the dict's own identity for a group without params."""
-    params = group["params"]
-    return id(params[0]) if params else id(group)
 
 
 def _mark_pinned(groups: list[dict[str, Any]], rung: Rung) -> None:
