@@ -604,7 +604,7 @@ def _case_failed_prepare(rank: int) -> None:
     before = [p.detach().clone() for p in params]
     if rank == 1:
 
-        def failing_check() -> None:
+        def failing_check(*_: object) -> None:  # as _check_params(pins)
             raise ValueError("injected: a check that fails on rank 1 only")
 
         opt._check_params = failing_check  # type: ignore[method-assign]
