@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from cpu8bit_levels import add_timing_args, chosen_levels, report, time_levels
+from cpu8bit_levels import add_timing_args, chosen_levels, report, time_levels, torch_step
 from optladder.optimizers.kernels import cpu
 from step_time import layout_numels
 
@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         for threads in (int(x) for x in args.threads.split(",")):
             run = functools.partial(cpu.run_table, table, num_threads=threads, library=lib)
-            times = time_levels(run, levels, args.reps, args.inner, args.clock)
+            between = torch_step(sum(numels)) if args.after_torch else None
+            times = time_levels(run, levels, args.reps, args.inner, args.clock, between)
             report(f"{label} {layout:4s} threads={threads}", sum(numels), times, LEVEL_NAMES)
 
 

@@ -234,12 +234,20 @@ OL8_AVX2 __attribute__((noinline)) static int64_t ol8a_encode(
 }
 
 /* Prefetch block b's param, grad and codes (nothing past the param's end); the AVX2
-   block path calls it OL8_PREFETCH_BLOCKS blocks ahead. The AVX-512 path does not: on
-   AMD Zen 4 its blocks run at the core's pace, which the hardware prefetchers keep up
-   with, and the prefetches' 40 instructions a block cost more than they hid (no prefetch
-   against 2 blocks ahead: 1.04-1.08x at 16M and 64M float32 params, one tensor and the
-   transformer-like list, 1 thread, paired; into L2 at 6 to 24 blocks ahead 0.96-1.05x). */
+   block path calls it OL8_PREFETCH_BLOCKS blocks ahead, the AVX-512 path
+   OL8V_PREFETCH_BLOCKS. With its data in cache the prefetches' 40 instructions a block
+   cost the AVX-512 path ~3 % (AMD Zen 5, 64K params), and on Zen 4 its blocks ran at the
+   core's pace when stepped back to back (no prefetch there 1.04-1.08x faster at 16M and
+   64M, session 13). But a step follows other work that leaves the caches full of other
+   data (bench/step_time.py: torch's fused AdamW over as many params; a training step: the
+   forward and backward passes), and there the hardware prefetchers fall behind the
+   block loop on Zen 5: 4 blocks ahead made the AVX-512 path 1.2-1.34x faster at 64M
+   float32 params and 1.03-1.17x at 16M (one tensor and the transformer-like list, 1
+   thread, each call after a torch fused AdamW step over as many params, paired medians;
+   docs/performance.md), while one line per stream 16 or 32 blocks ahead gained nothing
+   (so the page walks alone are not the cost). */
 #define OL8_PREFETCH_BLOCKS 2
+#define OL8V_PREFETCH_BLOCKS 4
 static inline __attribute__((always_inline)) void ol8_prefetch(
         const ol8_param_t *P, int64_t b, int pd, int gd) {
     const int64_t lo = b * OL8_BLOCK;
@@ -381,10 +389,10 @@ static inline __attribute__((always_inline)) void ol8_range_f32(
    loops. Per block: the codes decoded 64 at a time by byte permutes (ol8v_decode64),
    the update with the absmax taken in the same loop, then the encode 64 values at a
    time by register permutes (ol8v_quantize64; the start table read by scalar loads,
-   ol8v_quantize, for a book its tables cannot serve); no software prefetch (see
-   ol8_prefetch). The permute encode made the whole step 1.25-1.28x faster at 1M
-   float32 params and 1.40x at 16M (1 thread, AMD EPYC Zen 4: 1.23 -> 0.96-0.98 and
-   1.50 -> 1.07 ns per element). */
+   ol8v_quantize, for a book its tables cannot serve); the block OL8V_PREFETCH_BLOCKS
+   ahead prefetched (see ol8_prefetch). The permute encode made the whole step
+   1.25-1.28x faster at 1M float32 params and 1.40x at 16M (1 thread, AMD EPYC Zen 4:
+   1.23 -> 0.96-0.98 and 1.50 -> 1.07 ns per element). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define OL8_HAVE_AVX512 1
 #include <immintrin.h>
@@ -746,6 +754,7 @@ OL8_AVX512_INLINE void ol8v_blocks_wd(
     const ol8v_encoder_t *e1 = ol8v_encoder(P->table1, P->bounds1, &enc1) ? &enc1 : NULL;
     const ol8v_encoder_t *e2 = ol8v_encoder(P->table2, P->bounds2, &enc2) ? &enc2 : NULL;
     for (int64_t b = first; b < end; b++) {
+        ol8_prefetch(P, b + OL8V_PREFETCH_BLOCKS, pd, gd);
         if ((b + 1) * OL8_BLOCK <= P->numel)
             ol8v_block_q(P, &pl1, &pl2, e1, e2, b, pd, gd, coupled, decoupled);
         else ol8v_partial_block(P, b);
