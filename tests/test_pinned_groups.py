@@ -875,3 +875,43 @@ def test_a_param_moved_by_hand_to_the_front_of_a_following_group_does_not_pin_it
     dtypes = [opt.state[p]["exp_avg"].dtype for p in (extra, emb, w)]
     assert dtypes == [torch.float32, torch.bfloat16, torch.bfloat16]
     assert [float(opt.state[p]["step"]) for p in (extra, emb, w)] == [3.0, 2.0, 3.0]
+
+
+def test_a_failed_move_names_the_rounded_params_by_their_place_among_all_groups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A move fp32 -> bf16 that fails after converting a float64 param's moments (which
+    bfloat16 cannot give back exactly) names that param by its index over all groups, as
+    ``MigrationRoundedError.rounded`` says, beside a pinned group before it: param 3 (the
+    pinned group's two params, then the following group's float32 one, then it). Both
+    messages said 1 (its place among the moved params), one of them calling it an index
+    over all groups, which is the pinned group's second param."""
+    import optladder.optimizers.migrate as migrate
+
+    gen = torch.Generator().manual_seed(0)
+    pinned = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (64, 32)]
+    small = torch.nn.Parameter(torch.randn(100, generator=gen))
+    wide = torch.nn.Parameter(torch.randn(6000, generator=gen, dtype=torch.float64))
+    opt = choose_optimizer(
+        [{"params": pinned, "rung": "fp32"}, {"params": [small, wide]}], free_memory="1GiB"
+    )
+    for p in (*pinned, small, wide):
+        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+    opt.step()
+    flat = [p for g in opt.param_groups for p in g["params"]]
+    want = next(i for i, p in enumerate(flat) if p is wide)  # 3, independently of the code
+    assert want == 3
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("injected")
+
+    # the largest param (the float64 one) converts first; the float32 one splits next
+    monkeypatch.setattr(migrate, "_split_state", fail)
+    with pytest.raises(OptimizerOutOfMemoryError) as info:
+        opt.escalate("test")
+    cause = info.value.__cause__
+    assert isinstance(cause, migrate.MigrationRoundedError)
+    assert cause.rounded == [want]
+    assert f"params [{want}] (index over all groups)" in str(cause)
+    assert f"params [{want}] (index over all groups) were converted back" in str(info.value)
+    assert [g["rung"] for g in opt.param_groups] == ["fp32", "fp32"]
