@@ -799,3 +799,119 @@ def test_a_pinned_group_whose_params_were_all_replaced_keeps_its_pin() -> None:
     for name in ("exp_avg", "exp_avg_sq"):
         assert opt.state[new][name].dtype == torch.float32
         assert torch.equal(opt.state[new][name], ref.state[ref_param][name])
+
+
+@pytest.mark.parametrize("pin", [None, "8bit"])
+def test_a_param_taken_out_of_a_pinned_group_and_added_again_takes_the_new_groups_rung(
+    pin: str | None,
+) -> None:
+    """A param removed from a pinned fp32 group, its state deleted (``del opt.state[p]``
+    restarts it), and added back with ``add_param_group`` in a group that follows the
+    decision (here bf16, after an escalation) or pins 8bit: the new group is on that
+    rung, not on the fp32 pin the param had (its old pin was still read: the step
+    refused the group as 'rung edited by hand'). Its param's step equals a fresh
+    optimizer's on that rung with the same hyperparameters, bit for bit, and so does its
+    state (bf16 moments: within one bfloat16 step of the first step's (1 - beta) * g and
+    (1 - beta2) * g**2, stochastically rounded with the param's own stream)."""
+    model = _model()
+    extra = torch.nn.Parameter(torch.randn(100, 64, generator=torch.Generator().manual_seed(7)))
+    emb = model.emb.weight
+    opt = choose_optimizer(
+        [{"params": [emb, extra], "rung": "fp32"}, {"params": list(model.proj.parameters())}],
+        lr=1e-3,
+        free_memory="1GiB",
+    )
+    _set_grads([emb, extra, *model.proj.parameters()], 0)
+    opt.step()
+    opt.escalate("test")
+    want = pin or "bf16"
+    opt.param_groups[0]["params"].remove(emb)
+    del opt.state[emb]
+    twin = torch.nn.Parameter(emb.detach().clone())
+    opt.add_param_group({"params": [emb]} if pin is None else {"params": [emb], "rung": pin})
+    assert opt.param_groups[2]["rung"] == want
+    assert [g["rung"] for g in opt.param_groups[:2]] == ["fp32", "bf16"]
+    ref = choose_optimizer([twin], lr=1e-3, rung=want, free_memory="1GiB")
+    _set_grads([emb, extra, *model.proj.parameters()], 1)
+    twin.grad = emb.grad.clone()
+    opt.step()
+    ref.step()
+    assert torch.equal(emb, twin)
+    got = opt.state[emb]
+    assert got.keys() == ref.state[twin].keys()
+    for key, value in ref.state[twin].items():
+        mine = torch.as_tensor(got[key])
+        assert mine.dtype == torch.as_tensor(value).dtype, key
+        if pin is None and key.startswith("exp_avg"):  # stochastically rounded from
+            g = emb.grad.float()  # (1 - beta) * g or g**2: within one bfloat16 step of it
+            exact = 0.1 * g if key == "exp_avg" else 0.001 * g * g
+            assert ((mine.float() - exact).abs() <= exact.abs() * 2**-7).all(), key
+        else:
+            assert torch.equal(mine, torch.as_tensor(value)), key
+
+
+def test_a_param_moved_by_hand_to_the_front_of_a_following_group_does_not_pin_it() -> None:
+    """A param taken out of a pinned fp32 group (its state deleted) and put first in a
+    group that follows the decision, between steps: that group still follows the
+    decision (its pin was read from its first param's old record: the group stayed on
+    fp32 through an escalation that reported fp32 -> bf16). After the escalation the
+    pinned group's moments are float32 and the following group's bfloat16."""
+    gen = torch.Generator().manual_seed(0)
+    emb, extra, w = (torch.nn.Parameter(torch.randn(n, 64, generator=gen)) for n in (100, 100, 64))
+    opt = choose_optimizer(
+        [{"params": [emb, extra], "rung": "fp32"}, {"params": [w]}], lr=1e-3, free_memory="1GiB"
+    )
+    _set_grads([emb, extra, w], 0)
+    opt.step()
+    opt.param_groups[0]["params"].remove(emb)
+    del opt.state[emb]
+    opt.param_groups[1]["params"].insert(0, emb)
+    _set_grads([emb, extra, w], 1)
+    opt.step()
+    opt.escalate("test")
+    assert [g["rung"] for g in opt.param_groups] == ["fp32", "bf16"]
+    _set_grads([emb, extra, w], 2)
+    opt.step()
+    dtypes = [opt.state[p]["exp_avg"].dtype for p in (extra, emb, w)]
+    assert dtypes == [torch.float32, torch.bfloat16, torch.bfloat16]
+    assert [float(opt.state[p]["step"]) for p in (extra, emb, w)] == [3.0, 2.0, 3.0]
+
+
+def test_a_failed_move_names_the_rounded_params_by_their_place_among_all_groups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A move fp32 -> bf16 that fails after converting a float64 param's moments (which
+    bfloat16 cannot give back exactly) names that param by its index over all groups, as
+    ``MigrationRoundedError.rounded`` says, beside a pinned group before it: param 3 (the
+    pinned group's two params, then the following group's float32 one, then it). Both
+    messages said 1 (its place among the moved params), one of them calling it an index
+    over all groups, which is the pinned group's second param."""
+    import optladder.optimizers.migrate as migrate
+
+    gen = torch.Generator().manual_seed(0)
+    pinned = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (64, 32)]
+    small = torch.nn.Parameter(torch.randn(100, generator=gen))
+    wide = torch.nn.Parameter(torch.randn(6000, generator=gen, dtype=torch.float64))
+    opt = choose_optimizer(
+        [{"params": pinned, "rung": "fp32"}, {"params": [small, wide]}], free_memory="1GiB"
+    )
+    for p in (*pinned, small, wide):
+        p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+    opt.step()
+    flat = [p for g in opt.param_groups for p in g["params"]]
+    want = next(i for i, p in enumerate(flat) if p is wide)  # 3, independently of the code
+    assert want == 3
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise torch.OutOfMemoryError("injected")
+
+    # the largest param (the float64 one) converts first; the float32 one splits next
+    monkeypatch.setattr(migrate, "_split_state", fail)
+    with pytest.raises(OptimizerOutOfMemoryError) as info:
+        opt.escalate("test")
+    cause = info.value.__cause__
+    assert isinstance(cause, migrate.MigrationRoundedError)
+    assert cause.rounded == [want]
+    assert f"params [{want}] (index over all groups)" in str(cause)
+    assert f"params [{want}] (index over all groups) were converted back" in str(info.value)
+    assert [g["rung"] for g in opt.param_groups] == ["fp32", "fp32"]

@@ -236,8 +236,31 @@ def test_bf16_and_f16_params_are_fused_on_both_rungs() -> None:
     from optladder.optimizers.spec import bf16_fused_miss, fp32_fused_miss
 
     assert "float64 params run the eager path" in str(bf16_fused_miss("cpu", ("float64",)))
-    why = fp32_fused_miss(True, "cpu", ("bfloat16", "float64"), False)
-    assert why is not None and "float64 params run the eager path" in why
+    # on the fp32 rung float64 params are torch's fused AdamW's, not optladder's kernels'
+    assert fp32_fused_miss(True, "cpu", ("bfloat16", "float64"), False) is None
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_float64_beside_low_precision_params_is_fused_on_the_fp32_rung(low: torch.dtype) -> None:
+    """float64 params beside float16/bfloat16 ones on the fp32 rung: the float64 ones on
+    torch's fused AdamW, the others on the C kernel, none eagerly (the step's own
+    routes), so the decision says fused and no warning says otherwise (it said 'fp32 no
+    (... runs eagerly here: ... float64 params run the eager path)', read from the C
+    kernel's dtypes, which do not step the float64 params on this rung)."""
+    if kernels.cpu_unavailable_reason() is not None:
+        pytest.skip(str(kernels.cpu_unavailable_reason()))
+    gen = torch.Generator().manual_seed(0)
+    params = [
+        torch.nn.Parameter(torch.randn(64, generator=gen).to(d)) for d in (torch.float64, low)
+    ]
+    opt = choose_optimizer(params, free_memory="1GiB")
+    assert opt.rung == "fp32"
+    for p in params:
+        p.grad = torch.randn(64, generator=gen).to(p.dtype)
+    opt.step()
+    assert opt.engine.eager_reasons == {}  # type: ignore[attr-defined]
+    assert opt.decision.fused and opt.decision.unfused_reason is None
+    assert "fp32 yes" in opt.decision.summary()
 
 
 # ----------------------------------------------------------------------- growth

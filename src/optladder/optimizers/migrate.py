@@ -586,6 +586,7 @@ def migrate_states(
     target_spec: Any,
     *,
     keep_source: bool = False,
+    places: Mapping[int, int] | None = None,
 ) -> None:
     """Move the state of ``params`` from ``source_state`` into ``target_state`` (two
     dicts keyed by param), one param at a time.
@@ -603,9 +604,10 @@ def migrate_states(
     - float32 moments narrowed to bfloat16 (fp32 -> bf16): exact too, within the bound
       above. The bfloat16 value plus the 16 bits it drops take the float32 moment's bytes
       (:func:`_split_moment`); the dropped bits are kept until the move is done.
-    - otherwise (a move to the 8-bit rung, or a DTensor or non-contiguous moment), the
-      params converted so far are converted back, which rounds them to the target's
-      format; the error raised is then :class:`MigrationRoundedError`, naming them.
+    - otherwise (a move to the 8-bit rung, float64 moments narrowed to bfloat16, a
+      DTensor or non-contiguous moment), the params converted so far are converted
+      back, which rounds them to the target's format; the error raised is then
+      :class:`MigrationRoundedError`, naming them.
 
     The way back starts with the param converted last (what its conversion freed pays for
     its way back), after the failed conversion's tensors are dropped. Should it run out
@@ -629,6 +631,9 @@ def migrate_states(
             failure restores it exactly; the extra memory then peaks at the old state
             plus the new. For moves to a wider format (the new state is the larger one,
             so the bound above does not hold anyway).
+        places: ``id(p) -> p``'s index over all the source engine's groups, the index
+            messages and :class:`MigrationRoundedError` name (needed where ``params`` are
+            not all of them: groups that pin their rung stay); None: ``params``' order.
 
     Raises:
         MigrationRoundedError: a conversion failed and params were rounded on the way back,
@@ -667,7 +672,7 @@ def migrate_states(
         rounded: list[int] = []
         lost: list[int] = []
         interrupt: BaseException | None = None
-        order = {id(q): i for i, q in enumerate(params)}
+        order = places if places is not None else {id(q): i for i, q in enumerate(params)}
         if current is not None and not source_state.get(current):  # its way back failed
             source_state.pop(current, None)
             lost.append(order[id(current)])

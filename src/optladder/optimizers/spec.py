@@ -54,8 +54,9 @@ def fp32_fused_miss(
     low = sorted(set(dtypes) & set(LOW_PRECISION_DTYPES))
     if low and not has_complex:
         # torch's fused AdamW would keep their moments in bf16/fp16: optladder's AdamW
-        # keeps float32 moments on its own kernels (see fp32_engine)
-        why = _kernel_miss(torch.device(device).type, dtypes)
+        # keeps float32 moments on its own kernels (see fp32_engine); float32/float64
+        # params stay on torch's kernels, so only these dtypes are the kernels' to step
+        why = _kernel_miss(torch.device(device).type, low)
         if why is None:
             return None
         return (

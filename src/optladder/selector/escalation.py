@@ -117,7 +117,7 @@ def escalate(
         rounded, lost = getattr(exc, "rounded", None), getattr(exc, "lost", None)
         said = (
             [
-                f"params {rounded} (index over the moved groups) were converted back with the "
+                f"params {rounded} (index over all groups) were converted back with the "
                 f"{target} format's rounding"
             ]
             if rounded
@@ -173,6 +173,8 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
     saved_groups = [dict(g) for g in following]
     opt._memo = None  # it holds the state dicts the move drops
     params = [p for g in following for p in g["params"]]
+    # messages name params by their index over all groups (pinned groups stay)
+    places = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
     source_specs = {id(p): state_target(opt, g, p) for g in following for p in g["params"]}
     # Ctrl-C waits until the move is done: between the conversion and the merge below,
     # the moved params' state is only in the converted dict, which an interrupt would drop
@@ -189,6 +191,7 @@ def migrate(opt: LadderOptimizer, rung: Rung, reason: str, origin: str, *, force
                 lambda p: source_specs[id(p)],
                 lambda p: state_target(opt, group_of[id(p)], p),
                 keep_source=RUNGS.index(rung) < RUNGS.index(opt.rung),
+                places=places,
             )
         except BaseException:
             restore_groups(following, saved_groups)

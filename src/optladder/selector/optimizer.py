@@ -26,7 +26,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, get_args
 
 import torch
 
@@ -54,7 +54,9 @@ from optladder.rungs import (
     REASON_KEY,
     RUNG_KEY,
     RUNGS,
+    Origin,
     Rung,
+    current_origin,
     group_pin,
 )
 from optladder.selector import checkpointing, escalation
@@ -89,6 +91,8 @@ __all__ = [
 ]
 
 _PIN_REASON = "pinned by its param group"
+_FOLLOWING_ORIGINS = frozenset(get_args(Origin))
+"""The ``"rung_origin"`` marks of groups that follow the decision (a decision's origin)."""
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
 
@@ -334,9 +338,13 @@ class LadderOptimizer(LadderAdamW):
         copies and ``load_state_dict`` keep: a group whose params were all replaced, or
         that has none). The record wins over the group's ``"rung"``, so that a
         ``"rung"`` edited by hand is caught (:meth:`_check_group_rungs`), not followed.
+        A group marked as following the decision (an origin of ``Decision.origin``) pins
+        nothing whatever its first param's record says (a param moved by hand from a
+        pinned group to the front of a following group, before the next step's
+        :meth:`_record_pins`).
         """
         params = group["params"]
-        if params:
+        if params and current_origin(group.get(ORIGIN_KEY)) not in _FOLLOWING_ORIGINS:
             first = params[0]
             entry = self._pin_rungs.get(id(first))
             if entry is not None and entry[0]() is first:  # not another tensor at its address
@@ -442,6 +450,21 @@ class LadderOptimizer(LadderAdamW):
         refuse_meta_params([group], first_group=len(self.param_groups))
         gi = len(self.param_groups)
         pin = group_pin(group, f"param group {gi}")
+        # the new params are in no group (check_groups): a pin recorded for one (taken
+        # out of a pinned group since the last step) is stale, and the group's own
+        # "rung" says where it goes
+        recorded, new = self._pin_rungs, set(map(id, params))
+        self._pin_rungs = {k: v for k, v in recorded.items() if k not in new}
+        try:
+            self._add_checked_group(gi, group, pin)
+        except BaseException:
+            self._pin_rungs = recorded
+            raise
+
+    def _add_checked_group(self, gi: int, group: dict[str, Any], pin: Rung | None) -> None:
+        """:meth:`add_param_group`'s install of ``group`` (checked, at place ``gi``), on
+        the rung it pins (``pin``) or the decision's; the footprint updated."""
+        params = group["params"]
         with deferred_interrupts():  # Ctrl-C waits until the group is added everywhere
             if pin is None:
                 check_params_for_rung(params, self.rung)
