@@ -34,7 +34,8 @@ How the ladder's retry fits the Trainer's loop:
   rung the checkpoint had escalated to.
 
 Needs ``transformers`` and ``accelerate`` (the ``integrations`` extra:
-``pip install -e ".[integrations]"`` in the clone).
+``pip install -c torch-pin.txt -e ".[integrations]"`` in the clone, ``torch-pin.txt`` as
+README's "Install into your own environment" makes it; ``make test``'s venv has it).
 Run it::
 
     python examples/hf_trainer.py --max-steps 60

@@ -27,8 +27,9 @@ How the ladder's retry fits Lightning's loop:
   records the rung; ``fit(..., ckpt_path=...)`` moves a policy-chosen optimizer to the
   rung the checkpoint had escalated to.
 
-Needs ``lightning`` (the ``integrations`` extra: ``pip install -e ".[integrations]"`` in
-the clone). Run it::
+Needs ``lightning`` (the ``integrations`` extra: ``pip install -c torch-pin.txt -e
+".[integrations]"`` in the clone, ``torch-pin.txt`` as README's "Install into your own
+environment" makes it; ``make test``'s venv has it). Run it::
 
     python examples/lightning_module.py --epochs 3
 """

@@ -134,7 +134,8 @@ def _parser() -> argparse.ArgumentParser:
         help="train an MLP on the UCI digits through choose_optimizer",
         description="Train an MLP on the UCI handwritten digits through choose_optimizer. "
         "Without options: once per rung, with a free memory that makes the policy choose "
-        "it, then the OOM ladder demo (--oom).",
+        "it, once more on bf16 with the forward under bf16 autocast, then the OOM ladder "
+        "demo (--oom).",
     )
     demo.add_argument("--rung", type=str.lower, choices=RUNG_CHOICES, help="fix the rung")
     demo.add_argument(

@@ -239,7 +239,7 @@ OL8_AVX2 __attribute__((noinline)) static int64_t ol8a_encode(
    cost the AVX-512 path ~3 % (AMD Zen 5, 64K params), and on Zen 4 its blocks ran at the
    core's pace when stepped back to back (no prefetch there 1.04-1.08x faster at 16M and
    64M, session 13). But a step follows other work that leaves the caches full of other
-   data (bench/step_time.py: torch's fused AdamW over as many params; a training step: the
+   data (the step_time benchmark: torch's fused AdamW over as many params; a training step: the
    forward and backward passes), and there the hardware prefetchers fall behind the
    block loop on Zen 5: 4 blocks ahead made the AVX-512 path 1.2-1.34x faster at 64M
    float32 params and 1.03-1.17x at 16M (one tensor and the transformer-like list, 1
