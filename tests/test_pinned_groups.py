@@ -658,6 +658,13 @@ def test_a_pinned_groups_params_keep_their_own_rounding_streams(rung: str, pin: 
     assert not torch.equal(ps[0], ps[1])
 
 
+def _seeded_grads(params: list[torch.nn.Parameter], k: int) -> None:
+    """Grads of step ``k``: normal draws from a generator seeded ``10 + k``."""
+    gen = torch.Generator().manual_seed(10 + k)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
 def test_a_pin_survives_group_dicts_replaced_by_hand() -> None:
     """``opt.param_groups[:] = [dict(g) for g in opt.param_groups]`` (torch accepts it):
     a group that pins fp32 keeps its rung and its state when the rest escalates, as the
@@ -675,16 +682,11 @@ def test_a_pin_survives_group_dicts_replaced_by_hand() -> None:
         )
         return params, opt
 
-    def grads(params: list[torch.nn.Parameter], k: int) -> None:
-        gen = torch.Generator().manual_seed(10 + k)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
-
     params, opt = build()
     ref_params, ref = build()
     for k in range(3):
-        grads(params, k)
-        grads(ref_params, k)
+        _seeded_grads(params, k)
+        _seeded_grads(ref_params, k)
         if k == 1:
             opt.param_groups[:] = [dict(g) for g in opt.param_groups]
             opt.escalate("test")
@@ -732,17 +734,12 @@ def test_a_pin_survives_its_params_list_edited_and_a_reload(edit: str, reload: s
         )
         return params, opt
 
-    def grads(params: list[torch.nn.Parameter], k: int) -> None:
-        gen = torch.Generator().manual_seed(10 + k)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=gen)
-
     params, opt = build()
     ref_params, ref = build()
     assert opt.rung == "fp32"
     for k in range(3):
-        grads(params, k)
-        grads(ref_params, k)
+        _seeded_grads(params, k)
+        _seeded_grads(ref_params, k)
         if k == 1:
             group = opt.param_groups[1]
             if edit == "pop":
