@@ -47,8 +47,9 @@ _UNSUPPORTED_FLAGS: dict[str, str] = {
 
 _KERNEL_CHOICE = (
     "optladder picks each rung's kernel itself: torch's fused AdamW for the fp32 rung where "
-    "the device has it (foreach otherwise), its own fused kernels for bf16, bitsandbytes "
-    "for 8bit; opt.decision.fused and .unfused_reason say which ran"
+    "the device has it (foreach otherwise), its own fused kernels for bf16, for 8bit its "
+    "8-bit C kernel on the CPU and bitsandbytes' kernel on CUDA; opt.decision.fused and "
+    ".unfused_reason say which ran"
 )
 
 
