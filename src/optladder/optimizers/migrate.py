@@ -299,7 +299,7 @@ def _narrowed(
     away from zero), not as ``.to()`` alone (ties to even), so a load and a move give the
     same bits: ``.to()`` first, then, where the float32 value was exactly halfway (its low
     half 0x8000) and rounded to the even bfloat16 nearer zero, one place away from zero.
-    A NaN becomes the move's NaN (:func:`_nan_high`), whatever NaN ``.to()`` wrote (CUDA's
+    A NaN becomes the move's NaN (:func:`_put_nan_highs`), whatever NaN ``.to()`` wrote (CUDA's
     0x7FFF, which the step away from zero would carry into -0); infinities stay.
     """
     if not (m.dtype == torch.float32 and dtype == torch.bfloat16):
@@ -314,6 +314,7 @@ def _narrowed(
     else:
         value_rows = value
     rows = max(1, _TIE_CHUNK // max(1, src[0].numel()))
+    nans = _has_nan(src)
     for start in range(0, src.shape[0], rows):
         bits = src[start : start + rows].reshape(-1).view(torch.int32)  # a chunk's copy at most
         out = value_rows[start : start + rows].reshape(-1).view(torch.int16)
@@ -321,19 +322,20 @@ def _narrowed(
         # .to() kept the float32 value's own high half (even): ties away take the next
         kept = bits.bitwise_right_shift(16).eq_(out.to(torch.int32))
         out.add_(kept.logical_and_(halfway).to(torch.int16))
-        nan = bits.bitwise_and(0x7FFFFFFF).gt(0x7F800000)
-        out.copy_(torch.where(nan, _nan_high(bits), out))
+        if nans:
+            _put_nan_highs(bits, out)
     return value
 
 
-def _nan_high(bits: torch.Tensor) -> torch.Tensor:
-    """The bfloat16 a float32 NaN narrows to, from its int32 ``bits``, as int16 (only the
-    NaN elements are meant): its high half, a NaN with its sign, as ``.to()`` keeps it;
-    where that half alone is an infinity (a payload in the low half only: 0x7F800001),
-    with the quiet bit (0x0040) set."""
+def _put_nan_highs(bits: torch.Tensor, out: torch.Tensor) -> None:
+    """Where the int32 ``bits`` are a float32 NaN, write into the int16 ``out`` (the
+    same element count) the bfloat16 it narrows to: its high half, a NaN with its sign,
+    as ``.to()`` keeps it; where that half alone is an infinity (a payload in the low half
+    only: 0x7F800001), with the quiet bit (0x0040) set. Other elements are left."""
     high = bits.bitwise_right_shift(16)
     quiet = high.bitwise_and(0x7F).eq(0).to(high.dtype).bitwise_left_shift_(6)
-    return high.bitwise_or_(quiet).to(torch.int16)
+    nan = bits.bitwise_and(0x7FFFFFFF).gt(0x7F800000)
+    out.copy_(torch.where(nan, high.bitwise_or_(quiet).to(torch.int16), out))
 
 
 def _has_nan(t: torch.Tensor) -> bool:
@@ -496,7 +498,7 @@ def _split_moment(m: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, tor
     A NaN stays NaN and an infinity infinite, as ``m.to(torch.bfloat16)`` keeps them:
     a NaN's value is its high half, no carry (the carry had made 0x7FFFFFFF -0 and
     0xFFFFFFFF +0), with the quiet bit set where that half alone is an infinity
-    (:func:`_nan_high`). Joined, it is the float32 NaN bit for bit, but for a signalling
+    (:func:`_put_nan_highs`). Joined, it is the float32 NaN bit for bit, but for a signalling
     NaN whose payload lies in the low half only (0x7F80xxxx, 0xFF80xxxx; no arithmetic
     makes one, x86 and CUDA quiet the NaNs they compute), which comes back with the quiet
     bit set: 32 bits cannot hold both halves of every NaN and keep the bfloat16 half a
@@ -516,10 +518,7 @@ def _split_moment(m: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, tor
     low.copy_(halves[0::2]).bitwise_xor_(-_HALF)  # the low half of w: + 0x8000 modulo 2**16
     if _has_nan(m):  # the NaNs' high halves, quiet, without the carry
         for start in range(0, words.numel(), _TIE_CHUNK):
-            chunk = words[start : start + _TIE_CHUNK]
-            out = high[start : start + _TIE_CHUNK]
-            nan = chunk.bitwise_and(0x7FFFFFFF).gt(0x7F800000)
-            out.copy_(torch.where(nan, _nan_high(chunk), out))
+            _put_nan_highs(words[start : start + _TIE_CHUNK], high[start : start + _TIE_CHUNK])
     return high.view(torch.bfloat16).reshape(shape), low
 
 
