@@ -222,10 +222,22 @@ def _float32_result() -> float:
 def test_stochastic_param_writes_are_unbiased_and_reproducible(
     backend: str, param_dtype: torch.dtype
 ) -> None:
+    """Every write is one of the two neighbours of the float32 value, and their mean is
+    within 4 standard errors of it: a write rounds up with probability ``f``, the
+    float32 value's fraction of the way from its lower neighbour to its upper one, so
+    the mean of ``n`` writes has standard error ``ulp * sqrt(f * (1 - f) / n)``."""
     exact = _float32_result()
     lo = float(torch.tensor(exact).to(param_dtype))  # nearest; the neighbour is 1 ulp off
     written = _write_many(backend, param_dtype, seed=1)
     values = written.double()
+    down = torch.tensor(exact).to(param_dtype)
+    if float(down) > exact:
+        down = torch.nextafter(down, torch.tensor(-math.inf, dtype=param_dtype))
+    up = torch.nextafter(down, torch.tensor(math.inf, dtype=param_dtype))
+    ulp = float(up) - float(down)
+    f = (exact - float(down)) / ulp
+    assert 0.0 < f < 1.0  # the float32 value lies strictly between the two
+    assert set(values.unique().tolist()) == {float(down), float(up)}
     assert set(values.unique().tolist()) <= {
         lo,
         float(
@@ -240,7 +252,7 @@ def test_stochastic_param_writes_are_unbiased_and_reproducible(
         ),
     }
     assert values.unique().numel() == 2  # both neighbours occur
-    sigma = values.std().item() / math.sqrt(values.numel())
+    sigma = ulp * math.sqrt(f * (1.0 - f) / values.numel())
     assert abs(values.mean().item() - exact) <= 4 * sigma, (values.mean().item(), exact, sigma)
     assert torch.equal(_bits(written), _bits(_write_many(backend, param_dtype, seed=1)))
     assert not torch.equal(_bits(written), _bits(_write_many(backend, param_dtype, seed=2)))
