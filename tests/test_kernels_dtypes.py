@@ -336,7 +336,7 @@ def test_choose_optimizer_takes_param_rounding_on_both_rungs() -> None:
     from optladder import choose_optimizer
 
     with pytest.raises(ValueError, match=r"param_rounding must be .* got 'round'"):
-        choose_optimizer([torch.nn.Parameter(torch.randn(4))], param_rounding="round")  # type: ignore[arg-type]
+        choose_optimizer([torch.nn.Parameter(torch.randn(4))], param_rounding="round")
     gen = torch.Generator().manual_seed(9)
     start = torch.randn(300, generator=gen).to(torch.bfloat16)
     grad = torch.randn(300, generator=gen).to(torch.bfloat16)
@@ -497,3 +497,61 @@ def test_tables_released_between_prepare_and_commit_still_step() -> None:
         assert torch.equal(p, q)
         assert torch.equal(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"])
         assert opt.state[p]["step"].item() == 1.0
+
+
+@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_gcc), "eager"])
+@pytest.mark.parametrize("rung", MOMENTS)
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16])
+def test_param_writes_take_their_own_stream_of_the_moments_hash(
+    backend: str, rung: str, param_dtype: torch.dtype
+) -> None:
+    """The written param is its float32 value rounded with the bits ``rounding.py``
+    documents: ``hash32((i + param_key(key)) mod 2**32)``, ``key`` the moments' key of
+    (seed, step, param index), computed here element by element with the scalar hash;
+    bfloat16 adds their low 16 bits to the float32 pattern's low half and truncates
+    (written out here), float16 takes all 32 (the oracle's ``stochastic_round_f16``).
+    The moments' own stream (``key``) would give other bits. The float32 value is the
+    same step on a float32 twin (exact upcasts of the same params and grads; the moments
+    do not depend on the param), set to the written param before each step."""
+    from optladder.optimizers.rounding import (
+        MASK32,
+        element_key,
+        hash32,
+        param_key,
+        stochastic_round_f16,
+    )
+
+    n, seed = 300, 7
+    gen = torch.Generator().manual_seed(8)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(param_dtype)) for _ in "ab"]
+    twins = [torch.nn.Parameter(p.detach().float()) for p in params]
+    options: dict[str, Any] = {"moment_dtype": MOMENTS[rung], "seed": seed, **HYPER}
+    opt = LadderAdamW(params, backend=backend, **options)  # type: ignore[arg-type]
+    ref = LadderAdamW(twins, backend="eager", **options)
+
+    def bits(key: int) -> torch.Tensor:
+        return torch.tensor([hash32((i + key) & MASK32) for i in range(n)], dtype=torch.int64)
+
+    def rounded(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        if param_dtype == torch.float16:
+            return stochastic_round_f16(x, r)
+        u = x.view(torch.int32).to(torch.int64) & MASK32
+        return (((u + (r & 0xFFFF)) >> 16) << 16).to(torch.int32).view(torch.float32).bfloat16()
+
+    for step in (1, 2, 3):
+        for p, t in zip(params, twins, strict=True):
+            g = torch.randn(n, generator=gen).to(param_dtype)
+            p.grad, t.grad = g, g.float()
+            with torch.no_grad():
+                t.copy_(p.float())
+        opt.step()
+        ref.step()
+        assert backend == "eager" or opt.eager_reasons == {}
+        for index, (p, t) in enumerate(zip(params, twins, strict=True)):
+            x = t.detach()
+            assert bool(x.isfinite().all())
+            key = element_key(seed, step, index)
+            want = rounded(x, bits(param_key(key)))
+            assert torch.equal(_bits(p), _bits(want)), (step, index)
+            assert not torch.equal(_bits(p), _bits(rounded(x, bits(key))))
+            assert not torch.equal(_bits(p), _bits(x.to(param_dtype)))  # not nearest
