@@ -5,11 +5,18 @@
 # step-time benchmark with bandwidth against the card's HBM peak on float32 params and on
 # bfloat16 params (--param-dtype bfloat16), then the pinned-group step
 # (bench/pinned_step.py) if time is left. Runs offline: the Python
-# packages torch does not bring are installed from ./wheels (fill it with
-# bench/fetch_wheels.sh on a machine with network; wheels/ is git-ignored).
+# packages the machine lacks are installed from ./wheels into a folder of their own
+# ($SITE, put on PYTHONPATH; the machine's own packages are left as they are). Fill
+# wheels/ (git-ignored) with bench/fetch_wheels.sh on a machine with network.
 #
 #   bash bench/gpu_check.sh                 # H200: peak 4800 GB/s
 #   PEAK_GBPS=3350 bash bench/gpu_check.sh  # H100 SXM
+#
+# Through the device tool's H200 (/work/.library/device/README.md): here, once,
+# `WHEELS=h200 bash bench/fetch_wheels.sh` (only what its image lacks, ~46 MB: the tool
+# carries at most 64 MiB with the tree); then run with carry ["wheels"] and the command
+# `set -o pipefail; PYTHONUNBUFFERED=1 bash bench/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log`
+# (its Python is python3; the JSON and PNG files land in $OUT and come back, 5 in all).
 #
 # Budget: under 4 minutes on an H200 with torch 2.11 and triton 3.6 (Triton compiles the
 # kernel's variants once, ~1 minute; the benchmarks ~1.5 minutes). The budget counts from
@@ -19,7 +26,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}
+SITE=${SITE:-/tmp/optladder-gpu-check-site}
 PEAK_GBPS=${PEAK_GBPS:-4800}
 SIZES=${SIZES:-1M,16M,64M,256M}
 BF16_SIZES=${BF16_SIZES:-16M,64M}
@@ -61,11 +69,28 @@ if ((${#need[@]})); then
         echo "missing ${need[*]} and no wheels/ folder: run bench/fetch_wheels.sh first" >&2
         exit 2
     fi
-    # shellcheck disable=SC2046
-    "$PY" -m pip install -q --no-index --find-links wheels/ --no-deps $(printf '%s\n' "${need[@]}" | sort -u)
+    # pydantic 2.14 needs typing-extensions >= 4.16, newer than a machine may have: the
+    # wheels' one comes along (in $SITE, first on the path)
+    if [[ " ${need[*]} " == *" pydantic "* ]]; then need+=(typing-extensions); fi
+    mapfile -t need < <(printf '%s\n' "${need[@]}" | sort -u)
+    install() {
+        "$PY" -m pip install -q --no-index --find-links wheels/ --no-deps --no-compile \
+            --upgrade --target "$SITE" "$@"
+    }
+    # all at once; if one has no wheel, one by one, so that the others still install
+    # (what optladder itself needs is checked by importing it below)
+    if ! install "${need[@]}" 2>/dev/null; then
+        for dist in "${need[@]}"; do install "$dist" || echo "no wheel installed for $dist"; done
+    fi
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "import optladder.optimizers.adamw" || {
+    echo "optladder does not import (above): nothing to test" >&2
+    exit 2
+}
+"$PY" -c "import bitsandbytes" || echo "bitsandbytes does not import (above): its runs are skipped"
 unset TRITON_INTERPRET  # compiled kernels, not the interpreter
 
 echo "== kernel tests on CUDA (every param and grad dtype; -rs lists what was skipped)"
