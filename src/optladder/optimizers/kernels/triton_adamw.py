@@ -40,10 +40,18 @@ BLOCK = 1024
 """Elements per vector operation of one program."""
 CHUNK = 4 * BLOCK
 """Elements per program (one row of the chunk table)."""
+LAUNCH_OPTIONS: dict[str, object] = {"num_warps": 4, "enable_fp_fusion": False}
+"""Compile options of every launch. ``enable_fp_fusion=False``: only the ``tl.fma`` calls
+written here fuse; by default the compiler contracts a multiply and an add into one fma
+(one rounding), so the decoupled decay ``p * decay`` and the update's sum, and the
+float64 ``1 - lr * wd``, became fmas on CUDA and the params lost the eager oracle's bits
+(the C kernel is built with ``-ffp-contract=off`` for the same reason; the interpreter
+never fuses)."""
 _META_COLS = 8
 _CACHE_SIZE = 64
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_PARAM_STREAM = 0x1B873593  # optladder.optimizers.rounding.PARAM_STREAM
+_PARAM_STREAM = tl.constexpr(0x1B873593)  # optladder.optimizers.rounding.PARAM_STREAM; a
+# constexpr: the compiler refuses other globals in a kernel (the interpreter does not)
 
 # Device tables keyed by pointers and sizes; a cache (its content is a pure function of
 # the key), bounded, least recently used first out.
@@ -72,11 +80,14 @@ def _mix(a, b):
 
 
 @triton.jit
-def _load(ptr, mask):
-    """``tl.load`` that reads zero where ``mask`` is false; ``mask=None``: no mask."""
-    if mask is None:
-        return tl.load(ptr)
-    return tl.load(ptr, mask=mask, other=0)
+def _load(ptr, mask, MASKED: tl.constexpr):
+    """``tl.load`` that reads zero where ``mask`` is false; ``MASKED=False``: no mask
+    (``mask`` is None then). A constexpr flag, not ``mask is None``: compiled, a None
+    argument arrives as ``constexpr(None)``, which ``is None`` does not match, and
+    ``other`` without a mask is an error (the interpreter runs plain Python and matched)."""
+    if MASKED:
+        return tl.load(ptr, mask=mask, other=0)
+    return tl.load(ptr)
 
 
 @triton.jit
@@ -141,14 +152,15 @@ def _update(
     STOCHASTIC: tl.constexpr,
     PARAM_SR: tl.constexpr,
     LERP_SMALL: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     if GRAD_KIND == 0:
-        g = _load(g_ptr.to(tl.pointer_type(tl.float32)) + offs, mask)
+        g = _load(g_ptr.to(tl.pointer_type(tl.float32)) + offs, mask, MASKED)
     elif GRAD_KIND == 1:
-        gb = _load(g_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask)
+        gb = _load(g_ptr.to(tl.pointer_type(tl.uint16)) + offs, mask, MASKED)
         g = (gb.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
-        g = _load(g_ptr.to(tl.pointer_type(tl.float16)) + offs, mask)
+        g = _load(g_ptr.to(tl.pointer_type(tl.float16)) + offs, mask, MASKED)
         g = g.to(tl.float32)
     if HAS_SCALE:
         g = tl.div_rn(g, scale)
@@ -164,13 +176,13 @@ def _update(
         g = -g
     if PARAM_KIND == 0:
         pp = p_ptr.to(tl.pointer_type(tl.float32)) + offs
-        p = _load(pp, mask)
+        p = _load(pp, mask, MASKED)
     elif PARAM_KIND == 1:
         pp = p_ptr.to(tl.pointer_type(tl.uint16)) + offs
-        p = (_load(pp, mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        p = (_load(pp, mask, MASKED).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     else:
         pp = p_ptr.to(tl.pointer_type(tl.float16)) + offs
-        p = _load(pp, mask).to(tl.float32)
+        p = _load(pp, mask, MASKED).to(tl.float32)
     if DECOUPLED:
         p = p * decay
     if COUPLED:
@@ -178,13 +190,13 @@ def _update(
     if MOMENT_F32:
         mp = m_ptr.to(tl.pointer_type(tl.float32)) + offs
         vp = v_ptr.to(tl.pointer_type(tl.float32)) + offs
-        m = _load(mp, mask)
-        v = _load(vp, mask)
+        m = _load(mp, mask, MASKED)
+        v = _load(vp, mask, MASKED)
     else:
         mp = m_ptr.to(tl.pointer_type(tl.uint16)) + offs
         vp = v_ptr.to(tl.pointer_type(tl.uint16)) + offs
-        m = (_load(mp, mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-        v = (_load(vp, mask).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        m = (_load(mp, mask, MASKED).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        v = (_load(vp, mask, MASKED).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     # torch's lerp: self + w * (end - self) for w < 0.5, else end - (end - self) * (1 - w)
     m = tl.fma(lerp_w, g - m, m) if LERP_SMALL else tl.fma(lerp_w - 1.0, g - m, g)
     v = tl.fma(omb2 * g, g, v * beta2)  # torch's addcmul: fmadd(value * t1, t2, self)
@@ -315,7 +327,7 @@ def _adamw_bf16_kernel(
                     p_ptr, g_ptr, m_ptr, v_ptr, offs, None, key, pkey, scale, step_size,
                     bc2_sqrt, decay, lerp_w, beta2, omb2, eps, wd, GRAD_KIND, PARAM_KIND,
                     MOMENT_F32, HAS_SCALE, DECOUPLED, COUPLED, MAXIMIZE, STOCHASTIC, PARAM_SR,
-                    LERP_SMALL,
+                    LERP_SMALL, False,
                 )  # fmt: skip
         else:
             for i in tl.static_range(CHUNK_SIZE // BLOCK_SIZE):
@@ -324,7 +336,7 @@ def _adamw_bf16_kernel(
                     p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < numel, key, pkey, scale,
                     step_size, bc2_sqrt, decay, lerp_w, beta2, omb2, eps, wd, GRAD_KIND,
                     PARAM_KIND, MOMENT_F32, HAS_SCALE, DECOUPLED, COUPLED, MAXIMIZE,
-                    STOCHASTIC, PARAM_SR, LERP_SMALL,
+                    STOCHASTIC, PARAM_SR, LERP_SMALL, True,
                 )  # fmt: skip
 
 
@@ -446,5 +458,5 @@ def launch(
         ALIGNED=aligned,
         CHUNK_SIZE=CHUNK,
         BLOCK_SIZE=BLOCK,
-        num_warps=4,
+        **LAUNCH_OPTIONS,
     )
