@@ -94,9 +94,15 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 unset TRITON_INTERPRET  # compiled kernels, not the interpreter
 
 echo "== kernel tests on CUDA (every param and grad dtype; -rs lists what was skipped)"
+# ~35 kernel variants compile (1-4 s each, one process: most of the tests' time, beside
+# the C kernel's builds): spread over 8 workers where pytest-xdist is installed (the H200's
+# image has it); Triton's and the C kernel's caches take concurrent writers
+workers=()
+if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n 8); fi
 tests_rc=0
 t=$(left 90)  # 90 s kept for the two benchmarks
 timeout $((t < 140 ? (t > 30 ? t : 30) : 140)) "$PY" -m pytest -q -rs -p no:cacheprovider \
+    ${workers[@]+"${workers[@]}"} \
     tests/test_kernels_triton.py tests/test_kernels_dtypes.py tests/test_stochastic_rounding.py \
     tests/test_kernels_cpu.py tests/test_bf16_rounding_bits.py \
     || tests_rc=$?
