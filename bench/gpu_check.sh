@@ -101,7 +101,7 @@ workers=()
 if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n 8); fi
 tests_rc=0
 t=$(left 90)  # 90 s kept for the two benchmarks
-timeout $((t < 140 ? (t > 30 ? t : 30) : 140)) "$PY" -m pytest -q -rs -p no:cacheprovider \
+timeout $((t < 140 ? (t > 30 ? t : 30) : 140)) "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 \
     ${workers[@]+"${workers[@]}"} \
     tests/test_kernels_triton.py tests/test_kernels_dtypes.py tests/test_stochastic_rounding.py \
     tests/test_kernels_cpu.py tests/test_bf16_rounding_bits.py \
