@@ -169,7 +169,7 @@ def test_c_kernel_matches_float64_and_eager_bits(
         (1, 17, 4099, 70_001),
         param_dtype,
         grad_dtype,
-        seed=hash((rung, str(param_dtype), str(grad_dtype))) % 1000,
+        seed=CPU_CASES.index((rung, param_dtype, grad_dtype)),  # the same in every process
     )
     got, got_opt = _one_step("cpu", rung, inputs)
     ref, ref_opt = _one_step("eager", rung, inputs)
