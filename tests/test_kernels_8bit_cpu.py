@@ -13,7 +13,6 @@ References, computed independently of the kernel:
 from __future__ import annotations
 
 import copy
-import importlib.util
 import io
 import json
 import os
@@ -386,30 +385,6 @@ def test_checkpoints_interchange_with_plain_bitsandbytes_both_ways() -> None:
             assert diff.mean() <= 0.02 * (p.detach() - p0).abs().mean()
 
 
-def test_a_step_peaks_at_state_plus_params_plus_grads() -> None:
-    """Resident-set peak of a step (bench/eightbit_memory.py's measurement, in this
-    process, 1M float32 elements, high-water mark reset before each step): the first step
-    adds the state it creates and at most 1% more; the second adds at most 1% of the
-    state (the kernel writes codes, absmax and param in place; bitsandbytes' CPU fallback
-    adds ~20 bytes per element, see the benchmark)."""
-    path = Path(__file__).resolve().parents[1] / "bench" / "eightbit_memory.py"
-    spec = importlib.util.spec_from_file_location("eightbit_memory", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    try:
-        bench._reset_peak()
-    except OSError as exc:
-        pytest.skip(f"cannot reset the peak RSS here: {exc}")
-    n = 1 << 20
-    first, second = bench.measure(n, "kernel")
-    state = first["state_bytes"]
-    assert state == 2 * n + 2 * 4 * (n // 256) + 2 * 4 * 256  # codes, absmax, code books
-    assert first["fallback"] == []
-    assert first["extra_peak_bytes"] <= 1.01 * state
-    assert second["extra_peak_bytes"] <= 0.01 * state
-
-
 def test_a_step_at_16m_elements_peaks_at_the_state_in_a_fresh_process() -> None:
     """The issue's measurement: bench/eightbit_memory.py run in its own process on one
     float32 param of 16M (2**24) elements. The state is counted by hand: two code
@@ -428,7 +403,14 @@ def test_a_step_at_16m_elements_peaks_at_the_state_in_a_fresh_process() -> None:
         [sys.executable, str(bench), "--elements", str(n), "--engines", "kernel", "--json"],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        # glibc hands out every block of 64 KiB or more by mmap and unmaps it when freed,
+        # so the resident set follows what is allocated (by default freed heap stays
+        # resident and the threshold moves: the same run read 0.985-1.025x the state)
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(sys.path),
+            "MALLOC_MMAP_THRESHOLD_": "65536",
+        },
         check=False,
         timeout=600,
     )
@@ -1204,3 +1186,30 @@ def test_a_step_count_lost_between_steps_on_the_kept_table_is_refused() -> None:
         for name, value in opt.state[p].items():
             want = states[k][name]
             assert (value == want) if name == "step" else torch.equal(value, want), (k, name)
+
+
+def test_book_tables_are_the_books_own_tables_shared_by_content() -> None:
+    """cpu8bit.book_tables gives what code_bounds and code_table compute for that book,
+    the same tensors for an equal book (another tensor), other tables for another book,
+    and tells a book holding -0.0 from one holding +0.0 (equal as floats, not as bits)."""
+    from bitsandbytes import functional as F
+
+    from optladder.optimizers.kernels import cpu8bit
+
+    signed = F.create_dynamic_map(signed=True)
+    unsigned = F.create_dynamic_map(signed=False)
+    for book in (signed, unsigned):
+        edges, table = cpu8bit.book_tables(book)
+        want = cpu8bit.code_bounds(book)
+        assert torch.equal(edges.view(torch.int32), want.view(torch.int32))
+        assert torch.equal(table, cpu8bit.code_table(want))
+        again = cpu8bit.book_tables(book.clone())
+        assert again[0] is edges and again[1] is table
+    assert not torch.equal(cpu8bit.book_tables(signed)[1], cpu8bit.book_tables(unsigned)[1])
+    plus = torch.linspace(-1, 1, 256)
+    plus[128] = 0.0
+    minus = plus.clone()
+    minus[128] = -0.0
+    assert cpu8bit.book_tables(plus)[0] is not cpu8bit.book_tables(minus)[0]
+    with pytest.raises(ValueError, match=r"256 float32 values on the CPU, got torch\.float64"):
+        cpu8bit.book_tables(signed.double())

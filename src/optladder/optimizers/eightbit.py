@@ -975,8 +975,7 @@ def _code_bounds(engine: Any, qmap: torch.Tensor) -> tuple[torch.Tensor, torch.T
         None,
     )
     if bounds is None:
-        edges = cpu8bit.code_bounds(qmap)
-        bounds = (edges, cpu8bit.code_table(edges))
+        bounds = cpu8bit.book_tables(qmap)
         books.append((qmap.detach().clone(), bounds))
     cache[id(qmap)] = (qmap, qmap._version, bounds)
     return bounds

@@ -495,6 +495,35 @@ def _vector_tables(bounds: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, slot.to(torch.int16).view(torch.int32), c0.view(torch.int32)])
 
 
+def book_tables(qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`code_bounds` and :func:`code_table` of a code book, made once per process
+    for each distinct book (by its float32 bits; the last 16 kept) and shared: every
+    8bit optimizer steps bitsandbytes' same two dynamic maps, and building their tables
+    takes ~2 MiB of temporaries for a moment (so a first step would peak ~2 MiB over its
+    state whatever the model's size). Callers must not write to the returned tensors
+    (the kernel only reads them).
+
+    Args:
+        qmap: the code book, 256 float32 values in ascending order, on the CPU.
+
+    Returns:
+        ``(bounds, table)``: float32 of 256 elements and int32 of ``code_table``'s length.
+
+    Raises:
+        ValueError: as :func:`code_bounds` and :func:`code_table` raise (not cached).
+    """
+    if qmap.dtype != torch.float32 or qmap.shape != (256,) or qmap.device.type != "cpu":
+        code_bounds(qmap)  # raises its ValueError, naming the book's dtype, shape, device
+    return _book_tables(tuple(qmap.detach().view(torch.int32).tolist()))
+
+
+@functools.lru_cache(maxsize=16)
+def _book_tables(bits: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    qmap = torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+    edges = code_bounds(qmap)
+    return edges, code_table(edges)
+
+
 def _as_float(b: torch.Tensor) -> torch.Tensor:
     """float32 values of 32-bit patterns held in int64 (0 to 2**32 - 1)."""
     return torch.where(b >= 1 << 31, b - (1 << 32), b).to(torch.int32).view(torch.float32)
