@@ -878,6 +878,64 @@ def test_every_simd_level_the_cpu_has_writes_the_scalar_loops_bits(coupled: bool
         assert torch.equal(got[1].view(torch.int32), want_codes[1].view(torch.int32)), level
 
 
+@pytest.mark.parametrize(
+    "case", ["negative-nan", "negative-absmax2", "beta2-minus-zero", "signed-book2"]
+)
+def test_the_simd_path_writes_the_scalar_bits_where_exp_avg_sq_has_a_sign(case: str) -> None:
+    """The AVX-512 path encodes ``exp_avg_sq`` without its negative side's slots where
+    every value is >= +0 or a NaN (beta2, 1 - beta2 and the book's codes with the sign
+    bit clear, the block's absmax2 too): still the scalar loops' bits with grads whose
+    NaNs carry the sign bit (the x86 default NaN, e.g. of inf - inf), with blocks whose
+    absmax2 is negative (a state edited by hand), with beta2 = -0.0 and with a signed
+    book for ``exp_avg_sq`` (the last three take the general encode)."""
+    from optladder.optimizers.kernels import cpu8bit
+
+    if not cpu8bit.simd_available():
+        pytest.skip("no AVX-512 nor AVX2+FMA+F16C: the 8-bit kernel runs its scalar loops only")
+    q1, q2 = _books()
+    if case == "signed-book2":
+        q2 = q1
+    b1, b2 = cpu8bit.code_bounds(q1), cpu8bit.code_bounds(q2)
+    books = dict(bounds1=b1, bounds2=b2, qmap1=q1, qmap2=q2)
+    books.update(table1=cpu8bit.code_table(b1), table2=cpu8bit.code_table(b2))
+    n, blocks = 256 * 12, 12
+    runs = []
+    for simd in (False, True):
+        gen = torch.Generator().manual_seed(3)
+        g = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 8
+        neg_nan = torch.tensor(-0x400000, dtype=torch.int32).view(torch.float32)  # 0xFFC00000
+        g[256 + 2 : 512 : 37] = neg_nan  # in blocks 1 and 5 only: the others keep a finite
+        g[5 * 256 + 7] = neg_nan  # absmax2, whose codes a NaN would wipe out
+        g[3 * 256 : 4 * 256 : 11] = 0.0
+        g[3 * 256 + 5 : 4 * 256 : 13] = -0.0
+        g[7 * 256 + 9] = -float("inf")
+        absmax2 = torch.rand(blocks, generator=gen)
+        if case == "negative-absmax2":
+            absmax2[::2] = -absmax2[::2]
+        job = cpu8bit.Job(
+            param=torch.randn(n, generator=gen),
+            grad=g,
+            state1=torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
+            state2=torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8),
+            absmax1=torch.rand(blocks, generator=gen),
+            absmax2=absmax2,
+            step=2,
+            lr=1e-2,
+            betas=(0.9, -0.0 if case == "beta2-minus-zero" else 0.99),
+            eps=1e-8,
+            weight_decay=0.1,
+            **books,
+        )
+        bits = []
+        for _ in range(2):
+            cpu8bit.run_table(cpu8bit.prepare_table([job]), simd=simd)
+            bits += _state_bits([job])
+        runs.append(bits)
+    assert not bool(runs[0][4].view(torch.float32).isnan().all())  # absmax2 after step 1
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b), case
+
+
 def test_one_and_two_threads_write_the_same_bits() -> None:
     """A step split into several work items (a 300,000-element param: three items of up
     to 512 blocks) on one thread and on two, and ``quantize_blockwise`` under

@@ -602,9 +602,11 @@ static inline int ol8v_encoder(const int32_t *table, const float *bounds, ol8v_e
 
 /* First pass over 64 values of x: scaled by r and, if clamp, clamped (as ol8v_quantize;
    stored back into x), then c0 of each value's bucket into cb, in ol8v_decode64's byte
-   order. */
+   order. pos: every value of x is >= +0 or a NaN (of either sign; see ol8v_pos2), so the
+   negative side's slots are never needed: a -NaN's word, its sign kept, reads slot 31
+   (e & 31 of 0x1FF) and m7 >= 64, the quiet NaN's bucket, as the magnitude would. */
 OL8_AVX512_INLINE void ol8v_counts64(float *restrict x, __m512 r, const ol8v_encoder_t *enc,
-                                     uint8_t *restrict cb, int clamp) {
+                                     uint8_t *restrict cb, int clamp, int pos) {
     const __m512 lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f);
     /* word 2i + 1 of two zmm of floats: the top 16 bits of float i */
     const __m512i top_words = _mm512_set_epi16(
@@ -615,7 +617,7 @@ OL8_AVX512_INLINE void ol8v_counts64(float *restrict x, __m512 r, const ol8v_enc
     const __m512i key_hi = _mm512_add_epi8(key_lo, _mm512_set1_epi8(1));
     const __m512i mag = _mm512_set1_epi16(0x7FFF), m7 = _mm512_set1_epi16(0x7F);
     const __m512i e0 = _mm512_set1_epi16((short)enc->e0);
-    const __m512i pos = _mm512_load_si512(enc->slot), neg = _mm512_load_si512(enc->slot + 32);
+    const __m512i tpos = _mm512_load_si512(enc->slot), tneg = _mm512_load_si512(enc->slot + 32);
     const __m512i *c = (const __m512i *)enc->c0;
     __m512 X[4];
     for (int q = 0; q < 4; q++) {
@@ -629,10 +631,10 @@ OL8_AVX512_INLINE void ol8v_counts64(float *restrict x, __m512 r, const ol8v_enc
     for (int h = 0; h < 2; h++) {
         const __m512i W = _mm512_permutex2var_epi16(
             _mm512_castps_si512(X[2 * h]), top_words, _mm512_castps_si512(X[2 * h + 1]));
-        const __m512i Wm = _mm512_max_epu16(_mm512_and_si512(W, mag), e0);
+        const __m512i Wm = _mm512_max_epu16(pos ? W : _mm512_and_si512(W, mag), e0);
         const __m512i e = _mm512_srli_epi16(Wm, 7);  /* the permutes read e & 31 */
-        __m512i T = _mm512_permutexvar_epi16(e, pos);
-        T = _mm512_mask_permutexvar_epi16(T, _mm512_movepi16_mask(W), e, neg);
+        __m512i T = _mm512_permutexvar_epi16(e, tpos);
+        if (!pos) T = _mm512_mask_permutexvar_epi16(T, _mm512_movepi16_mask(W), e, tneg);
         K[h] = _mm512_add_epi16(T, _mm512_srlv_epi16(_mm512_and_si512(Wm, m7),
                                                      _mm512_srli_epi16(T, 9)));
     }
@@ -666,19 +668,27 @@ OL8_AVX512_INLINE void ol8v_codes64(const float *restrict x, const ol8v_encoder_
 
 /* ol8v_quantize with the encoder's tables: the same scaling, clamp and codes. Two passes
    of 64 values (c0, then the codes): one pass per 64 values ran slower (its chain of
-   permutes, each ~5 cycles, left the core idle). */
+   permutes, each ~5 cycles, left the core idle). pos: every value of x is >= +0 or a NaN
+   (ol8v_counts64). */
 OL8_AVX512_INLINE float ol8v_quantize64(float *restrict x, __m512i top,
-                                        const ol8v_encoder_t *enc, uint8_t *restrict out) {
+                                        const ol8v_encoder_t *enc, uint8_t *restrict out,
+                                        int pos) {
     const float absmax = ol8_u2f(_mm512_reduce_max_epu32(top));
     const __m512 r = _mm512_set1_ps(1.0f / (absmax > 1e-38f ? absmax : 1e-38f));
     uint8_t cb[OL8_BLOCK] __attribute__((aligned(64)));
     /* A finite absmax leaves no NaN or Inf, and |x * r| at most a float32 step over 1
        (r is 1 / absmax rounded): the clamp changes no count, as every midpoint lies in
        (-1, 1) (cpu8bit._vector_tables checks), and is left out (4% of the encode). */
-    if (absmax < __builtin_inff()) {
-        for (int i = 0; i < OL8_BLOCK; i += 64) ol8v_counts64(x + i, r, enc, cb + i, 0);
+    if (pos) {
+        if (absmax < __builtin_inff()) {
+            for (int i = 0; i < OL8_BLOCK; i += 64) ol8v_counts64(x + i, r, enc, cb + i, 0, 1);
+        } else {
+            for (int i = 0; i < OL8_BLOCK; i += 64) ol8v_counts64(x + i, r, enc, cb + i, 1, 1);
+        }
+    } else if (absmax < __builtin_inff()) {
+        for (int i = 0; i < OL8_BLOCK; i += 64) ol8v_counts64(x + i, r, enc, cb + i, 0, 0);
     } else {
-        for (int i = 0; i < OL8_BLOCK; i += 64) ol8v_counts64(x + i, r, enc, cb + i, 1);
+        for (int i = 0; i < OL8_BLOCK; i += 64) ol8v_counts64(x + i, r, enc, cb + i, 1, 0);
     }
     for (int i = 0; i < OL8_BLOCK; i += 64) ol8v_codes64(x + i, enc, cb + i, out + i);
     return absmax;
@@ -690,11 +700,13 @@ OL8_AVX512_INLINE __m512i ol8v_abs_bits(__m512 x) {
 
 /* ol8_block_q of a whole block b, on 16 lanes, 64 elements at a time (the decode's
    width); pl1, pl2: the byte planes of qmap1 and qmap2; e1, e2: the encoders of the two
-   books (ol8v_quantize64), or NULL (ol8v_quantize, the start table's encode). */
+   books (ol8v_quantize64), or NULL (ol8v_quantize, the start table's encode); pos2:
+   see ol8v_pos2 (with this block's absmax2 >= +0, every exp_avg_sq value is >= +0 or a
+   NaN). */
 OL8_AVX512_INLINE void ol8v_block_q(
         const ol8_param_t *P, const ol8v_planes_t *pl1, const ol8v_planes_t *pl2,
         const ol8v_encoder_t *e1, const ol8v_encoder_t *e2, int64_t b, int pd, int gd,
-        int coupled, int decoupled) {
+        int coupled, int decoupled, int pos2) {
     const int64_t lo = b * OL8_BLOCK;
     uint8_t *restrict c1 = (uint8_t *)P->state1 + lo;
     uint8_t *restrict c2 = (uint8_t *)P->state2 + lo;
@@ -732,8 +744,23 @@ OL8_AVX512_INLINE void ol8v_block_q(
             top2 = _mm512_max_epu32(top2, ol8v_abs_bits(vi));
         }
     }
-    P->absmax1[b] = e1 ? ol8v_quantize64(m, top1, e1, c1) : ol8v_quantize(m, top1, P->table1, c1);
-    P->absmax2[b] = e2 ? ol8v_quantize64(v, top2, e2, c2) : ol8v_quantize(v, top2, P->table2, c2);
+    pos2 = pos2 && !(ol8_f2u(P->absmax2[b]) >> 31);
+    P->absmax1[b] = e1 ? ol8v_quantize64(m, top1, e1, c1, 0)
+                       : ol8v_quantize(m, top1, P->table1, c1);
+    P->absmax2[b] = e2 ? ol8v_quantize64(v, top2, e2, c2, pos2)
+                       : ol8v_quantize(v, top2, P->table2, c2);
+}
+
+/* Whether exp_avg_sq is >= +0 or a NaN after every update of this call, where a block's
+   absmax2 has its sign bit clear: beta2, 1 - beta2 and every code of qmap2 with the sign
+   bit clear. Then b2 * (q * absmax2) is >= +0 or NaN, (omb2 * g) * g has the sign of omb2
+   (g's sign twice) or is NaN, and their sum (fma) is >= +0 or NaN: no -0.0, no negative
+   value, in any rounding mode. */
+static inline int ol8v_pos2(const ol8_param_t *P) {
+    if ((ol8_f2u(P->beta2) | ol8_f2u(P->one_minus_beta2)) >> 31) return 0;
+    for (int i = 0; i < 256; i++)
+        if (ol8_f2u(P->qmap2[i]) >> 31) return 0;
+    return 1;
 }
 
 
@@ -753,10 +780,11 @@ OL8_AVX512_INLINE void ol8v_blocks_wd(
     ol8v_encoder_t enc1, enc2;
     const ol8v_encoder_t *e1 = ol8v_encoder(P->table1, P->bounds1, &enc1) ? &enc1 : NULL;
     const ol8v_encoder_t *e2 = ol8v_encoder(P->table2, P->bounds2, &enc2) ? &enc2 : NULL;
+    const int pos2 = ol8v_pos2(P);
     for (int64_t b = first; b < end; b++) {
         ol8_prefetch(P, b + OL8V_PREFETCH_BLOCKS, pd, gd);
         if ((b + 1) * OL8_BLOCK <= P->numel)
-            ol8v_block_q(P, &pl1, &pl2, e1, e2, b, pd, gd, coupled, decoupled);
+            ol8v_block_q(P, &pl1, &pl2, e1, e2, b, pd, gd, coupled, decoupled, pos2);
         else ol8v_partial_block(P, b);
     }
 }
@@ -789,7 +817,7 @@ OL8_AVX512 __attribute__((noinline)) static float ol8v_quantize_block(
         _mm512_store_ps(x + i, v);
         top = _mm512_max_epu32(top, ol8v_abs_bits(v));
     }
-    return enc ? ol8v_quantize64(x, top, enc, out) : ol8v_quantize(x, top, table, out);
+    return enc ? ol8v_quantize64(x, top, enc, out, 0) : ol8v_quantize(x, top, table, out);
 }
 #else
 static int ol8_avx512_ok(void) { return 0; }
