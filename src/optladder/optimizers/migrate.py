@@ -560,7 +560,8 @@ def _split_state(
         for name in _MOMENTS:
             new[name], lows[name] = _split_moment(state[name], p.shape)
             state[name] = new[name]  # the float32 moment is freed here
-    except BaseException:
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # the failed split's halves go first
         try:
             _unsplit_state(state, lows)
         except BaseException:
