@@ -554,3 +554,34 @@ def test_a_run_resumed_with_another_seed_escalates_as_the_uninterrupted_run() ->
         torch.equal(a, b)
         for a, b in zip(resumed.parameters(), uninterrupted(0).parameters(), strict=True)
     )
+
+
+@pytest.mark.parametrize("rung", RUNGS)
+def test_a_checkpoint_whose_moments_require_grad_loads_as_plain_state(rung: str) -> None:
+    """Moments saved with ``requires_grad=True`` (state made by hand, or by code that
+    tracked it) were cloned with their autograd history: the state held tensors that
+    are not graph leaves, so ``copy.deepcopy(opt.state_dict())`` raised ('Only Tensors
+    created explicitly by the user ... support the deepcopy protocol'), where torch's
+    AdamW takes the same checkpoint. They load as the same checkpoint without the flag."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 80)
+    p = nn.Parameter(w.clone())
+    source = torch.optim.AdamW([p], lr=1e-2)
+    p.grad = torch.randn_like(p)
+    source.step()
+    plain = copy.deepcopy(source.state_dict())
+    tracked = copy.deepcopy(plain)
+    for name in ("exp_avg", "exp_avg_sq"):
+        tracked["state"][0][name].requires_grad_()
+    loaded = []
+    for saved in (plain, tracked):
+        q = nn.Parameter(w.clone())
+        opt = choose_optimizer([q], lr=1e-2, rung=rung, free_memory="1GiB")
+        opt.load_state_dict(saved)
+        loaded.append(snapshot(opt))  # deep-copies the state dict
+        assert not any(
+            t.requires_grad
+            for t in unwrap_bnb_state(opt.state[q]).values()
+            if isinstance(t, torch.Tensor)
+        )
+    assert_same(loaded[1], loaded[0])

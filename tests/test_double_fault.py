@@ -10,14 +10,18 @@ back, or its state lost), and the error must not call the state exact when it is
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memtools import FailNthAllocation, _fresh_results
-from optladder import OptimizerOutOfMemoryError
+from optladder import OptimizerOutOfMemoryError, choose_optimizer
+from optladder.optimizers import migrate
 from runs import trained
 from snapshots import flat_state
 
@@ -255,3 +259,56 @@ def test_ctrl_c_during_add_param_group_adds_the_group_whole(pin: str | None) -> 
         opt.step()
         runs.append(snapshot(opt))
     assert_same(runs[0], runs[1])
+
+
+class _FailNthClone(TorchDispatchMode):
+    """Raise ``torch.OutOfMemoryError`` instead of the ``n``-th ``aten.clone``; keep a
+    weak reference to every clone made before it."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.made: list[weakref.ref[torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten.clone.default:
+            if len(self.made) + 1 == self.n:
+                raise torch.OutOfMemoryError("injected: the second moment's low half")
+            out = func(*args, **(kwargs or {}))
+            self.made.append(weakref.ref(out))
+            return out
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_failed_split_frees_its_half_before_the_first_moment_is_joined_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp32 -> bf16 splits each float32 moment into two new halves (exp_avg's, then
+    exp_avg_sq's). When exp_avg_sq's second half could not be allocated, its first half
+    (2 bytes an element) stayed alive in the failed frame, held by the exception being
+    handled, while exp_avg was joined back (4 bytes an element): the way back needed more
+    memory than the move had taken, and under a real cap (RLIMIT_AS) it ran out too and
+    the param lost its state. The half is gone before the join, and the state is back
+    bit for bit."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = choose_optimizer([p], lr=1e-2, free_memory="64GiB")
+    for _ in range(2):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    assert opt.rung == "fp32"
+    before = _copy(opt.state[p])
+    alive_at_join: list[bool] = []
+    join = migrate._join_moment
+    fault = _FailNthClone(4)  # the clones: exp_avg's high and low, exp_avg_sq's high, low
+
+    def watched_join(value: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        gc.collect()
+        alive_at_join.append(fault.made[2]() is not None)  # exp_avg_sq's high half
+        return join(value, low)
+
+    monkeypatch.setattr(migrate, "_join_moment", watched_join)
+    with pytest.raises(OptimizerOutOfMemoryError, match="exactly as before"), fault:
+        opt.escalate("injected")
+    assert len(fault.made) == 3 and alive_at_join == [False]
+    assert opt.rung == "fp32" and _same(_copy(opt.state[p]), before)

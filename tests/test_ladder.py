@@ -788,3 +788,38 @@ def test_migrate_to_reads_a_rung_as_choose_optimizer_does() -> None:
     with pytest.raises(ValueError, match=r"rung='int4' is not a rung; accepted values: fp32"):
         opt.migrate_to("int4", "test")
     assert opt.rung == "bf16"
+
+
+@pytest.mark.parametrize("margin_mib", [0, 4, 8])
+def test_a_real_oom_at_a_transposed_params_step_is_rolled_back_not_partial(
+    margin_mib: int,
+) -> None:
+    """A transposed float32 param on the fp32 rung, a step under a real address-space
+    cap (RLIMIT_AS, in a child: tests/rlimit_commit_child.py) with less room than the
+    param's 16,000,000 bytes. torch's CPU fused AdamW copies a param that is not
+    contiguous inside its kernel, so the cap was met in the commit: PartialStepError,
+    the step neither retried nor taken whole. The kernel gets contiguous views of the
+    param, its grad and moments in memory order (nothing to copy), so the step either
+    runs (on some rung) or raises before anything is written, with the param and its
+    state bit for bit as before."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    child = os.path.join(os.path.dirname(__file__), "rlimit_commit_child.py")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # big frees go back to the OS
+    for name in ("OPTLADDER_RUNG", "OPTLADDER_BF16_ADAM", "OPTLADDER_8BIT_ADAM"):
+        env.pop(name, None)
+    proc = subprocess.run(
+        [sys.executable, child, str(margin_mib)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if out["error"] is not None:
+        assert out["error"][0] != "PartialStepError", out
+        assert "memory" in out["error"][1] and out["unchanged"], out

@@ -31,6 +31,7 @@ Llama-2-7B (hidden 4,096, intermediate 11,008, 32 layers, vocab 32,000, untied):
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import textwrap
@@ -388,6 +389,49 @@ def test_bad_config_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
             capsys, "--model-config", str(tmp_path / name), "--free-memory", "1GiB"
         )
         assert code == 2 and f"--model-config='{tmp_path / name}'" in err and words in err, err
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [({"n_embd": 0}, "cannot build"), ({"n_layer": "12"}, "cannot read it")],
+)
+def test_a_config_transformers_fails_on_exits_2_naming_it(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, edit: dict[str, object], words: str
+) -> None:
+    """A config.json edited by hand (a width of 0, a layer count as a string) made
+    transformers raise what plan did not catch (ZeroDivisionError, huggingface_hub's
+    StrictDataclassFieldValidationError): a traceback and exit status 1, which the plan's
+    contract reads as 'the rung does not fit'. Bad input is 2, naming the option."""
+    config = json.loads((shipped_configs()["gpt2"]).read_text())
+    config.update(edit)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, _, err = plan_cli(capsys, "--model-config", str(path), "--free-memory", "80GiB")
+    assert code == 2, err
+    assert f"--model-config={str(path)!r}" in err and words in err, err
+    assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
+def test_a_config_whose_dtype_is_auto_plans_float32_params(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, key: str
+) -> None:
+    """'auto' names no dtype (config_dtype's rule, and plan's note says so), but
+    transformers' AutoConfig failed on it ('module torch has no attribute auto'), so such
+    a config could not be planned at all. It plans GPT-2's params as float32."""
+    config = json.loads((shipped_configs()["gpt2"]).read_text())
+    config.pop("torch_dtype", None)
+    config.pop("dtype", None)
+    config[key] = "auto"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, err = plan_cli(
+        capsys, "--model-config", str(path), "--free-memory", "80GiB", *NO_PROACTIVE
+    )
+    assert code == 0, err
+    assert f"{GPT2['params']:,} trainable params" in out and "(float32)" in out, out
+    for rung in ("fp32", "bf16", "8bit"):
+        assert cell_bytes(row(out, rung)[1]) == GPT2[rung]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present here")

@@ -321,6 +321,45 @@ def test_a_group_option_no_rung_keeps_says_what_is_allowed(
     assert f"{flag}=False or leave it out" in message and instead in message, message
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "owner"),
+    [("nesterov", True, "SGD"), ("momentum_decay", 4e-3, "NAdam"), ("lr_decay", 0.0, "Adagrad")],
+)
+@pytest.mark.parametrize("where", ["construction", "add_param_group", "edited before a step"])
+def test_another_optimizers_group_key_is_refused_where_the_group_comes_in(
+    key: str, value: object, owner: str, where: str
+) -> None:
+    """A group holding another optimizer's key (SGD's nesterov, NAdam's momentum_decay)
+    was taken and ignored, and the optimizer's own state_dict then failed to load ('it
+    has the key ..., which torch.optim.SGD writes'): the run could not resume. It is
+    refused where it comes in, naming the group, the key, its value and its owner, and
+    nothing changes."""
+    a, b = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8))
+    if where == "construction":
+        with pytest.raises(ValueError) as info:
+            choose_optimizer([{"params": [a]}, {"params": [b], key: value}], free_memory=GiB)
+        group = 1
+    else:
+        opt = choose_optimizer([a], free_memory=GiB)
+        _grads([a], 0)
+        opt.step()
+        before = snapshot(opt)
+        with pytest.raises(ValueError) as info:
+            if where == "add_param_group":
+                opt.add_param_group({"params": [b], key: value})
+            else:
+                opt.param_groups[0][key] = value
+                opt.step()
+        if where != "add_param_group":
+            del opt.param_groups[0][key]
+        assert_same(snapshot(opt), before)
+        group = 1 if where == "add_param_group" else 0
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its own checkpoint loads
+    message = str(info.value)
+    assert f"group {group}" in message and f"{key}={value!r}" in message, message
+    assert f"torch.optim.{owner}" in message and "remove it" in message, message
+
+
 # ---------------------------------------------------------------- 8bit and non-contiguous
 
 

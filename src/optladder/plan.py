@@ -225,7 +225,9 @@ def model_from_config(path: Path) -> tuple[torch.nn.Module, str]:
 
     Uses ``AutoConfig`` and ``AutoModelForCausalLM.from_config`` (``AutoModel`` for
     architectures without a causal-LM head) under ``torch.device("meta")``: no weights
-    are allocated and nothing is downloaded.
+    are allocated and nothing is downloaded. A ``dtype``/``torch_dtype`` of ``"auto"``
+    names no dtype (:func:`config_dtype`) and is left out of the config transformers
+    reads, which would take it for a torch dtype.
 
     Args:
         path: the config.json file.
@@ -236,7 +238,8 @@ def model_from_config(path: Path) -> tuple[torch.nn.Module, str]:
     Raises:
         ImportError: if transformers is not installed.
         PlanError: if the file is not a JSON object with a ``model_type`` transformers
-            knows, or no model can be built from it.
+            knows, or transformers cannot read it or build a model from it (whatever it
+            raises on the values: a width of 0, a count given as a string).
     """
     try:
         raw = json.loads(path.read_text())
@@ -255,20 +258,25 @@ def model_from_config(path: Path) -> tuple[torch.nn.Module, str]:
             "optladder's plan extra installs) "
             f"({type(exc).__name__}: {exc})"
         ) from exc
+    auto = [key for key in CONFIG_DTYPE_KEYS if raw.get(key) == "auto"]
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path))
-    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:
+        if auto:  # "auto" names no dtype (config_dtype), but transformers takes it for one
+            kept = {k: v for k, v in raw.items() if k not in auto}
+            config = transformers.CONFIG_MAPPING[raw["model_type"]].from_dict(kept)
+        else:
+            config = transformers.AutoConfig.from_pretrained(str(path))
+    except Exception as exc:  # the user's file: whatever transformers raises on it
         raise PlanError(
             f"--model-config={str(path)!r}: transformers {transformers.__version__} cannot read "
             f"it ({type(exc).__name__}: {exc})"
         ) from exc
     errors = []
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+    for auto_class in (transformers.AutoModelForCausalLM, transformers.AutoModel):
         try:
             with torch.device("meta"):
-                model = auto.from_config(config)
-        except (ValueError, KeyError, TypeError, AttributeError, ImportError, RuntimeError) as exc:
-            errors.append(f"{auto.__name__}: {type(exc).__name__}: {exc}")
+                model = auto_class.from_config(config)
+        except Exception as exc:  # the user's config: whatever building from it raises
+            errors.append(f"{auto_class.__name__}: {type(exc).__name__}: {exc}")
             continue
         return model, type(model).__name__
     raise PlanError(

@@ -148,6 +148,24 @@ def _tensor_hint(value: object) -> str:
 UNSUPPORTED_GROUP_FLAGS = ("amsgrad", "maximize", "differentiable")
 """torch AdamW options no rung keeps: a group may hold them only as False."""
 
+FOREIGN_GROUP_KEYS: dict[str, str] = {
+    "momentum_decay": "torch.optim.NAdam",
+    "lr_decay": "torch.optim.Adagrad",
+    "initial_accumulator_value": "torch.optim.Adagrad",
+    "rho": "torch.optim.Adadelta",
+    "etas": "torch.optim.Rprop",
+    "step_sizes": "torch.optim.Rprop",
+    "lambd": "torch.optim.ASGD",
+    "t0": "torch.optim.ASGD",
+    "nesterov": "torch.optim.SGD",
+    "dampening": "torch.optim.SGD",
+    "centered": "torch.optim.RMSprop",
+    "beta2_decay": "torch.optim.Adafactor",
+}
+"""Param-group keys that only other optimizers write (torch 2.13's group defaults), and
+which optimizer: a checkpoint with them holds another update rule, and a group given
+with one would have it ignored (refused where a group comes in)."""
+
 _GROUP_FLAG_INSTEAD = {
     "amsgrad": "no rung keeps max_exp_avg_sq; use torch.optim.AdamW(amsgrad=True) for it",
     "maximize": "negate the objective instead: loss = -objective gives the same update",
@@ -158,9 +176,9 @@ _GROUP_FLAG_INSTEAD = {
 def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
     """:func:`validate_hyperparams` on the values a param group sets, and its options:
     ``seed``, ``rounding`` and ``param_rounding`` (exactly ``"stochastic"`` or
-    ``"nearest"``) where set, and
-    :data:`UNSUPPORTED_GROUP_FLAGS` only False. A key the group leaves out takes the
-    optimizer's default, which is checked where it is given.
+    ``"nearest"``) where set, :data:`UNSUPPORTED_GROUP_FLAGS` only False, and no key of
+    :data:`FOREIGN_GROUP_KEYS` (another optimizer's option). A key the group leaves out
+    takes the optimizer's default, which is checked where it is given.
 
     Called wherever a group's values can come in: construction, ``add_param_group``,
     checkpoint loads, and before every step (a group dict edited by hand).
@@ -174,6 +192,13 @@ def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
         group.get("eps", 0.0),
         group.get("weight_decay", 0.0),
     )
+    for key, owner in FOREIGN_GROUP_KEYS.items():
+        if key in group:
+            raise ValueError(
+                f"{key}={group[key]!r} is an option of {owner}, which AdamW has not: it would "
+                "be ignored, and this optimizer's checkpoints refused as another "
+                "optimizer's; remove it from the group"
+            )
     for flag in UNSUPPORTED_GROUP_FLAGS:
         if group.get(flag):
             raise ValueError(

@@ -227,6 +227,32 @@ def _param_name(
     return f"param {pi} of {where or f'group {gi}'}"
 
 
+def memory_order(p: torch.Tensor) -> list[int]:
+    """The dims of dense ``p`` from the largest stride to the smallest (size-1 dims where
+    they are): ``p.permute(memory_order(p))`` is a contiguous view of the same memory."""
+    strides = p.stride()
+    return sorted(range(p.dim()), key=lambda d: (-strides[d], d))
+
+
+def strided_in_place(params: Sequence[torch.Tensor]) -> list[int]:
+    """The places in ``params`` of CPU params that are dense but not contiguous (a
+    transposed or ``channels_last`` weight, stepped in place, not through a copy).
+    torch's CPU fused kernel copies such a tensor to contiguous memory inside its call,
+    in the commit, where an out-of-memory error can no longer be rolled back;
+    :func:`group_call` hands it contiguous views of the param, its grad and its moments
+    (all laid out alike, :func:`laid_out_like`) in their memory order instead, which
+    pair the same elements at the same places in memory and allocate nothing."""
+    return [
+        i
+        for i, p in enumerate(params)
+        if p.device.type == "cpu"
+        and type(p) in PLAIN_TYPES
+        and not p.is_contiguous()
+        and not steps_through_copy(p)
+        and p.numel() > 0
+    ]
+
+
 def numbers_only(group: Mapping[str, Any]) -> bool:
     """Whether ``group``'s hyperparameters (``lr``, ``betas``, ``weight_decay``, ``eps``)
     are Python numbers or numpy float64 scalars, as the direct kernel call takes them."""
@@ -297,11 +323,17 @@ def group_call(
         if not g.is_contiguous():
             grads[i] = torch.empty(g.shape, dtype=g.dtype, device=g.device)
             fills.append((grads[i], g))
+    exp_avgs = list(map(_EXP_AVG, states))
+    exp_avg_sqs = list(map(_EXP_AVG_SQ, states))
+    for i in strided_in_place(params):  # contiguous views in memory order (see below)
+        order = memory_order(params[i])
+        for tensors in (params, grads, exp_avgs, exp_avg_sqs):
+            tensors[i] = tensors[i].permute(order)
     lists: tuple[list[torch.Tensor], ...] = (
         params,
         grads,
-        list(map(_EXP_AVG, states)),
-        list(map(_EXP_AVG_SQ, states)),
+        exp_avgs,
+        exp_avg_sqs,
         [],  # max_exp_avg_sq: no rung keeps it (amsgrad is refused)
         list(map(_STEP, states)),
     )

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from optladder.bnb_overrides import quantized_8bit
-from optladder.optimizers.adamw import LadderAdamW, is_8bit_group
+from optladder.optimizers.adamw import FOREIGN_GROUP_KEYS, LadderAdamW, is_8bit_group
 from optladder.optimizers.codebooks import check_8bit_codes, check_values
 from optladder.optimizers.steps import BF16_MAX_STEP, BNB_CUDA_MAX_STEP, MAX_STEP, STEP_DTYPE
 from optladder.optimizers.torchroute import state_moment_dtype, torch_steps
@@ -560,7 +560,8 @@ def _split_state(
         for name in _MOMENTS:
             new[name], lows[name] = _split_moment(state[name], p.shape)
             state[name] = new[name]  # the float32 moment is freed here
-    except BaseException:
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # the failed split's halves go first
         try:
             _unsplit_state(state, lows)
         except BaseException:
@@ -734,23 +735,6 @@ class MigrationRoundedError(torch.OutOfMemoryError):
         self.rounded = rounded
         self.lost = lost or []
 
-
-FOREIGN_GROUP_KEYS: dict[str, str] = {
-    "momentum_decay": "torch.optim.NAdam",
-    "lr_decay": "torch.optim.Adagrad",
-    "initial_accumulator_value": "torch.optim.Adagrad",
-    "rho": "torch.optim.Adadelta",
-    "etas": "torch.optim.Rprop",
-    "step_sizes": "torch.optim.Rprop",
-    "lambd": "torch.optim.ASGD",
-    "t0": "torch.optim.ASGD",
-    "nesterov": "torch.optim.SGD",
-    "dampening": "torch.optim.SGD",
-    "centered": "torch.optim.RMSprop",
-    "beta2_decay": "torch.optim.Adafactor",
-}
-"""Param-group keys that only other optimizers write (torch 2.13's group defaults), and
-which optimizer: a checkpoint with them holds another update rule."""
 
 ADAM_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
 """Per-param state keys of the Adam layout (torch's Adam/AdamW, LadderAdamW)."""

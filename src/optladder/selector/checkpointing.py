@@ -207,6 +207,7 @@ def load(opt: LadderOptimizer, state_dict: dict[str, Any]) -> None:
             continue
         st = saved_state[key]
         _check_containers(st, f"param {pi}")
+        st = _detached(st)
         group = live_groups_of[pi]
         st = _one_form(st, _live_form(state_target(opt, group, p), p), f"param {pi}")
         if st:
@@ -281,6 +282,18 @@ def _check_containers(state: object, where: str) -> None:
             f"{where}: its state's {BNB_WRAPPED_KEY!r} must be a dict of tensors, as "
             f"bitsandbytes' state_dict() wraps them, got {type(wrapped).__name__}"
         )
+
+
+def _detached(state: dict[Any, Any]) -> dict[Any, Any]:
+    """One param's saved state (a dict, bitsandbytes' wrapped tensors under a dict) with
+    every tensor detached from autograd: views of the same memory, so nothing is copied
+    here. Moments saved with ``requires_grad=True`` were otherwise copied with their
+    history into the live state, which then held tensors that are not graph leaves (and
+    that ``copy.deepcopy`` refuses)."""
+    return {
+        k: v.detach() if isinstance(v, torch.Tensor) else _detached(v) if isinstance(v, dict) else v
+        for k, v in state.items()
+    }
 
 
 _ADAM_KEYS = frozenset({"exp_avg", "exp_avg_sq"})
