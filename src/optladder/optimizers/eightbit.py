@@ -182,7 +182,6 @@ class EightBitGroups:
     _prepared: _PreparedStep | None
     _kernel_plan: _KernelPlan | None
     _bounds: dict[int, tuple[torch.Tensor, int, Any]]
-    _books: list[tuple[torch.Tensor, Any]]
     _contiguous: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor | None]]
 
     optimizer_name = "adam"  # bitsandbytes' update op's name for Adam and AdamW
@@ -278,7 +277,6 @@ class EightBitGroups:
         self._prepared = None
         self._kernel_plan = None  # the table kept between steps
         self._bounds = {}
-        self._books = []
         # non-contiguous param -> (contiguous copy, contiguous grad or None), made in
         # prepare_contiguous and dropped after the step or by release_scratch
         self._contiguous = {}
@@ -954,9 +952,9 @@ class _KernelPlan:
 
 def _code_bounds(engine: Any, qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~optladder.optimizers.kernels.cpu8bit.code_bounds` and ``code_table`` of
-    ``qmap``, cached on
-    the engine: by tensor identity and version, and by content (a loaded checkpoint gives
-    each param its own copy of the same two books; they share one table each)."""
+    ``qmap``: :func:`~optladder.optimizers.kernels.cpu8bit.book_tables` (shared by
+    content: a loaded checkpoint gives each param its own copy of the same two books),
+    looked up once per book tensor, cached on the engine by identity and version."""
     from optladder.optimizers.kernels import cpu8bit
 
     cache: dict[int, tuple[torch.Tensor, int, tuple[torch.Tensor, torch.Tensor]]]
@@ -964,19 +962,7 @@ def _code_bounds(engine: Any, qmap: torch.Tensor) -> tuple[torch.Tensor, torch.T
     hit = cache.get(id(qmap))
     if hit is not None and hit[0] is qmap and hit[1] == qmap._version:
         return hit[2]
-    books: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = engine._books
-    bounds = next(
-        (
-            b
-            for book, b in books
-            if (book.dtype, book.shape, book.device) == (qmap.dtype, qmap.shape, qmap.device)
-            and torch.equal(book, qmap)
-        ),
-        None,
-    )
-    if bounds is None:
-        bounds = cpu8bit.book_tables(qmap)
-        books.append((qmap.detach().clone(), bounds))
+    bounds = cpu8bit.book_tables(qmap)
     cache[id(qmap)] = (qmap, qmap._version, bounds)
     return bounds
 
