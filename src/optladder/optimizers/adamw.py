@@ -166,6 +166,16 @@ FOREIGN_GROUP_KEYS: dict[str, str] = {
 which optimizer: a checkpoint with them holds another update rule, and a group given
 with one would have it ignored (refused where a group comes in)."""
 
+
+def foreign_group_key(group: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first key of ``group`` in :data:`FOREIGN_GROUP_KEYS` and the optimizer that
+    writes it, or None."""
+    for key, owner in FOREIGN_GROUP_KEYS.items():
+        if key in group:
+            return key, owner
+    return None
+
+
 _GROUP_FLAG_INSTEAD = {
     "amsgrad": "no rung keeps max_exp_avg_sq; use torch.optim.AdamW(amsgrad=True) for it",
     "maximize": "negate the objective instead: loss = -objective gives the same update",
@@ -192,13 +202,13 @@ def validate_group_hyperparams(group: Mapping[str, Any]) -> None:
         group.get("eps", 0.0),
         group.get("weight_decay", 0.0),
     )
-    for key, owner in FOREIGN_GROUP_KEYS.items():
-        if key in group:
-            raise ValueError(
-                f"{key}={group[key]!r} is an option of {owner}, which AdamW has not: it would "
-                "be ignored, and this optimizer's checkpoints refused as another "
-                "optimizer's; remove it from the group"
-            )
+    if (foreign := foreign_group_key(group)) is not None:
+        key, owner = foreign
+        raise ValueError(
+            f"{key}={group[key]!r} is an option of {owner}, which AdamW has not: it would "
+            "be ignored, and this optimizer's checkpoints refused as another "
+            "optimizer's; remove it from the group"
+        )
     for flag in UNSUPPORTED_GROUP_FLAGS:
         if group.get(flag):
             raise ValueError(

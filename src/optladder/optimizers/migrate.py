@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from optladder.bnb_overrides import quantized_8bit
-from optladder.optimizers.adamw import FOREIGN_GROUP_KEYS, LadderAdamW, is_8bit_group
+from optladder.optimizers.adamw import LadderAdamW, foreign_group_key, is_8bit_group
 from optladder.optimizers.codebooks import check_8bit_codes, check_values
 from optladder.optimizers.steps import BF16_MAX_STEP, BNB_CUDA_MAX_STEP, MAX_STEP, STEP_DTYPE
 from optladder.optimizers.torchroute import state_moment_dtype, torch_steps
@@ -755,13 +755,13 @@ def foreign_group_reason(group: Mapping[str, Any]) -> str | None:
     Adamax write ``capturable`` only. optladder's groups (LadderAdamW, bitsandbytes)
     write neither.
     """
-    for key, owner in FOREIGN_GROUP_KEYS.items():
-        if key in group:
-            return (
-                f"it has the key {key!r}, which {owner} writes: its update is not AdamW's, "
-                "so its state cannot be carried; optladder loads checkpoints of torch's "
-                "Adam/AdamW, LadderAdamW and bitsandbytes' AdamW8bit"
-            )
+    if (foreign := foreign_group_key(group)) is not None:
+        key, owner = foreign
+        return (
+            f"it has the key {key!r}, which {owner} writes: its update is not AdamW's, "
+            "so its state cannot be carried; optladder loads checkpoints of torch's "
+            "Adam/AdamW, LadderAdamW and bitsandbytes' AdamW8bit"
+        )
     if "capturable" in group and "amsgrad" not in group:
         return (
             "it has torch's 'capturable' key but no 'amsgrad', as torch.optim.RAdam, NAdam "
